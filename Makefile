@@ -1,0 +1,43 @@
+# tritonllm: `make train` trains void_tiny on the embedded corpus, `make test` runs the CPU suite.
+# Each target creates its own virtual environment (.venv) and installs what it needs.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build of PyTorch for the test and train environments; override on a CUDA machine,
+# e.g. `make train TORCH_SPEC=torch`.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: train test test-gpu bench bench-train install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,sweep]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Trains void_tiny on the corpus built from the Python standard library, checkpoints it and
+# prints a generated sample; on a machine without a GPU the kernels run in Triton's interpreter.
+train: $(STAMP)
+	$(PY) -m tritonllm.train +model=void_tiny experiment=cpu_smoke
+
+# CPU suite (Triton interpreter, small shapes): under 15 minutes on 2 cores.
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The same tests on CUDA, adding bfloat16 and the large shapes marked `gpu`.
+# Uses the Python that has CUDA PyTorch: `make test-gpu PY=python3` on a prepared machine.
+test-gpu:
+	$(PY) -m pytest -q -x tests
+
+bench:
+	$(PY) -m tritonllm.bench kernels
+
+bench-train:
+	$(PY) -m tritonllm.bench train +model=void125m
+
+clean:
+	rm -rf $(VENV) build *.egg-info outputs multirun

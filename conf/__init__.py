@@ -1,0 +1,1 @@
+"""Hydra configs shipped with tritonllm (train.yaml and its groups)."""

@@ -1,0 +1,61 @@
+"""Reference-comparison helpers used by every kernel test.
+
+Tolerance rule (DESIGN.md section 5, from flash-attention's tests): the kernel's error against a
+float64 reference may be at most twice PyTorch's own error in the same dtype, plus a small
+absolute term scaled by the reference's magnitude.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import DEVICE, DTYPES, ON_GPU  # noqa: F401  (re-exported for tests)
+
+#: absolute slack per dtype, relative to max(1, max|ref|)
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def assert_close(name: str, out: torch.Tensor, ref64: torch.Tensor, same: torch.Tensor | None = None,
+                 atol: float | None = None, dtype: torch.dtype | None = None) -> None:
+    """Check ``out`` against the float64 reference ``ref64``.
+
+    ``same`` is PyTorch's result computed in the kernel's dtype; when given the allowed error is
+    ``2 * max|same - ref64| + atol``, else ``atol``. NaN or inf anywhere fails.
+    """
+    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}"
+    out64 = out.detach().to(torch.float64).cpu()
+    ref64 = ref64.detach().to(torch.float64).cpu()
+    assert torch.isfinite(out64).all(), f"{name}: {(~torch.isfinite(out64)).sum().item()} non-finite values"
+    dtype = dtype or out.dtype
+    scale = max(1.0, ref64.abs().max().item()) if ref64.numel() else 1.0
+    tol = (ATOL[dtype] if atol is None else atol) * scale
+    if same is not None:
+        tol += 2 * (same.detach().to(torch.float64).cpu() - ref64).abs().max().item()
+    err = (out64 - ref64).abs().max().item() if ref64.numel() else 0.0
+    assert err <= tol, f"{name}: max abs error {err:.3e} > tolerance {tol:.3e} ({dtype_id(dtype)})"
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (or the int max) so that an element a kernel never writes fails the check."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def randn(*shape, dtype=torch.float32, device=DEVICE, scale=1.0, requires_grad=False) -> torch.Tensor:
+    """Fresh standard-normal data (never zeros) in ``dtype``."""
+    t = (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values as ``t`` in a view whose rows are strided (every other row of a bigger buffer)."""
+    big = torch.empty((t.shape[0] * 2,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    poison_(big)
+    big[::2] = t.detach()
+    view = big[::2]
+    return view.requires_grad_(t.requires_grad) if view.is_leaf else view

@@ -1,0 +1,42 @@
+"""Shared fixtures: the device tests run on and the dtypes checked there.
+
+Without a CUDA device the kernels run through Triton's interpreter on CPU tensors
+(``tritonllm.kernels`` sets ``TRITON_INTERPRET=1``). The interpreter cannot do bfloat16
+``tl.dot`` (triton issue 11584), so bfloat16 is checked only on the GPU.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tritonllm.kernels  # noqa: E402,F401  (sets TRITON_INTERPRET before any kernel compiles)
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    """A different, reproducible seed per test: fresh random data, replayable from the test id."""
+    seed = abs(hash(request.node.nodeid)) % (2**31)
+    torch.manual_seed(seed)
+    yield

@@ -1,0 +1,1 @@
+"""tritonllm.bench"""

@@ -1,0 +1,71 @@
+"""``python -m tritonllm.bench kernels [--ops rms_norm,swiglu] [--sizes default,large]``
+``python -m tritonllm.bench train +model=void125m [overrides]``
+
+Times tritonllm against the baselines on the GPU present, in one process run, prints a table and
+writes ``docs/perf/<kind>-<gpu>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+#: benchmark modules, one per op family; each has OPS (names) and cases(size, dtype).
+FAMILIES = [
+    "tritonllm.bench.ops_memory",
+]
+
+
+def _families(ops: set[str] | None):
+    for name in FAMILIES:
+        mod = importlib.import_module(name)
+        if ops is None or ops & set(mod.OPS):
+            yield mod
+
+
+def bench_kernels(argv: list[str]) -> None:
+    from tritonllm.bench.harness import copy_bandwidth_gbs, print_table, run_case, write_results
+
+    p = argparse.ArgumentParser(prog="python -m tritonllm.bench kernels")
+    p.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    p.add_argument("--sizes", default="default,large", help="comma-separated: default (void125m shapes), large")
+    p.add_argument("--out", default="docs/perf", help="folder for kernels-<gpu>.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("python -m tritonllm.bench needs a CUDA GPU (timings under the interpreter mean nothing)")
+    ops = set(args.ops.split(",")) if args.ops else None
+    copy = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s (read + write)")
+    rows = []
+    for mod in _families(ops):
+        for size in args.sizes.split(","):
+            for case in mod.cases(size, torch.bfloat16):
+                if ops is not None and case.op not in ops:
+                    continue
+                print(f"-- {case.op} {case.shape}", flush=True)
+                for r in run_case(case):
+                    if "GB/s" in r:
+                        r["copy_fraction"] = round(r["GB/s"] / copy, 3)
+                    rows.append(r)
+    print_table(rows)
+    path = write_results("kernels", rows, args.out, extra={"copy_GB/s": round(copy, 1)})
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("kernels", "train"):
+        sys.exit(__doc__)
+    if argv[0] == "kernels":
+        bench_kernels(argv[1:])
+    else:
+        from tritonllm.bench.train import main as bench_train
+
+        bench_train(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
