@@ -1,0 +1,200 @@
+"""SwiGLU gating: ``y = silu(gate) * up``, elementwise, with fp32 math.
+
+Forward, with ``s = sigmoid(g)``::
+
+    y = g * s * u
+
+Backward (sigmoid recomputed from the saved inputs; nothing else is saved)::
+
+    dgate = dy * u * s * (1 + g * (1 - s))
+    dup   = dy * g * s
+
+Two calling forms share one kernel family: ``swiglu(gate, up)`` with two ``[..., F]`` tensors,
+and the packed ``swiglu(gate_up)`` with one ``[..., 2F]`` tensor whose first half is the gate and
+second half the up projection; its backward writes one ``[..., 2F]`` gradient. The kernels see
+every operand as ``[R, C]`` rows with a row stride, so the packed halves are strided views, never
+copies. When every operand is contiguous the launcher passes a single row of ``rows * F``
+elements: a flat 1-D grid over large blocks. Reference: Shazeer, "GLU Variants Improve
+Transformer" (2020); Liger-Kernel ``ops/swiglu.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2, rows_view
+
+#: Elements per program (BLOCK_M * BLOCK_C) and warps on the GPU.
+_TILE = 4096
+_NUM_WARPS = 8
+#: Under the interpreter cost grows with the number of programs: larger tiles.
+_INTERP_TILE = 65536
+
+
+@triton.jit
+def _tile(R, C, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's tile: first row and column (int64), in-tile row/column indices, mask."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(C, BLOCK_C)
+    row0 = (pid // col_blocks).to(tl.int64) * BLOCK_M
+    col0 = (pid % col_blocks).to(tl.int64) * BLOCK_C
+    rm = tl.arange(0, BLOCK_M)
+    rc = tl.arange(0, BLOCK_C)
+    # rows / columns left in this tile, as int32 so that the mask compares int32 vectors
+    rows_left = tl.minimum(R - row0, BLOCK_M).to(tl.int32)
+    cols_left = tl.minimum(C - col0, BLOCK_C).to(tl.int32)
+    mask = (rm < rows_left)[:, None] & (rc < cols_left)[None, :]
+    return row0, col0, rm, rc, mask
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    G,          # [R, C] gate, last dim contiguous
+    U,          # [R, C] up, last dim contiguous
+    Y,          # [R, C] output
+    stride_g,   # row stride of G in elements
+    stride_u,   # row stride of U in elements
+    stride_y,   # row stride of Y in elements
+    R, C,
+    BLOCK_M: tl.constexpr,    # rows per program
+    BLOCK_C: tl.constexpr,    # columns per program (power of two)
+):
+    row0, col0, rm, rc, mask = _tile(R, C, BLOCK_M, BLOCK_C)
+    g = tl.load(G + (row0 * stride_g + col0) + (rm[:, None] * stride_g + rc[None, :]), mask=mask).to(tl.float32)
+    u = tl.load(U + (row0 * stride_u + col0) + (rm[:, None] * stride_u + rc[None, :]), mask=mask).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(Y + (row0 * stride_y + col0) + (rm[:, None] * stride_y + rc[None, :]), y.to(Y.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    G,          # [R, C] gate saved by the forward, last dim contiguous
+    U,          # [R, C] up saved by the forward, last dim contiguous
+    DY,         # [R, C] gradient of y, last dim contiguous
+    DG,         # [R, C] output gradient of gate
+    DU,         # [R, C] output gradient of up
+    stride_g,   # row stride of G in elements
+    stride_u,   # row stride of U in elements
+    stride_dy,  # row stride of DY in elements
+    stride_dg,  # row stride of DG in elements
+    stride_du,  # row stride of DU in elements
+    R, C,
+    BLOCK_M: tl.constexpr,    # rows per program
+    BLOCK_C: tl.constexpr,    # columns per program (power of two)
+):
+    row0, col0, rm, rc, mask = _tile(R, C, BLOCK_M, BLOCK_C)
+    g = tl.load(G + (row0 * stride_g + col0) + (rm[:, None] * stride_g + rc[None, :]), mask=mask).to(tl.float32)
+    u = tl.load(U + (row0 * stride_u + col0) + (rm[:, None] * stride_u + rc[None, :]), mask=mask).to(tl.float32)
+    dy = tl.load(DY + (row0 * stride_dy + col0) + (rm[:, None] * stride_dy + rc[None, :]),
+                 mask=mask).to(tl.float32)
+    s = tl.sigmoid(g)
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    du = dy * g * s
+    tl.store(DG + (row0 * stride_dg + col0) + (rm[:, None] * stride_dg + rc[None, :]), dg.to(DG.dtype.element_ty),
+             mask=mask)
+    tl.store(DU + (row0 * stride_du + col0) + (rm[:, None] * stride_du + rc[None, :]), du.to(DU.dtype.element_ty),
+             mask=mask)
+
+
+def _launch(kernel, *views: torch.Tensor) -> None:
+    """Run ``kernel`` over ``[M, F]`` views (last dim contiguous): as one flat row of ``M * F``
+    elements when every view is contiguous, else as ``M`` strided rows."""
+    m, f = views[0].shape
+    if m * f == 0:
+        return
+    flat = m == 1 or all(v.stride(0) == f for v in views)
+    rows, cols = (1, m * f) if flat else (m, f)
+    tile = _INTERP_TILE if interpreting() else _TILE
+    block_c = min(max(next_pow2(cols), 16), tile)
+    block_m = min(tile // block_c, next_pow2(rows))
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_c),)
+    kernel[grid](*views, *(v.stride(0) for v in views), rows, cols,
+                 BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS)
+
+
+def _check_inputs(gate: torch.Tensor, up: torch.Tensor | None) -> int:
+    """Validate the two-tensor or packed form; return F, the width of y."""
+    if up is None:
+        check_tensor("gate_up", gate, min_ndim=1)
+        if gate.shape[-1] % 2:
+            raise ValueError("gate_up (swiglu called with one tensor) must have an even last dimension "
+                             f"[..., 2F], got shape {tuple(gate.shape)}")
+        return gate.shape[-1] // 2
+    check_tensor("gate", gate, min_ndim=1)
+    check_tensor("up", up)
+    check_same_device(gate=gate, up=up)
+    check_same_dtype(gate=gate, up=up)
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    return gate.shape[-1]
+
+
+def _halves(gate: torch.Tensor, up: torch.Tensor | None, f: int):
+    """``[M, F]`` gate and up views: the two tensors, or the halves of the packed one."""
+    if up is None:
+        packed = rows_view(gate, 2 * f)
+        return packed[:, :f], packed[:, f:]
+    return rows_view(gate, f), rows_view(up, f)
+
+
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the forward: ``silu(gate) * up``, or of the halves of ``gate_up`` when ``up`` is None."""
+    f = _check_inputs(gate, up)
+    g2, u2 = _halves(gate, up, f)
+    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    _launch(_swiglu_fwd_kernel, g2, u2, y)
+    return y.view(*gate.shape[:-1], f)
+
+
+def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None = None):
+    """Launch the backward: ``(dgate, dup)``, or one ``[..., 2F]`` ``dgate_up`` in the packed form."""
+    f = _check_inputs(gate, up)
+    check_tensor("dy", dy)
+    check_same_device(dy=dy, gate=gate)
+    out_shape = (*gate.shape[:-1], f)
+    if tuple(dy.shape) != out_shape:
+        raise ValueError(f"dy must have shape {out_shape}, got {tuple(dy.shape)}")
+    g2, u2 = _halves(gate, up, f)
+    dy2 = rows_view(dy, f)
+    if up is None:
+        grad = torch.empty((g2.shape[0], 2 * f), dtype=gate.dtype, device=gate.device)
+        _launch(_swiglu_bwd_kernel, g2, u2, dy2, grad[:, :f], grad[:, f:])
+        return grad.view(gate.shape)
+    dgate = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    _launch(_swiglu_bwd_kernel, g2, u2, dy2, dgate, dup)
+    return dgate.view(gate.shape), dup.view(gate.shape)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """Autograd wrapper: ``apply(gate, up)``, or ``apply(gate_up, None)`` for the packed form."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        y = swiglu_fwd(gate, up)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        if up is None:
+            return swiglu_bwd(dy, gate), None
+        return swiglu_bwd(dy, gate, up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU gating ``silu(gate) * up`` (``silu(g) = g * sigmoid(g)``), math in fp32.
+
+    Two forms:
+        ``swiglu(gate, up)``: ``gate`` and ``up`` of one shape ``[..., F]`` and dtype; returns ``[..., F]``.
+        ``swiglu(gate_up)``: one ``[..., 2F]`` tensor, gate = ``[..., :F]``, up = ``[..., F:]``;
+        returns ``[..., F]`` and its backward writes a single ``[..., 2F]`` gradient.
+
+    Inputs are float32/float16/bfloat16; rows may be strided (last dim contiguous). The output has
+    the inputs' dtype. The backward recomputes the sigmoid: only the inputs are saved.
+    """
+    return SwiGLUFunction.apply(gate, up)
