@@ -1,0 +1,322 @@
+"""Rotary position embedding (RoPE), half-split (GPT-NeoX / Llama) convention, and its cos/sin tables.
+
+Forward, for ``x`` of shape ``[B, T, H, D]``, ``x1 = x[..., :D/2]``, ``x2 = x[..., D/2:]`` and the
+table rows of position ``p = position_offset + t``: ``c = cos[p]``, ``s = sin[p]`` (``[D/2]`` each)::
+
+    out1 = x1 * c - x2 * s
+    out2 = x2 * c + x1 * s
+
+Backward: the map is a rotation by the angle whose cosine and sine are ``c`` and ``s``; its
+transpose is the rotation by the opposite angle, so ``dx`` is ``dy`` rotated with ``s -> -s``::
+
+    dx1 = dy1 * c + dy2 * s
+    dx2 = dy2 * c - dy1 * s
+
+The same kernel does both (``INVERSE`` negates ``s``). All math is in fp32; ``x`` may be any strided
+view whose last dimension is contiguous (e.g. ``q`` sliced out of a packed ``qkv`` projection): it is
+read in place, never copied. One program rotates ``BLOCK_H`` heads of one ``(b, t)`` row, so the
+table row is loaded once per position.
+
+Tables (:func:`rope_cos_sin`), for ``i`` in ``[0, D/2)`` and position ``p``::
+
+    inv_freq_i = theta ** (-2 i / D)
+    cos[p, i] = mscale * cos(p * inv_freq_i),   sin[p, i] = mscale * sin(p * inv_freq_i)
+
+with ``mscale = 1`` unless YaRN says otherwise. Scalings of ``inv_freq`` for context extension by
+``factor`` f:
+
+* NTK-aware: ``theta' = theta * f ** (D / (D - 2))`` in place of ``theta``.
+* YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models"; as
+  ``_compute_yarn_parameters`` in Hugging Face transformers), with original context ``L``::
+
+      dim(r)  = D * ln(L / (2 pi r)) / (2 ln theta)       (frequency index completing r turns in L)
+      low     = max(floor(dim(beta_fast)), 0),   high = min(ceil(dim(beta_slow)), D - 1)
+      ramp_i  = clamp((i - low) / (high - low), 0, 1)      (high += 0.001 when equal)
+      inv_freq_i = theta ** (-2 i / D) * ((1 - ramp_i) + ramp_i / f)
+      mscale  = 0.1 * ln(f) + 1
+
+  so high frequencies (short wavelengths, ``i < low``) are kept (extrapolated), low frequencies
+  (``i > high``) are divided by ``f`` (interpolated), with a linear ramp between; ``mscale`` is the
+  attention-temperature factor multiplied into both tables (``scaling["mscale"]`` overrides it).
+
+``inv_freq`` (``D/2`` numbers) is computed on the host in float64; a Triton kernel fills the
+tables. The angle is reduced to ``[-pi, pi)`` in float64 (``p * inv_freq / 2pi`` minus the nearest
+integer) before the fp32 cosine and sine, so entries are accurate to fp32 rounding at any position
+(an fp32 product ``p * inv_freq``, as most PyTorch code computes it, is off by up to
+``p * 2**-24`` radians, about 1e-3 at p = 16384).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_same_device, check_tensor, interpreting, next_pow2, rows_view
+
+# Elements of one half-tile (BLOCK_H x BLOCK_HALF) a rope program rotates: caps BLOCK_H.
+_ROPE_TILE = 2048
+# Elements of the (rows x D/2) tile one table program fills.
+_TABLE_TILE = 4096
+
+
+def _rope_configs():
+    if interpreting():
+        return [triton.Config({}, num_warps=1)]
+    return [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8)]
+
+
+@triton.autotune(configs=_rope_configs(), key=["H", "HALF", "BLOCK_H"])
+@triton.jit
+def _rope_fwd_kernel(
+    x_ptr,  # [B, T, H, D] input (dy for the backward), any strides, last dim contiguous
+    cos_ptr,  # [S, D/2] cosine table, last dim contiguous
+    sin_ptr,  # [S, D/2] sine table, last dim contiguous
+    out_ptr,  # [B, T, H, D] output, contiguous
+    T,  # sequence length
+    H,  # number of heads
+    stride_xb,  # x stride between batch entries (elements)
+    stride_xt,  # x stride between positions
+    stride_xh,  # x stride between heads
+    stride_cos,  # cos row stride
+    stride_sin,  # sin row stride
+    position_offset,  # table row of position t = 0
+    HALF: tl.constexpr,  # D / 2
+    BLOCK_H: tl.constexpr,  # heads per program
+    BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
+    INVERSE: tl.constexpr,  # rotate by the opposite angle (the backward)
+):
+    row = tl.program_id(0)  # flattened (b, t)
+    b = row // T
+    t = row - b * T
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < HALF
+    pos = (t + position_offset).to(tl.int64)
+    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if INVERSE:
+        s = -s
+
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (h < H)[:, None] & d_mask[None, :]
+    x_row = x_ptr + b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xt
+    x_offs = h[:, None].to(tl.int64) * stride_xh + d[None, :]
+    x1 = tl.load(x_row + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+
+    out_row = out_ptr + row.to(tl.int64) * H * (2 * HALF)
+    out_offs = h[:, None] * (2 * HALF) + d[None, :]
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_row + out_offs, (x1 * c - x2 * s).to(dtype), mask=mask)
+    tl.store(out_row + out_offs + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_cos_sin_kernel(
+    turns_ptr,  # [D/2] float64: inv_freq / (2 pi), turns per position
+    cos_ptr,  # [S, D/2] float32 output, contiguous
+    sin_ptr,  # [S, D/2] float32 output, contiguous
+    S,  # number of positions
+    mscale,  # factor multiplied into both tables
+    HALF: tl.constexpr,  # D / 2
+    BLOCK_S: tl.constexpr,  # positions per program
+    BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
+):
+    p = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    i = tl.arange(0, BLOCK_HALF)
+    mask = (p < S)[:, None] & (i < HALF)[None, :]
+    turns = p[:, None].to(tl.float64) * tl.load(turns_ptr + i, mask=i < HALF, other=0.0)[None, :]
+    frac = turns - tl.floor(turns + 0.5)  # in [-0.5, 0.5): exact range reduction in float64
+    angle = frac.to(tl.float32) * 6.283185307179586
+    offs = p[:, None].to(tl.int64) * HALF + i[None, :]
+    tl.store(cos_ptr + offs, tl.cos(angle) * mscale, mask=mask)
+    tl.store(sin_ptr + offs, tl.sin(angle) * mscale, mask=mask)
+
+
+def _check_rope_args(name: str, x, cos, sin, position_offset) -> None:
+    """Validate rope inputs; ``name`` is what ``x`` is called in messages (``x`` or ``dy``)."""
+    check_tensor(name, x, ndim=4)
+    check_tensor("cos", cos, ndim=2)
+    check_tensor("sin", sin, ndim=2)
+    check_same_device(**{name: x}, cos=cos, sin=sin)
+    D = x.shape[-1]
+    if D == 0 or D % 2:
+        raise ValueError(f"{name}: head dim (last dimension) must be even and > 0, got {D}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last (head dim) dimension, got strides {x.stride()}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.shape[1] != D // 2:
+        raise ValueError(f"cos must have shape [S, head_dim // 2] = [S, {D // 2}], got {tuple(cos.shape)}")
+    if isinstance(position_offset, bool) or not isinstance(position_offset, int):
+        raise TypeError(f"position_offset must be an int, got {type(position_offset).__name__}")
+    if position_offset < 0:
+        raise ValueError(f"position_offset must be >= 0, got {position_offset}")
+    T = x.shape[1]
+    if position_offset + T > cos.shape[0]:
+        raise ValueError(
+            f"cos/sin tables have {cos.shape[0]} rows but positions {position_offset}..{position_offset + T - 1} "
+            f"are needed (T={T}, position_offset={position_offset})"
+        )
+
+
+def _rope_launch(x, cos, sin, position_offset: int, inverse: bool) -> torch.Tensor:
+    B, T, H, D = x.shape
+    out = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    half = D // 2
+    cos, sin = rows_view(cos, half), rows_view(sin, half)
+    block_half = next_pow2(half)
+    block_h = min(next_pow2(H), max(1, _ROPE_TILE // block_half))
+    grid = (B * T, triton.cdiv(H, block_h))
+    _rope_fwd_kernel[grid](
+        x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
+        position_offset, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, INVERSE=inverse,
+    )
+    return out
+
+
+def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, H, D]`` by the table rows ``position_offset .. position_offset + T - 1``."""
+    _check_rope_args("x", x, cos, sin, position_offset)
+    return _rope_launch(x, cos, sin, position_offset, inverse=False)
+
+
+def rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    """Gradient of :func:`rope_fwd` with respect to ``x``: ``dy`` rotated by the opposite angle."""
+    check_tensor("dy", dy, ndim=4)
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()  # a gradient may arrive in any layout (x itself is never copied)
+    _check_rope_args("dy", dy, cos, sin, position_offset)
+    return _rope_launch(dy, cos, sin, position_offset, inverse=True)
+
+
+class RopeFunction(torch.autograd.Function):
+    """Autograd wrapper of :func:`rope_fwd` / :func:`rope_bwd` (no gradient for the tables)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, position_offset):
+        ctx.save_for_backward(cos, sin)
+        ctx.position_offset = position_offset
+        return rope_fwd(x, cos, sin, position_offset)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return rope_bwd(dy, cos, sin, ctx.position_offset), None, None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position_offset: int = 0) -> torch.Tensor:
+    """Rotary position embedding, half-split convention.
+
+    Args:
+        x: ``[B, T, H, D]`` float32/float16/bfloat16, ``D`` even; any strides as long as the last
+            dimension is contiguous (a slice of a packed ``[B, T, Hq + 2 Hkv, D]`` qkv is read in place).
+        cos, sin: ``[S, D // 2]`` tables (float32 recommended, see :func:`rope_cos_sin`), ``S >= position_offset + T``.
+        position_offset: table row of position ``t = 0`` (decoding at position ``p`` uses rows ``p .. p + T - 1``).
+
+    Returns:
+        ``[B, T, H, D]`` contiguous, dtype of ``x``: with ``c, s = cos[p + t], sin[p + t]``,
+        ``out[..., :D/2] = x1 c - x2 s`` and ``out[..., D/2:] = x2 c + x1 s`` (fp32 math).
+        Differentiable in ``x``; the tables get no gradient.
+    """
+    return RopeFunction.apply(x, cos, sin, position_offset)
+
+
+_YARN_KEYS = {"type", "factor", "original_max_position", "beta_fast", "beta_slow", "mscale"}
+_NTK_KEYS = {"type", "factor"}
+
+
+def _check_number(name: str, value, *, low: float = 0, inclusive: bool = False, integer: bool = False) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a number (an int with ``integer``)
+    above ``low`` (or equal to it with ``inclusive``)."""
+    kinds = (int,) if integer else (int, float)
+    ok = not isinstance(value, bool) and isinstance(value, kinds) and (value >= low if inclusive else value > low)
+    if not ok:
+        bound = f"{'>=' if inclusive else '>'} {low:g}"
+        raise ValueError(f"{name} must be {'an int' if integer else 'a number'} {bound}, got {value!r}")
+
+
+def _inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float]:
+    """float64 ``inv_freq`` ``[head_dim // 2]`` on the CPU and the table factor ``mscale``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    if scaling is None:
+        return theta ** -exponents, 1.0
+    if not isinstance(scaling, dict):
+        raise TypeError(f"scaling must be None or a dict, got {type(scaling).__name__}")
+    kind = scaling.get("type")
+    if kind not in ("ntk", "yarn"):
+        raise ValueError(f"scaling: unknown type {kind!r}; expected {{'type': 'ntk', ...}} or {{'type': 'yarn', ...}}")
+    unknown = set(scaling) - (_NTK_KEYS if kind == "ntk" else _YARN_KEYS)
+    if unknown:
+        raise ValueError(f"scaling: unknown keys {sorted(unknown)} for type {kind!r}")
+    factor = scaling.get("factor")
+    _check_number("scaling['factor']", factor, low=1, inclusive=True)
+    if kind == "ntk":
+        if head_dim <= 2:
+            raise ValueError(f"head_dim must be > 2 for NTK scaling (theta * f ** (D / (D - 2))), got {head_dim}")
+        return (theta * factor ** (head_dim / (head_dim - 2))) ** -exponents, 1.0
+
+    if "original_max_position" not in scaling:
+        raise ValueError("scaling['original_max_position'] is required for YaRN")
+    orig = scaling["original_max_position"]
+    beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+    _check_number("scaling['original_max_position']", orig, integer=True)
+    _check_number("scaling['beta_fast']", beta_fast)
+    _check_number("scaling['beta_slow']", beta_slow)
+    mscale = scaling.get("mscale")
+    if mscale is None:
+        mscale = 0.1 * math.log(factor) + 1.0
+    _check_number("scaling['mscale']", mscale)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = theta ** -exponents
+    return extrapolation * (1 - ramp) + extrapolation / factor * ramp, float(mscale)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0, scaling: dict | None = None,
+                 device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables ``cos, sin``, float32 ``[seq_len, head_dim // 2]``, for :func:`rope`.
+
+    ``cos[p, i] = mscale * cos(p * inv_freq_i)`` (``sin`` likewise) with
+    ``inv_freq_i = theta ** (-2 i / head_dim)``, optionally rescaled for context extension:
+
+    * ``scaling=None``: plain RoPE, ``mscale = 1``.
+    * ``{"type": "ntk", "factor": f}``: NTK-aware, ``theta' = theta * f ** (D / (D - 2))``.
+    * ``{"type": "yarn", "factor": f, "original_max_position": L, "beta_fast": 32, "beta_slow": 1,
+      "mscale": None}``: YaRN per-frequency ramp between keeping ``inv_freq`` (wavelengths much
+      shorter than ``L``) and dividing it by ``f`` (wavelengths longer than ``L``), and the
+      attention-temperature factor ``mscale = 0.1 ln f + 1`` (or the given ``mscale``) applied to
+      both tables. The formulas are in this module's docstring.
+
+    ``device`` defaults to CUDA when available (else the CPU, for the interpreter).
+    """
+    _check_number("seq_len", seq_len, integer=True)
+    _check_number("head_dim", head_dim, integer=True)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    _check_number("theta", theta, low=1)
+    inv_freq, mscale = _inv_freq(head_dim, float(theta), scaling)
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        raise ValueError(f"device must be a CUDA device (the CPU only with TRITON_INTERPRET=1), got {device}")
+    turns = (inv_freq / (2 * math.pi)).to(device)
+    half = head_dim // 2
+    cos = torch.empty((seq_len, half), dtype=torch.float32, device=device)
+    sin = torch.empty_like(cos)
+    block_half = next_pow2(half)
+    block_s = min(next_pow2(seq_len), max(1, _TABLE_TILE // block_half))
+    _rope_cos_sin_kernel[(triton.cdiv(seq_len, block_s),)](
+        turns, cos, sin, seq_len, mscale, HALF=half, BLOCK_S=block_s, BLOCK_HALF=block_half,
+    )
+    return cos, sin

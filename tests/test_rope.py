@@ -1,0 +1,278 @@
+"""rope (output and dx, strided views, position_offset) and rope_cos_sin (plain, NTK, YaRN) against
+float64 PyTorch references of the formulas."""
+
+import math
+
+import pytest
+import torch
+
+from _checks import DEVICE, DTYPES, assert_close, dtype_id, poison_, randn
+from tritonllm.kernels import rope, rope_cos_sin
+
+# (B, T, H, D): a single row and head with D = 2, odd T and H, D/2 not a power of two
+SHAPES = [(1, 1, 1, 2), (2, 5, 3, 64), (1, 17, 4, 128), (1, 123, 2, 32), (3, 7, 5, 6)]
+
+
+def shape_id(shape):
+    return "B{}_T{}_H{}_D{}".format(*shape)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty``/``empty_like`` return NaN-filled memory: an output element never written fails."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
+
+
+def tables(rows, half):
+    """Random fp32 cos/sin tables (cos^2 + sin^2 = 1) with ``rows`` rows."""
+    angle = torch.rand(rows, half, dtype=torch.float64) * 2 * math.pi
+    return torch.cos(angle).float().to(DEVICE), torch.sin(angle).float().to(DEVICE)
+
+
+def reference(x, cos, sin, offset=0):
+    """Half-split RoPE in x's dtype (tables cast to it, as PyTorch models do)."""
+    T, half = x.shape[1], x.shape[-1] // 2
+    c = cos[offset:offset + T, None, :].to(x.dtype)
+    s = sin[offset:offset + T, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def leaf(t, dtype=None):
+    return t.detach().to(dtype or t.dtype).requires_grad_()
+
+
+def reference_run(source, views, cos, sin, offset, grads, dtype):
+    """The reference outputs and the gradient of ``source`` computed in ``dtype``."""
+    src = leaf(source, dtype)
+    outs = [reference(v, cos, sin, offset) for v in views(src)]
+    (grad,) = torch.autograd.grad(outs, [src], [g.to(dtype) for g in grads])
+    return outs, grad
+
+
+def check(source, views, cos, sin, offset=0):
+    """``views(t)`` picks the tensors to rotate out of ``source`` (a leaf): rotate each, then compare
+    every output and the gradient of ``source`` with the float64 and same-dtype references."""
+    outs = [rope(v, cos, sin, position_offset=offset) for v in views(source)]
+    grads = [randn(*o.shape, dtype=o.dtype) for o in outs]
+    (got,) = torch.autograd.grad(outs, [source], grads)
+    ref64, g64 = reference_run(source, views, cos, sin, offset, grads, torch.float64)
+    same, gsame = reference_run(source, views, cos, sin, offset, grads, source.dtype)
+    for i, (o, r, s) in enumerate(zip(outs, ref64, same)):
+        assert o.dtype == source.dtype and o.is_contiguous()
+        assert_close(f"out{i}", o, r, s)
+    assert_close("dx", got, g64, gsame)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_rope(shape, dtype, poisoned_empty):
+    B, T, H, D = shape
+    cos, sin = tables(T + 3, D // 2)  # a longer table: the first T rows are used
+    check(randn(*shape, dtype=dtype, requires_grad=True), lambda x: [x], cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_rope_packed_qkv_views(dtype, poisoned_empty):
+    """q and k sliced out of a packed [B, T, Hq + 2 Hkv, D] projection are read in place, GQA 6:2."""
+    B, T, hq, hkv, D = 2, 9, 6, 2, 32
+    qkv = randn(B, T, hq + 2 * hkv, D, dtype=dtype, requires_grad=True)
+    cos, sin = tables(T, D // 2)
+    check(qkv, lambda t: [t[:, :, :hq], t[:, :, hq:hq + hkv]], cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_rope_transposed_view(dtype, poisoned_empty):
+    """x as [B, T, H, D] view of a [B, H, T, D] buffer (strides of every dim differ from contiguous)."""
+    cos, sin = tables(11, 16)
+    check(randn(2, 3, 11, 32, dtype=dtype, requires_grad=True), lambda t: [t.transpose(1, 2)], cos, sin)
+
+
+@pytest.mark.parametrize("offset", [1, 37], ids=lambda o: f"offset{o}")
+def test_rope_position_offset(offset, poisoned_empty):
+    T = 5
+    cos, sin = tables(offset + T + 2, 32)
+    check(randn(2, T, 3, 64, requires_grad=True), lambda x: [x], cos, sin, offset)
+
+
+def test_rope_decode_matches_prefill():
+    """Rotating position p alone with position_offset=p equals row p of the whole sequence."""
+    cos, sin = rope_cos_sin(16, 64, device=DEVICE)
+    x = randn(1, 16, 2, 64)
+    full = rope(x, cos, sin)
+    for p in (0, 7, 15):
+        assert torch.equal(rope(x[:, p:p + 1], cos, sin, position_offset=p), full[:, p:p + 1])
+
+
+def test_rope_strided_gradient(poisoned_empty):
+    """A gradient whose last dimension is strided is accepted."""
+    x = randn(2, 3, 2, 8, requires_grad=True)
+    cos, sin = tables(3, 4)
+    dy = randn(2, 3, 2, 16)[..., ::2]
+    (dx,) = torch.autograd.grad(rope(x, cos, sin), [x], dy)
+    x64 = leaf(x, torch.float64)
+    (g64,) = torch.autograd.grad(reference(x64, cos, sin), [x64], dy.double())
+    assert_close("dx", dx, g64)
+
+
+# ---- rope_cos_sin -------------------------------------------------------------------------------
+
+def inv_freq_reference(D, theta, scaling):
+    """float64 inv_freq and mscale written out from the formulas (YaRN as in HF transformers)."""
+    i = torch.arange(D // 2, dtype=torch.float64)
+    base = theta ** (-2 * i / D)
+    if scaling is None:
+        return base, 1.0
+    f = scaling["factor"]
+    if scaling["type"] == "ntk":
+        return (theta * f ** (D / (D - 2))) ** (-2 * i / D), 1.0
+    L = scaling["original_max_position"]
+
+    def dim(rot):
+        return D * math.log(L / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim(scaling.get("beta_fast", 32))), 0)
+    high = min(math.ceil(dim(scaling.get("beta_slow", 1))), D - 1)
+    ramp = torch.clamp((i - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    inv = base / f * (1 - extrapolation_weight) + base * extrapolation_weight
+    return inv, scaling.get("mscale") or 0.1 * math.log(f) + 1
+
+
+SCALINGS = {
+    "plain": None,
+    "ntk": {"type": "ntk", "factor": 4.0},
+    "yarn": {"type": "yarn", "factor": 8.0, "original_max_position": 256},
+    "yarn_betas_mscale": {"type": "yarn", "factor": 4, "original_max_position": 512, "beta_fast": 16,
+                          "beta_slow": 2, "mscale": 1.3},
+}
+
+
+TABLE_SHAPES = [(1, 2, 10000.0), (1000, 64, 10000.0), (123, 128, 500000.0)]  # (seq_len, head_dim, theta)
+
+
+@pytest.mark.parametrize("kind,seq_len,head_dim,theta", [
+    pytest.param(kind, *shape, id=f"{kind}-S{shape[0]}_D{shape[1]}_theta{shape[2]:g}")
+    for kind in SCALINGS for shape in TABLE_SHAPES if not (kind == "ntk" and shape[1] == 2)  # NTK needs D > 2
+])
+def test_rope_cos_sin(kind, seq_len, head_dim, theta):
+    scaling = SCALINGS[kind]
+    cos, sin = rope_cos_sin(seq_len, head_dim, theta=theta, scaling=scaling, device=DEVICE)
+    inv, mscale = inv_freq_reference(head_dim, theta, scaling)
+    angle = torch.arange(seq_len, dtype=torch.float64)[:, None] * inv[None, :]
+    for name, got, ref in (("cos", cos, torch.cos(angle) * mscale), ("sin", sin, torch.sin(angle) * mscale)):
+        assert got.dtype == torch.float32 and got.shape == (seq_len, head_dim // 2)
+        assert_close(name, got, ref)
+
+
+def test_rope_cos_sin_yarn_ramp():
+    """YaRN keeps the highest frequency, divides the lowest by the factor and scales by mscale."""
+    cos, sin = rope_cos_sin(2, 64, scaling={"type": "yarn", "factor": 16.0, "original_max_position": 64},
+                            device=DEVICE)
+    mscale = 0.1 * math.log(16.0) + 1
+    angle = torch.atan2(sin[1].double(), cos[1].double())
+    assert abs(angle[0].item() - 1.0) < 1e-6
+    assert abs(angle[-1].item() - 10000.0 ** (-62 / 64) / 16) < 1e-9
+    assert abs(math.hypot(cos[1, 0].item(), sin[1, 0].item()) - mscale) < 1e-6
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def _good():
+    return randn(2, 4, 3, 8), *tables(4, 4)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("x_3d", ValueError, "x"),
+    ("odd_head_dim", ValueError, "head dim"),
+    ("int_x", TypeError, "x"),
+    ("int_cos", TypeError, "cos"),
+    ("cos_width", ValueError, "cos"),
+    ("sin_shape", ValueError, "sin"),
+    ("table_too_short", ValueError, "cos"),
+    ("offset_past_table", ValueError, "position_offset"),
+    ("negative_offset", ValueError, "position_offset"),
+    ("float_offset", TypeError, "position_offset"),
+    ("strided_head_dim", ValueError, "x"),
+    ("cos_wrong_device", ValueError, "cos"),
+    ("x_not_tensor", TypeError, "x"),
+])
+def test_rope_bad_input(case, error, match):
+    x, cos, sin = _good()
+    kwargs = {}
+    if case == "x_3d":
+        x = x[0]
+    elif case == "odd_head_dim":
+        x = randn(2, 4, 3, 7)
+    elif case == "int_x":
+        x = x.to(torch.int32)
+    elif case == "int_cos":
+        cos = cos.to(torch.int64)
+    elif case == "cos_width":
+        cos, sin = tables(4, 5)
+    elif case == "sin_shape":
+        sin = tables(5, 4)[1]
+    elif case == "table_too_short":
+        cos, sin = tables(3, 4)
+    elif case == "offset_past_table":
+        kwargs["position_offset"] = 1
+    elif case == "negative_offset":
+        kwargs["position_offset"] = -1
+    elif case == "float_offset":
+        kwargs["position_offset"] = 1.0
+    elif case == "strided_head_dim":
+        x = randn(2, 4, 3, 16)[..., ::2]
+    elif case == "cos_wrong_device":
+        cos = cos.to("meta")
+    elif case == "x_not_tensor":
+        x = x.tolist()
+    with pytest.raises(error, match=match):
+        rope(x, cos, sin, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(seq_len=0, head_dim=8), ValueError, "seq_len"),
+    (dict(seq_len=4, head_dim=7), ValueError, "head_dim"),
+    (dict(seq_len=4, head_dim=0), ValueError, "head_dim"),
+    (dict(seq_len=4, head_dim=8, theta=1.0), ValueError, "theta"),
+    (dict(seq_len=4, head_dim=8, scaling={"type": "linear", "factor": 2.0}), ValueError, "scaling"),
+    (dict(seq_len=4, head_dim=8, scaling={"factor": 2.0}), ValueError, "scaling"),
+    (dict(seq_len=4, head_dim=8, scaling=2.0), TypeError, "scaling"),
+    (dict(seq_len=4, head_dim=8, scaling={"type": "ntk", "factor": 0.5}), ValueError, "scaling"),
+    (dict(seq_len=4, head_dim=8, scaling={"type": "ntk", "factor": 2.0, "beta_fast": 3}), ValueError, "scaling"),
+    (dict(seq_len=4, head_dim=8, scaling={"type": "yarn", "factor": 2.0}), ValueError, "scaling"),
+    (dict(seq_len=4, head_dim=8, scaling={"type": "yarn", "factor": 2.0, "original_max_position": 0}),
+     ValueError, "scaling"),
+    (dict(seq_len=4, head_dim=2, scaling={"type": "ntk", "factor": 2.0}), ValueError, "head_dim"),
+    (dict(seq_len=4, head_dim=8, device="meta"), ValueError, "device"),
+], ids=["seq_len0", "odd_head_dim", "head_dim0", "theta1", "unknown_type", "no_type", "not_dict", "factor_below_1",
+        "unknown_key", "yarn_no_original", "yarn_original0", "ntk_head_dim2", "bad_device"])
+def test_rope_cos_sin_bad_input(kwargs, error, match):
+    kwargs.setdefault("device", DEVICE)
+    with pytest.raises(error, match=match):
+        rope_cos_sin(**kwargs)
+
+
+# ---- GPU: bfloat16 at benchmark shapes, long tables ------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_rope_large_gqa(dtype):
+    B, T, hq, hkv, D = 2, 4096, 32, 8, 128
+    qkv = randn(B, T, hq + 2 * hkv, D, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(T, D, theta=500000.0, device=DEVICE)
+    check(qkv, lambda t: [t[:, :, :hq], t[:, :, hq:hq + hkv]], cos, sin)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_rope_cos_sin_long(kind):
+    """131072 positions: the range reduction keeps large angles accurate on the GPU."""
+    scaling = SCALINGS[kind]
+    cos, sin = rope_cos_sin(131072, 128, theta=500000.0, scaling=scaling, device=DEVICE)
+    inv, mscale = inv_freq_reference(128, 500000.0, scaling)
+    angle = torch.arange(131072, dtype=torch.float64)[:, None] * inv[None, :]
+    assert_close("cos", cos, torch.cos(angle) * mscale)
+    assert_close("sin", sin, torch.sin(angle) * mscale)

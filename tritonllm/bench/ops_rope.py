@@ -1,0 +1,98 @@
+"""Benchmarks of ``rope`` (q and k rotated together) and ``embedding`` against torch eager,
+torch.compile and, for RoPE, Liger-Kernel.
+
+Sizes: rope "default" = q and k [16, 1024, 12, 64] (B, T, H, D, void125m), "large" = q
+[4, 8192, 32, 128] and k [4, 8192, 8, 128] (GQA 32:8); embedding "default" = 16384 ids into
+32000 x 768, "large" = 32768 ids into 131072 x 4096. All memory-bound: rope reads q, k and the fp32
+cos/sin tables once and writes the rotated q, k (the backward likewise with dq, dk); the embedding
+forward reads the ids and the gathered rows and writes the output, its backward reads dy and writes
+the whole dense dW.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tritonllm.bench.harness import Case, compiled, liger_available
+from tritonllm.kernels import embedding, rope, rope_cos_sin
+
+OPS = ["rope", "embedding"]
+
+#: rope: (B, T, Hq, Hkv, D); embedding: (tokens, vocab, hidden)
+SHAPES = {
+    "default": {"rope": (16, 1024, 12, 12, 64), "embedding": (16384, 32000, 768)},
+    "large": {"rope": (4, 8192, 32, 8, 128), "embedding": (32768, 131072, 4096)},
+}
+
+
+def _rope_torch(x, cos, sin):
+    """Half-split RoPE in x's dtype, the tables cast to it as PyTorch models do."""
+    half = x.shape[-1] // 2
+    c = cos[: x.shape[1], None, :].to(x.dtype)
+    s = sin[: x.shape[1], None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _rope_qk_torch(q, k, cos, sin, cos_full, sin_full):
+    return _rope_torch(q, cos, sin), _rope_torch(k, cos, sin)
+
+
+def _rope_qk_ours(q, k, cos, sin, cos_full, sin_full):
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
+def _rope_qk_liger(q, k, cos, sin, cos_full, sin_full):
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    # Liger takes q, k as [B, H, T, D] views of [B, T, H, D] storage and cos/sin as [1, T, D] (the
+    # half table repeated, built untimed in make_inputs). The transposes here are free views:
+    # Liger transposes back to the physical [B, T, H, D] layout, and returning [B, T, H, D] views
+    # keeps dy in that layout too, so nothing is copied and no transpose is timed. Liger rotates
+    # q, k in place in the forward and dq, dk (the harness's reused dy) in the backward: values
+    # change between repetitions, magnitudes and timings do not.
+    q_out, k_out = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos_full, sin_full)[:2]
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
+def _rope_case(b: int, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> Case:
+    def make_inputs():
+        q = torch.randn(b, t, hq, d, device="cuda", dtype=dtype, requires_grad=True)
+        k = torch.randn(b, t, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
+        cos, sin = rope_cos_sin(t, d, device="cuda")
+        return q, k, cos, sin, torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]
+
+    baselines = {"torch": _rope_qk_torch, "torch.compile": compiled(_rope_qk_torch)}
+    if liger_available():
+        baselines["liger"] = _rope_qk_liger
+    es = torch.finfo(dtype).bits // 8
+    per_pass = 2 * b * t * (hq + hkv) * d * es + 2 * t * (d // 2) * 4  # read q, k, cos, sin; write q', k'
+    return Case("rope", f"B{b} Hq{hq}/Hkv{hkv} T{t} D{d}", dtype, make_inputs, ours=_rope_qk_ours,
+                baselines=baselines, bytes={"fwd": per_pass, "bwd": per_pass, "fwd+bwd": 2 * per_pass})
+
+
+def _embedding_torch(ids, weight):
+    return F.embedding(ids, weight)
+
+
+def _embedding_case(n: int, v: int, d: int, dtype: torch.dtype) -> Case:
+    def make_inputs():
+        ids = torch.randint(0, v, (n,), device="cuda")
+        weight = torch.randn(v, d, device="cuda", dtype=dtype, requires_grad=True)
+        return ids, weight
+
+    es = torch.finfo(dtype).bits // 8
+    fwd = n * 8 + 2 * n * d * es  # read ids (int64) and the gathered rows; write out
+    bwd = n * d * es + v * d * es  # read dy; write the dense dW
+    # shape: tokens x hidden x vocab
+    return Case("embedding", f"{n}x{d}x{v}", dtype, make_inputs, ours=embedding,
+                baselines={"torch": _embedding_torch, "torch.compile": compiled(_embedding_torch)},
+                bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd})
+
+
+def cases(size: str, dtype: torch.dtype):
+    b, t, hq, hkv, d = SHAPES[size]["rope"]
+    yield _rope_case(b, t, hq, hkv, d, dtype)
+    n, v, h = SHAPES[size]["embedding"]
+    yield _embedding_case(n, v, h, dtype)
