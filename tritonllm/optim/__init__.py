@@ -1,1 +1,5 @@
-"""tritonllm.optim"""
+"""tritonllm.optim: optimizers and gradient utilities whose math runs in Triton kernels."""
+
+from tritonllm.optim.adamw import AdamW, clip_grad_norm_
+
+__all__ = ["AdamW", "clip_grad_norm_"]

@@ -1,0 +1,348 @@
+"""Multi-tensor AdamW step and gradient-norm clipping in Triton.
+
+AdamW (decoupled weight decay, Loshchilov & Hutter), step ``s``, as ``torch.optim.AdamW``::
+
+    w <- w * (1 - lr * wd)
+    m <- m + (1 - b1) * (g - m)
+    v <- b2 * v + (1 - b2) * g^2
+    w <- w - lr / (1 - b1^s) * m / (sqrt(v) / sqrt(1 - b2^s) + eps)
+
+in fp32, with ``m``, ``v`` fp32. ``w`` is the parameter, or for a bf16/fp16 parameter with a master
+copy the fp32 master, rounded to the parameter's dtype (round to nearest even) and stored into the
+parameter by the same kernel.
+
+Gradient clipping: ``norm = sqrt(sum_i sum g_i^2)`` over every gradient, then every gradient is
+scaled in place by ``min(1, max_norm / (norm + eps))`` (as ``torch.nn.utils.clip_grad_norm_``).
+The scale stays on the device: no host synchronisation.
+
+Multi-tensor launches: the tensors of one launch are described by a device table of int64
+addresses (cast in-kernel with ``.to(tl.pointer_type(...))``), each followed by the tensor's
+``numel`` and the index of its first chunk, plus a chunk -> tensor map. Program ``pid`` handles
+chunk ``pid``: ``CHUNK`` consecutive elements of one tensor, ``BLOCK`` per loop step (a full step
+is unmasked, so that it can use vector loads and stores). A tensor list is split into buckets
+of equal dtypes (and 16-byte alignment of every address, which lets loads be vectorized); one
+launch per bucket. Tables are cached by the addresses and sizes they encode, so an unchanged
+parameter set reuses them and a changed one builds new ones.
+
+Sums of squares are per-chunk partials reduced by one program in a fixed order: deterministic.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check_tensor, interpreting, next_pow2
+
+#: elements per program (a chunk: the granularity of the tables), processed BLOCK elements per
+#: loop step by NUM_WARPS warps. Large chunks amortise each program's table look-ups (two
+#: dependent loads before the first data load). Not measured yet.
+CHUNK, BLOCK, NUM_WARPS = 16384, 2048, 8
+#: the same under the interpreter: small, so that test tensors span several chunks and steps.
+_INTERPRET_CHUNK, _INTERPRET_BLOCK = 2048, 1024
+#: partials per step of the single-program norm reduction.
+_REDUCE_BLOCK = 4096
+#: how many tables the cache keeps (one per bucket and parameter set).
+_CACHE_SIZE = 64
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _chunk(table_ptr, map_ptr, NCOL: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's chunk: (its tensor's table row, first element, number of elements)."""
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(map_ptr + pid).to(tl.int64) * NCOL
+    start = (pid - tl.load(row + NCOL - 1)) * CHUNK
+    return row, start, tl.minimum(tl.load(row + NCOL - 2) - start, CHUNK)
+
+
+@triton.jit
+def _base(row, col: tl.constexpr, start, DTYPE: tl.constexpr):
+    """Pointer to element ``start`` of the tensor whose address is in column ``col`` of ``row``."""
+    return tl.load(row + col).to(tl.pointer_type(DTYPE)) + start
+
+
+@triton.jit
+def _ptrs(base, offs, ALIGNED: tl.constexpr):
+    ptrs = base + offs
+    if ALIGNED:  # 16-byte aligned tensor, chunk and step starts: vector loads and stores
+        ptrs = tl.multiple_of(ptrs, [16])
+    return ptrs
+
+
+@triton.jit
+def _adamw_update(p_base, g_base, m_base, v_base, w_base, offs, mask, decay, beta1c, beta2, beta2c, step_size,
+                  bc2_sqrt, eps, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr):
+    p_ptrs = _ptrs(p_base, offs, ALIGNED)
+    m_ptrs = _ptrs(m_base, offs, ALIGNED)
+    v_ptrs = _ptrs(v_base, offs, ALIGNED)
+    w_ptrs = _ptrs(w_base, offs, ALIGNED)
+    g = tl.load(_ptrs(g_base, offs, ALIGNED), mask=mask).to(tl.float32)
+    m = tl.load(m_ptrs, mask=mask)
+    v = tl.load(v_ptrs, mask=mask)
+    w = tl.load(w_ptrs, mask=mask).to(tl.float32) * decay
+    m = m + beta1c * (g - m)
+    v = v * beta2 + beta2c * (g * g)
+    w = w - step_size * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps)
+    tl.store(m_ptrs, m, mask=mask)
+    tl.store(v_ptrs, v, mask=mask)
+    if HAS_MASTER:
+        tl.store(w_ptrs, w, mask=mask)
+    tl.store(p_ptrs, w.to(P_DTYPE), mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    table_ptr,      # int64 [T, 7]: addresses of param, grad, exp_avg, exp_avg_sq, master (or param), numel, first chunk
+    map_ptr,        # int32 [chunks]: table row of each chunk
+    decay,          # 1 - lr * weight_decay
+    beta1c,         # 1 - beta1
+    beta2,
+    beta2c,         # 1 - beta2
+    step_size,      # lr / (1 - beta1^step)
+    bc2_sqrt,       # sqrt(1 - beta2^step)
+    eps,
+    P_DTYPE: tl.constexpr,      # parameter dtype
+    G_DTYPE: tl.constexpr,      # gradient dtype
+    HAS_MASTER: tl.constexpr,   # column 4 is an fp32 master copy
+    ALIGNED: tl.constexpr,      # every address is 16-byte aligned
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row, start, n = _chunk(table_ptr, map_ptr, 7, CHUNK)
+    p_base = _base(row, 0, start, P_DTYPE)
+    g_base = _base(row, 1, start, G_DTYPE)
+    m_base = _base(row, 2, start, tl.float32)
+    v_base = _base(row, 3, start, tl.float32)
+    w_base = _base(row, 4, start, tl.float32) if HAS_MASTER else p_base
+    for off in range(0, n, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        if off + BLOCK <= n:  # full step: no mask, so loads and stores can be vectorized
+            _adamw_update(p_base, g_base, m_base, v_base, w_base, offs, None, decay, beta1c, beta2, beta2c,
+                          step_size, bc2_sqrt, eps, P_DTYPE, HAS_MASTER, ALIGNED)
+        else:
+            _adamw_update(p_base, g_base, m_base, v_base, w_base, offs, offs < n, decay, beta1c, beta2, beta2c,
+                          step_size, bc2_sqrt, eps, P_DTYPE, HAS_MASTER, ALIGNED)
+
+
+@triton.jit
+def _sq_norm_kernel(
+    table_ptr,      # int64 [T, 3]: address of the gradient, numel, first chunk
+    map_ptr,        # int32 [chunks]: table row of each chunk
+    partial_ptr,    # out: fp32 [chunks], sum of squares of each chunk
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row, start, n = _chunk(table_ptr, map_ptr, 3, CHUNK)
+    base = _base(row, 0, start, G_DTYPE)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, n, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        if off + BLOCK <= n:
+            g = tl.load(_ptrs(base, offs, ALIGNED)).to(tl.float32)
+        else:
+            g = tl.load(_ptrs(base, offs, ALIGNED), mask=offs < n, other=0.0).to(tl.float32)
+        acc += g * g
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _clip_coef_kernel(
+    partial_ptr,    # fp32 [n]: per-chunk sums of squares of every bucket
+    n,
+    norm_ptr,       # out: 0-d fp32 global L2 norm
+    coef_ptr,       # out: 0-d fp32 min(1, max_norm / (norm + eps))
+    max_norm,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(partial_ptr + offs, mask=offs < n, other=0.0)
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+    tl.store(norm_ptr, norm)
+    tl.store(coef_ptr, tl.minimum(tl.div_rn(max_norm, norm + eps), 1.0, propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
+def _scale_kernel(
+    table_ptr,      # int64 [T, 3]: address of the gradient, numel, first chunk
+    map_ptr,        # int32 [chunks]: table row of each chunk
+    coef_ptr,       # 0-d fp32 scale; a scale of exactly 1 leaves the gradients untouched
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    coef = tl.load(coef_ptr)
+    if coef != 1.0:
+        row, start, n = _chunk(table_ptr, map_ptr, 3, CHUNK)
+        base = _base(row, 0, start, G_DTYPE)
+        for off in range(0, n, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            ptrs = _ptrs(base, offs, ALIGNED)
+            if off + BLOCK <= n:
+                tl.store(ptrs, (tl.load(ptrs).to(tl.float32) * coef).to(G_DTYPE))
+            else:
+                mask = offs < n
+                tl.store(ptrs, (tl.load(ptrs, mask=mask).to(tl.float32) * coef).to(G_DTYPE), mask=mask)
+
+
+_TABLES: OrderedDict = OrderedDict()
+
+
+def _cached(key, build):
+    hit = _TABLES.get(key)
+    if hit is None:
+        hit = _TABLES[key] = build()
+        if len(_TABLES) > _CACHE_SIZE:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return hit
+
+
+def _sizes() -> dict:
+    """CHUNK and BLOCK of the multi-tensor kernels (small under the interpreter)."""
+    if interpreting():
+        return dict(CHUNK=_INTERPRET_CHUNK, BLOCK=_INTERPRET_BLOCK)
+    return dict(CHUNK=CHUNK, BLOCK=BLOCK)
+
+
+def _check_rows(names: tuple[str, ...], dtypes: tuple[tuple, ...], lists: tuple[list, ...], idx: list[int]) -> None:
+    """Tensor ``i`` of every list (for ``i`` in ``idx``): allowed dtype, contiguous, on the device of
+    ``lists[0][0]`` and with the numel of ``lists[0][i]``. Errors name the list and the index."""
+    device = lists[0][0].device
+    for i in idx:
+        ref = lists[0][i]
+        for name, allowed, lst in zip(names, dtypes, lists):
+            t = lst[i]
+            check_tensor(f"{name}[{i}]", t, dtypes=allowed)
+            if t.device != device:
+                raise ValueError(f"{name}[{i}] is on {t.device} but {names[0]}[0] is on {device}: "
+                                 f"one device per call")
+            if t.numel() != ref.numel():
+                raise ValueError(f"{name}[{i}] has {t.numel()} elements but {names[0]}[{i}] has {ref.numel()}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}[{i}] must be contiguous")
+
+
+def _launches(names, dtypes, lists, chunk):
+    """Split the tensors into buckets and give each its device tables.
+
+    ``lists[c][i]`` is column ``c`` of tensor ``i`` (``lists[0]``: the tensors whose numel counts).
+    Buckets share the dtypes of every column and 16-byte alignment of every address. Yields
+    ``(column dtypes, aligned, table, chunk map, chunks)``: row ``i`` of the int64 table holds the
+    addresses of tensor ``i``'s columns, its numel and its first chunk. Tables are cached by the
+    addresses and sizes they encode (so a cached table is valid for as long as it is kept); the
+    inputs are checked when a table is built.
+    """
+    buckets = {}
+    for i, row in enumerate(zip(*lists)):
+        addrs = tuple(t.data_ptr() for t in row)
+        key = tuple(t.dtype for t in row) + (not any(a % 16 for a in addrs),)
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = ([], [], [])
+        bucket[0].append(i)
+        bucket[1].append(addrs)
+        bucket[2].append(row[0].numel())
+    for key, (idx, addrs, numels) in buckets.items():
+        device = lists[0][idx[0]].device
+        numels = tuple(numels)
+
+        def build_map(numels=numels, device=device):
+            counts = torch.tensor([triton.cdiv(n, chunk) for n in numels], dtype=torch.int64)
+            first = (torch.cumsum(counts, 0) - counts).tolist()
+            chunk_map = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
+            return first, chunk_map.to(device, non_blocking=True), int(counts.sum())
+
+        def build_table(idx=idx, addrs=addrs, numels=numels, device=device):
+            _check_rows(names, dtypes, lists, idx)
+            first, chunk_map, n_chunks = _cached(("map", device, chunk, numels), build_map)
+            rows = [list(a) + [n, f] for a, n, f in zip(addrs, numels, first)]
+            return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True), chunk_map, n_chunks
+
+        table, chunk_map, n_chunks = _cached(("table", device, chunk, numels, tuple(addrs)), build_table)
+        if n_chunks:
+            yield key[:-1], key[-1], table, chunk_map, n_chunks
+
+
+def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, lr: float, betas=(0.9, 0.999),
+                eps: float = 1e-8, weight_decay: float = 0.0, step: int) -> None:
+    """One AdamW step, in place, over lists of tensors: one Triton launch per combination of
+    parameter dtype, gradient dtype, master copy or not, and 16-byte alignment.
+
+    ``params``: fp32/fp16/bf16 tensors; ``grads``: one per parameter, same numel;
+    ``exp_avgs``/``exp_avg_sqs``: fp32, same numel; ``masters``: None, or per parameter None or
+    an fp32 master copy that is updated instead of the parameter and then rounded into it.
+    ``lr``, ``step`` and the other scalars are runtime arguments: changing them does not
+    recompile. ``step`` (>= 1) is the step number of this update, for bias correction.
+    """
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "masters": masters}
+    for name, lst in lists.items():
+        if lst is not None and len(lst) != len(params):
+            raise ValueError(f"{name} has {len(lst)} tensors but params has {len(params)}")
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    beta1, beta2 = betas
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
+    if not step >= 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    sizes = _sizes()
+    scalars = (1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, lr / (1.0 - beta1 ** step),
+               (1.0 - beta2 ** step) ** 0.5, eps)
+    # column 4 is the tensor the update reads and writes in fp32: the master, else the parameter
+    weights = params
+    if masters is not None:
+        for i, (p, w) in enumerate(zip(params, masters)):
+            if w is not None and (w.dtype != torch.float32 or p.dtype == torch.float32):
+                raise TypeError(f"masters[{i}] must be None or an fp32 copy of a bf16/fp16 parameter, "
+                                f"got {w.dtype} for a {p.dtype} parameter")
+        weights = [p if w is None else w for p, w in zip(params, masters)]
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "masters")
+    fp32 = (torch.float32,)
+    dtypes = (FLOAT_DTYPES, FLOAT_DTYPES, fp32, fp32, FLOAT_DTYPES)
+    for col_dtypes, aligned, table, chunk_map, n_chunks in _launches(
+            names, dtypes, (params, grads, exp_avgs, exp_avg_sqs, weights), sizes["CHUNK"]):
+        p_dtype, g_dtype, w_dtype = col_dtypes[0], col_dtypes[1], col_dtypes[4]
+        _adamw_kernel[(n_chunks,)](table, chunk_map, *scalars, P_DTYPE=_TL_DTYPE[p_dtype],
+                                   G_DTYPE=_TL_DTYPE[g_dtype], HAS_MASTER=w_dtype != p_dtype, ALIGNED=aligned,
+                                   **sizes, num_warps=NUM_WARPS)
+
+
+def clip_grads_(grads, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """Scale ``grads`` (a list of fp32/fp16/bf16 tensors on one device) in place so that their
+    global L2 norm is at most ``max_norm``: ``g *= min(1, max_norm / (norm + eps))``. Returns the
+    norm before clipping as a 0-d fp32 tensor; nothing waits for the device."""
+    if not max_norm >= 0.0:
+        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    grads = list(grads)
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    sizes = _sizes()
+    launches = list(_launches(("grads",), (FLOAT_DTYPES,), (grads,), sizes["CHUNK"]))
+    device = grads[0].device
+    n_partials = sum(launch[-1] for launch in launches)
+    partials = torch.empty(max(n_partials, 1), dtype=torch.float32, device=device)
+    norm = torch.empty((), dtype=torch.float32, device=device)
+    coef = torch.empty((), dtype=torch.float32, device=device)
+    start = 0
+    for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
+        _sq_norm_kernel[(n_chunks,)](table, chunk_map, partials[start:], G_DTYPE=_TL_DTYPE[g_dtype],
+                                     ALIGNED=aligned, **sizes, num_warps=NUM_WARPS)
+        start += n_chunks
+    _clip_coef_kernel[(1,)](partials, n_partials, norm, coef, float(max_norm), float(eps),
+                            BLOCK=min(next_pow2(n_partials), _REDUCE_BLOCK), num_warps=4)
+    for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
+        _scale_kernel[(n_chunks,)](table, chunk_map, coef, G_DTYPE=_TL_DTYPE[g_dtype], ALIGNED=aligned,
+                                   **sizes, num_warps=NUM_WARPS)
+    return norm

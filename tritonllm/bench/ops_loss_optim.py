@@ -1,0 +1,95 @@
+"""Benchmarks of ``cross_entropy`` and the ``AdamW`` step.
+
+cross_entropy: "default" = 16384x32000, "large" = 8192x131072 (rows x vocab), logits in the
+requested dtype, mean reduction, against torch eager (``F.cross_entropy`` on ``logits.float()``, as
+PyTorch training code does), torch.compile of it and Liger-Kernel's ``LigerCrossEntropyLoss``.
+Liger computes the gradient in the forward, in place into the logits, so after its runs the shared
+logits hold gradient values: finite numbers, which do not change the timings.
+Bytes: fwd = read logits and targets, write the loss; bwd = read logits, targets and lse (fp32),
+write dlogits.
+
+adamw ("default" only): one ``step`` over the parameters of GPT-2 124M (148 fp32 tensors,
+124.4M elements) with gradients set, against ``torch.optim.AdamW(foreach=True)`` and
+``torch.optim.AdamW(fused=True)``. Bytes: per element read p, g, m, v and write p, m, v (28 fp32 bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tritonllm.bench.harness import Case, compiled, liger_available
+from tritonllm.kernels import cross_entropy
+from tritonllm.optim import AdamW
+
+OPS = ["cross_entropy", "adamw"]
+
+#: [rows, vocab] of the cross-entropy per size.
+CE_SHAPES = {"default": (16384, 32000), "large": (8192, 131072)}
+
+#: GPT-2 124M: token and position embeddings, 12 blocks (ln1, qkv, attention proj, ln2, fc, fc2;
+#: weights [out, in] with biases), final norm.
+_GPT2_BLOCK = [(768,), (768,), (2304, 768), (2304,), (768, 768), (768,), (768,), (768,), (3072, 768), (3072,),
+               (768, 3072), (768,)]
+GPT2_SHAPES = [(50257, 768), (1024, 768)] + _GPT2_BLOCK * 12 + [(768,), (768,)]
+ADAMW_HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _ce_torch(logits, target):
+    return F.cross_entropy(logits.float(), target)
+
+
+def _cross_entropy_case(n: int, v: int, dtype: torch.dtype) -> Case:
+    def make_inputs():
+        logits = torch.randn(n, v, device="cuda", dtype=dtype, requires_grad=True)
+        target = torch.randint(0, v, (n,), device="cuda")
+        return logits, target
+
+    baselines = {"torch": _ce_torch, "torch.compile": compiled(_ce_torch)}
+    if liger_available():
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        baselines["liger"] = LigerCrossEntropyLoss()
+    es = torch.finfo(dtype).bits // 8
+    fwd = n * v * es + 8 * n + 4                           # read logits, targets; write the loss
+    bwd = 2 * n * v * es + 8 * n + 4 * n                   # read logits, targets, lse; write dlogits
+    return Case("cross_entropy", f"{n}x{v}", dtype, make_inputs, ours=cross_entropy, baselines=baselines,
+                bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd})
+
+
+def _stepper(make_optimizer):
+    """``step(params)``: one optimizer step over ``params``, the optimizer built on the first call."""
+    built = {}
+
+    def step(params):
+        key = id(params)
+        if key not in built:
+            built[key] = (params, make_optimizer(params))
+        built[key][1].step()
+
+    return step
+
+
+def _adamw_case() -> Case:
+    numel = sum(torch.Size(s).numel() for s in GPT2_SHAPES)
+
+    def make_inputs():
+        params = [torch.randn(s, device="cuda") for s in GPT2_SHAPES]
+        for p in params:
+            p.grad = 1e-3 * torch.randn_like(p)
+        return (params,)
+
+    baselines = {
+        "torch foreach": _stepper(lambda ps: torch.optim.AdamW(ps, foreach=True, **ADAMW_HPARAMS)),
+        "torch fused": _stepper(lambda ps: torch.optim.AdamW(ps, fused=True, **ADAMW_HPARAMS)),
+    }
+    return Case("adamw", f"{round(numel / 1e6)}M params/{len(GPT2_SHAPES)} tensors", torch.float32, make_inputs,
+                ours=_stepper(lambda ps: AdamW(ps, **ADAMW_HPARAMS)), baselines=baselines,
+                bytes={"step": 28 * numel}, passes=("step",))
+
+
+def cases(size: str, dtype: torch.dtype):
+    n, v = CE_SHAPES[size]
+    yield _cross_entropy_case(n, v, dtype)
+    if size == "default":
+        yield _adamw_case()

@@ -1,0 +1,122 @@
+"""AdamW whose step is a multi-tensor Triton kernel, and global-norm gradient clipping.
+
+``AdamW.step()`` updates every parameter of a group in one launch per (parameter dtype, gradient
+dtype, master copy, alignment) bucket -- normally one per group -- through
+``tritonllm.kernels.adamw.adamw_step_``. The math is ``torch.optim.AdamW``'s (decoupled weight
+decay, bias correction, fp32 moments). bf16/fp16 parameters get an fp32 master copy in the
+optimizer state (unless ``master_weights=False``): the kernel updates the master and writes it,
+rounded, into the parameter.
+
+State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's shape)
+and, with a master copy, ``master`` (fp32). ``state_dict()`` / ``load_state_dict()`` round-trip
+exactly: the fp32 state is restored in fp32 whatever the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonllm.kernels.adamw import adamw_step_, clip_grads_
+
+_FP32_STATE = ("exp_avg", "exp_avg_sq", "master")
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with a Triton multi-tensor step.
+
+    Args:
+        params: parameters or parameter groups (dicts), as for any ``torch.optim.Optimizer``.
+        lr: learning rate (>= 0); may change between steps without recompiling.
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: added to the denominator (>= 0).
+        weight_decay: decoupled weight decay (>= 0): ``p -= lr * weight_decay * p``.
+        master_weights: None or True keeps an fp32 master copy of every bf16/fp16 parameter;
+            False updates such parameters directly (fp32 math, rounded on store).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, master_weights: bool | None = None):
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two values in [0, 1), got {tuple(betas)}")
+        if not eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, master_weights=master_weights)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _init_state(p: torch.Tensor, state: dict, use_master: bool) -> None:
+        """Create the state a parameter lacks (all of it on its first step; only the master copy
+        when the state was loaded from an optimizer without masters)."""
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        if use_master and "master" not in state:
+            state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW update of every parameter that has a gradient; returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            masters_on = group["master_weights"] is not False
+            by_step: dict[int, list] = {}
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise ValueError("params: AdamW does not support sparse gradients")
+                state = self.state[p]
+                use_master = masters_on and p.dtype != torch.float32
+                if "step" not in state or (use_master and "master" not in state):
+                    self._init_state(p, state, use_master)
+                state["step"] += 1
+                by_step.setdefault(state["step"], []).append((p, g, state, use_master))
+            for step, items in by_step.items():
+                adamw_step_([p for p, _, _, _ in items], [g for _, g, _, _ in items],
+                            [s["exp_avg"] for _, _, s, _ in items], [s["exp_avg_sq"] for _, _, s, _ in items],
+                            [s["master"] if m else None for _, _, s, m in items],
+                            lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
+                            weight_decay=group["weight_decay"], step=step)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``state_dict()`` (of this class, or of ``torch.optim.AdamW``: groups get this
+        optimizer's defaults for the keys they lack).
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to each parameter's
+        dtype; the moments and master copies are put back in fp32 here, on the parameter's device.
+        """
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if not saved:
+                continue
+            state = self.state[p]
+            state["step"] = int(saved["step"])
+            for key in _FP32_STATE:
+                if key in saved:
+                    state[key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True).contiguous()
+
+
+def clip_grad_norm_(params, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """Scale the gradients of ``params`` (a tensor or an iterable of tensors) in place so that
+    their global L2 norm is at most ``max_norm``, like ``torch.nn.utils.clip_grad_norm_``:
+    ``g *= min(1, max_norm / (norm + eps))``. Returns the total norm before clipping as a 0-d fp32
+    tensor, computed in Triton (fp32, deterministic) without a host synchronisation."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    return clip_grads_([p.grad for p in params if p.grad is not None], max_norm, eps)
