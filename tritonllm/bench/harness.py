@@ -43,6 +43,8 @@ class Case:
     bytes: dict[str, float] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
     passes: tuple[str, ...] = PASSES
+    #: also record the peak memory of ``fwd+bwd`` (``peak_mem_gb``, ``baselines_peak_mem_gb``)
+    measure_memory: bool = False
 
 
 def liger_available() -> bool:
@@ -91,6 +93,16 @@ def time_ms(fn: Callable) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def peak_memory_gb(fn: Callable) -> float:
+    """Peak CUDA memory allocated while ``fn`` runs, above what was allocated before, in GB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - before) / 1e9, 4)
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
@@ -106,10 +118,15 @@ def run_case(case: Case) -> list[dict]:
     for kind in case.passes:
         fn = _pass_fn(case.ours, inputs, kind)
         ms = time_ms(fn)
-        base = {}
+        measure = case.measure_memory and kind == "fwd+bwd"
+        mem = peak_memory_gb(fn) if measure else None
+        base, base_mem = {}, {}
         for name, impl in case.baselines.items():
             try:
-                base[name] = round(time_ms(_pass_fn(impl, inputs, kind)), 4)
+                base_fn = _pass_fn(impl, inputs, kind)
+                base[name] = round(time_ms(base_fn), 4)
+                if measure:
+                    base_mem[name] = peak_memory_gb(base_fn)
             except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
                 print(f"  [{case.op} {case.shape} {kind}] baseline {name} failed: {type(e).__name__}: {str(e)[:200]}")
             torch.cuda.empty_cache()
@@ -120,6 +137,9 @@ def run_case(case: Case) -> list[dict]:
         if kind in case.flops:
             row["TFLOP/s"] = round(case.flops[kind] / (ms * 1e-3) / 1e12, 1)
         row["baselines_ms"] = base
+        if measure:
+            row["peak_mem_gb"] = mem
+            row["baselines_peak_mem_gb"] = base_mem
         if base:
             row["speedup_vs_best"] = round(min(base.values()) / ms, 3)
         rows.append(row)

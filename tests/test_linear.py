@@ -1,0 +1,243 @@
+"""linear (bias / residual epilogues) and linear_swiglu against float64 PyTorch references:
+output and every gradient by name; the GEMM's TMA and pointer paths; bad inputs."""
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, non_contiguous, poison_, randn
+from tritonllm.kernels import linear, linear_swiglu
+
+linear_module = importlib.import_module("tritonllm.kernels.linear")
+
+#: fp32 on the GPU runs TF32 dots (10-bit mantissa): about 3e-4 relative error
+FP32_GPU_ATOL = 3e-4
+
+
+def atol_for(dtype):
+    return FP32_GPU_ATOL if (ON_GPU and dtype == torch.float32) else None
+
+
+@contextlib.contextmanager
+def torch_tf32(dtype):
+    """PyTorch's same-dtype result under the precision our kernels use (TF32 for fp32 on the GPU)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = ON_GPU and dtype == torch.float32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every ``torch.empty`` returns NaN-filled memory: an output element never written fails."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
+
+
+def check(fn, ref_fn, inputs, names):
+    """``fn(*inputs)`` and its gradients vs ``ref_fn`` in float64 and in the inputs' dtype."""
+    dtype = inputs[0].dtype
+    y = fn(*inputs)
+    dy = randn(*y.shape, dtype=y.dtype)
+    wrt = [t for t in inputs if t is not None and t.requires_grad]
+    got = torch.autograd.grad(y, wrt, dy)
+    ins64 = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
+    ins_same = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    y64 = ref_fn(*ins64)
+    with torch_tf32(dtype):
+        y_same = ref_fn(*ins_same)
+        ref_same = torch.autograd.grad(y_same, [t for t in ins_same if t is not None and t.requires_grad], dy)
+    ref64 = torch.autograd.grad(y64, [t for t in ins64 if t is not None and t.requires_grad], dy.double())
+    assert y.dtype == dtype
+    assert_close("y", y, y64, y_same, atol=atol_for(dtype))
+    grad_names = [n for n, t in zip(names, inputs) if t is not None and t.requires_grad]
+    for name, t, g, g64, gs in zip(grad_names, wrt, got, ref64, ref_same):
+        assert g.shape == t.shape and g.dtype == t.dtype, name
+        assert_close("d" + name, g, g64, gs, atol=atol_for(dtype))
+
+
+def ref_linear(x, w, b=None, r=None):
+    y = F.linear(x, w, b)
+    return y if r is None else y + r
+
+
+# (M, K, N, bias): a sparse product of M in (1, 5, 123) and K, N in (1, 17, 100, 1000); M = 123 with
+# N = 1 sums the bias gradient in two stages (partials of row groups, then their fixed-order sum)
+LINEAR_CASES = [(1, 17, 100, True), (5, 1000, 17, False), (123, 100, 1000, True), (123, 1, 1, True)]
+
+
+def case_id(case):
+    M, K, N, bias = case
+    return f"{M}x{K}x{N}" + ("-bias" if bias else "")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=case_id)
+def test_linear(case, dtype, poisoned_empty):
+    M, K, N, bias = case
+    x = randn(M, K, dtype=dtype, requires_grad=True)
+    w = randn(N, K, dtype=dtype, scale=K ** -0.5, requires_grad=True)
+    b = randn(N, dtype=dtype, requires_grad=True) if bias else None
+    check(linear, ref_linear, [x, w, b], ["x", "weight", "bias"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_linear_3d_residual_bias(dtype, poisoned_empty):
+    """The output-projection epilogue y = residual + x W^T + b on a [B, T, K] input."""
+    x = randn(2, 3, 100, dtype=dtype, requires_grad=True)
+    w = randn(17, 100, dtype=dtype, scale=0.1, requires_grad=True)
+    b = randn(17, dtype=dtype, requires_grad=True)
+    r = randn(2, 3, 17, dtype=dtype, requires_grad=True)
+    check(linear, ref_linear, [x, w, b, r], ["x", "weight", "bias", "residual"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_linear_strided_and_transposed_inputs(dtype, poisoned_empty):
+    """Row-strided x and residual; the weight a .T view of a [K, N] tensor (read through strides)."""
+    x = non_contiguous(randn(123, 17, dtype=dtype, requires_grad=True))
+    w = randn(17, 100, dtype=dtype, requires_grad=True).detach().t().requires_grad_()
+    r = non_contiguous(randn(123, 100, dtype=dtype))
+    assert not x.is_contiguous() and w.stride(0) == 1
+    check(linear, ref_linear, [x, w, None, r], ["x", "weight", "bias", "residual"])
+
+
+def test_linear_transposed_x_3d_non_contiguous():
+    """x a .T view (unit stride along M) and a 3-D view whose rows cannot be folded."""
+    x = randn(100, 5, requires_grad=True).detach().t().requires_grad_()
+    w = randn(17, 100, scale=0.1, requires_grad=True)
+    check(linear, ref_linear, [x, w], ["x", "weight"])
+    x3 = randn(3, 4, 34, requires_grad=True).detach()[:, :, ::2].requires_grad_()
+    check(linear, ref_linear, [x3, randn(5, 17, requires_grad=True)], ["x", "weight"])
+
+
+def ref_swiglu(x, w13):
+    g, u = F.linear(x, w13).chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+# (leading shape of x, K, F)
+SWIGLU_CASES = [((1,), 17, 100), ((5,), 100, 17), ((2, 61), 17, 50), ((7,), 1, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", SWIGLU_CASES, ids=lambda c: "x".join(map(str, c[0] + c[1:])))
+def test_linear_swiglu(case, dtype, poisoned_empty):
+    lead, K, F_ = case
+    x = randn(*lead, K, dtype=dtype, requires_grad=True)
+    w13 = randn(2 * F_, K, dtype=dtype, scale=K ** -0.5, requires_grad=True)
+    check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"])
+
+
+def test_linear_swiglu_transposed_weight():
+    """w13 a .T view of a [K, 2F] tensor: the gate and up tiles are read through strides."""
+    x = non_contiguous(randn(33, 17, requires_grad=True))
+    w13 = randn(17, 40, requires_grad=True).detach().t().requires_grad_()
+    check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"])
+
+
+# operand layouts for the GEMM paths: (name, A [M, K] maker, B [K, N] maker)
+def _rows(r, c, dtype):
+    return randn(r, c, dtype=dtype)
+
+
+def _cols(r, c, dtype):
+    return randn(c, r, dtype=dtype).t()
+
+
+LAYOUTS = [("A_rows-B_rows", _rows, _rows), ("A_cols-B_cols", _cols, _cols), ("A_rows-B_cols", _rows, _cols)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l[0])
+def test_gemm_descriptor_path_matches_pointer_path(layout):
+    """Both operand-load paths of the GEMM (tensor descriptors / masked pointers) on ragged tiles,
+    with accumulate (beta = 1) and the gated epilogues. The interpreter emulates descriptors."""
+    if ON_GPU and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need sm90+")
+    _, make_a, make_b = layout
+    dtype = torch.float16
+    M, K, N = 72, 40, 24
+    a, b = make_a(M, K, dtype), make_b(K, N, dtype)
+    b2 = make_b(K, 2 * N, dtype)
+    c0 = randn(M, N, dtype=torch.float32)
+    dh = randn(M, N, dtype=dtype)
+    outs = {}
+    for use_tma in (True, False):
+        plain = linear_module.gemm(a, b, c0.clone(), accumulate=True, use_tma=use_tma)
+        fwd = linear_module.gemm(a, b2, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE)),
+                                 epilogue=linear_module.SWIGLU_FWD, use_tma=use_tma)
+        bwd = linear_module.gemm(a, b2, poison_(torch.empty(M, 2 * N, dtype=dtype, device=DEVICE)),
+                                 epilogue=linear_module.SWIGLU_BWD, epilogue_input=dh, use_tma=use_tma)
+        outs[use_tma] = (plain, fwd, bwd)
+    a64, b64, b264 = a.double(), b.double(), b2.double()
+    g, u = (a64 @ b264).chunk(2, dim=-1)
+    s = torch.sigmoid(g)
+    refs = (c0.double() + a64 @ b64, g * s * u,
+            torch.cat([dh.double() * u * s * (1 + g * (1 - s)), dh.double() * g * s], dim=-1))
+    for name, tma, ptr, ref in zip(("accumulate", "swiglu_fwd", "swiglu_bwd"), outs[True], outs[False], refs):
+        assert_close(name + "[tma]", tma, ref, atol=2e-3)
+        assert_close(name + "[pointer]", ptr, ref, atol=2e-3)
+
+
+def test_gemm_descriptor_path_rejects_unaligned_strides():
+    a = randn(8, 17, dtype=torch.float16)  # row stride 34 bytes: not a multiple of 16
+    with pytest.raises(ValueError, match="use_tma"):
+        linear_module.gemm(a, randn(17, 16, dtype=torch.float16),
+                           torch.empty(8, 16, dtype=torch.float16, device=DEVICE), use_tma=True)
+
+
+def _meta(*shape):
+    return torch.empty(*shape, device="meta")
+
+
+BAD_INPUTS = [
+    ("K_mismatch", ValueError, "weight", lambda: linear(randn(4, 8), randn(3, 7))),
+    ("int_x", TypeError, "x", lambda: linear(torch.ones(4, 8, dtype=torch.int64, device=DEVICE), randn(3, 8))),
+    ("weight_1d", ValueError, "weight", lambda: linear(randn(4, 8), randn(8))),
+    ("weight_on_meta", ValueError, "weight", lambda: linear(randn(4, 8), _meta(3, 8))),
+    ("dtype_mismatch", TypeError, "weight", lambda: linear(randn(4, 8), randn(3, 8, dtype=torch.float16))),
+    ("bias_shape", ValueError, "bias", lambda: linear(randn(4, 8), randn(3, 8), randn(4))),
+    ("bias_dtype", TypeError, "bias", lambda: linear(randn(4, 8), randn(3, 8), randn(3, dtype=torch.float16))),
+    ("residual_shape", ValueError, "residual", lambda: linear(randn(4, 8), randn(3, 8), None, randn(4, 4))),
+    ("swiglu_odd_w13", ValueError, "w13", lambda: linear_swiglu(randn(4, 8), randn(5, 8))),
+    ("swiglu_K_mismatch", ValueError, "w13", lambda: linear_swiglu(randn(4, 8), randn(6, 7))),
+    ("swiglu_int_w13", TypeError, "w13",
+     lambda: linear_swiglu(randn(4, 8), torch.ones(6, 8, dtype=torch.int32, device=DEVICE))),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=lambda c: c[0])
+def test_bad_input(case):
+    _, error, name, call = case
+    with pytest.raises(error, match=rf"\b{name}\b"):
+        call()
+
+
+@pytest.mark.gpu
+def test_linear_bf16_4096_cube():
+    x = randn(4096, 4096, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(4096, 4096, dtype=torch.bfloat16, scale=4096 ** -0.5, requires_grad=True)
+    b = randn(4096, dtype=torch.bfloat16, requires_grad=True)
+    check(linear, ref_linear, [x, w, b], ["x", "weight", "bias"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l[0])
+def test_gemm_tma_vs_pointer_gpu(layout, dtype):
+    """The TMA path and the pointer path agree on Hopper (ragged sizes, aligned strides)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need sm90+")
+    _, make_a, make_b = layout
+    a, b = make_a(1000, 1512, dtype), make_b(1512, 2056, dtype)
+    ref = a.double() @ b.double()
+    tma = linear_module.gemm(a, b, torch.empty(1000, 2056, dtype=dtype, device=DEVICE), use_tma=True)
+    ptr = linear_module.gemm(a, b, torch.empty(1000, 2056, dtype=dtype, device=DEVICE), use_tma=False)
+    with torch_tf32(dtype):
+        same = a @ b
+    assert_close("tma", tma, ref, same, atol=atol_for(dtype))
+    assert_close("pointer", ptr, ref, same, atol=atol_for(dtype))

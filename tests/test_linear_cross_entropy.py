@@ -1,0 +1,182 @@
+"""linear_cross_entropy against cross_entropy(linear(x, W), target) computed in float64 by PyTorch:
+loss, z-loss term, dx and dW, with ignored rows, label smoothing, z-loss, every reduction and
+chunk sizes that do and do not divide the token count; bad inputs."""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, non_contiguous, poison_, randn
+from tritonllm.kernels import linear_cross_entropy
+
+IGNORE = -100
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every ``torch.empty`` returns NaN-filled memory: an output element never written fails."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
+
+
+def reference(x, w, t, ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0, reduction="mean"):
+    """PyTorch: F.cross_entropy of the fp32 (or fp64) logits plus the z-loss term z_loss * lse^2.
+    Returns (loss, z-loss term), reduced alike."""
+    logits = F.linear(x, w)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    V = w.shape[0]
+    ce = F.cross_entropy(logits.reshape(-1, V), t.reshape(-1).long(), ignore_index=ignore_index,
+                         label_smoothing=label_smoothing, reduction="none")
+    valid = t.reshape(-1) != ignore_index
+    z = torch.where(valid, z_loss * torch.logsumexp(logits.reshape(-1, V), dim=-1) ** 2, 0.0)
+    per_row = ce + z
+    if reduction == "none":
+        return per_row.view(t.shape), z.view(t.shape)
+    div = valid.sum().clamp(min=1) if reduction == "mean" else 1
+    return per_row.sum() / div, z.sum() / div
+
+
+def targets(shape, V, every=5, ignore_index=IGNORE):
+    t = torch.randint(0, V, shape, device=DEVICE)
+    t.view(-1)[::every] = ignore_index
+    return t
+
+
+def check(x, w, t, dtype, **kw):
+    loss, z = linear_cross_entropy(x, w, t, return_z_loss=True, **kw)
+    kw.pop("chunk_size", None)
+    dloss = randn(loss.numel(), dtype=torch.float32).view(loss.shape)
+    dx, dw = torch.autograd.grad(loss, [x, w], dloss)
+    ins64 = [x.detach().double().requires_grad_(), w.detach().double().requires_grad_()]
+    ins_same = [x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()]
+    loss64, z64 = reference(*ins64, t, **kw)
+    loss_same, z_same = reference(*ins_same, t, **kw)
+    atol = 3e-4 if (ON_GPU and dtype == torch.float32) else None  # TF32 dots
+    assert loss.dtype == torch.float32 and loss.shape == loss64.shape
+    assert_close("loss", loss, loss64, loss_same, atol=atol, dtype=dtype)
+    assert_close("z_loss", z, z64, z_same, atol=atol, dtype=dtype)
+    g64 = torch.autograd.grad(loss64, ins64, dloss.double())
+    g_same = torch.autograd.grad(loss_same, ins_same, dloss)
+    for name, got, ref, same, inp in zip(("dx", "dW"), (dx, dw), g64, g_same, (x, w)):
+        assert got.shape == inp.shape and got.dtype == inp.dtype, name
+        assert_close(name, got, ref, same, atol=atol)
+
+
+# (x shape, V, chunk_size, reduction, label_smoothing, z_loss)
+CASES = [
+    ((37, 17), 100, 16, "mean", 0.0, 0.0),  # chunk not dividing the 37 tokens
+    ((37, 17), 100, None, "sum", 0.1, 1e-3),  # one chunk
+    ((2, 9, 100), 17, 5, "mean", 0.2, 1e-2),  # 3-D x, odd vocabulary
+    ((23, 5), 257, 8, "none", 0.1, 1e-3),  # per-row losses: backward reruns the chunks
+    ((1, 17), 1, None, "mean", 0.0, 0.0),  # a single token, a vocabulary of 1
+]
+
+
+def case_id(case):
+    shape, V, chunk, red, ls, zl = case
+    return f"{'x'.join(map(str, shape))}x{V}-chunk{chunk}-{red}-ls{ls}-z{zl}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_linear_cross_entropy(case, dtype, poisoned_empty):
+    shape, V, chunk, reduction, ls, zl = case
+    H = shape[-1]
+    x = randn(*shape, dtype=dtype, requires_grad=True)
+    w = randn(V, H, dtype=dtype, scale=H ** -0.5, requires_grad=True)
+    t = targets(shape[:-1], V)
+    check(x, w, t, dtype, label_smoothing=ls, z_loss=zl, reduction=reduction, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 11, 64], ids=lambda c: f"chunk{c}")
+def test_chunk_sizes(chunk):
+    """Chunks of one token, several, exactly the tokens, more than the tokens; int32 targets,
+    a custom ignore_index, a row-strided x."""
+    x = non_contiguous(randn(11, 17, requires_grad=True))
+    w = randn(50, 17, scale=0.3, requires_grad=True)
+    t = targets((11,), 50, every=3, ignore_index=7).to(torch.int32)
+    check(x, w, t, torch.float32, ignore_index=7, label_smoothing=0.05, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(reduction, poisoned_empty):
+    x = randn(6, 17, requires_grad=True)
+    w = randn(40, 17, requires_grad=True)
+    t = torch.full((6,), IGNORE, device=DEVICE)
+    loss = linear_cross_entropy(x, w, t, z_loss=1e-3, reduction=reduction, chunk_size=4)
+    dx, dw = torch.autograd.grad(loss.sum(), [x, w])
+    assert torch.equal(loss, torch.zeros_like(loss))
+    assert torch.equal(dx, torch.zeros_like(dx)) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_matches_tritonllm_cross_entropy_of_linear():
+    """The fused op equals the unfused pair of tritonllm kernels, loss and gradients."""
+    ce = importlib.import_module("tritonllm.kernels.cross_entropy").cross_entropy
+    from tritonllm.kernels import linear
+
+    x = randn(29, 33, requires_grad=True)
+    w = randn(70, 33, scale=0.2, requires_grad=True)
+    t = targets((29,), 70)
+    kw = dict(ignore_index=IGNORE, label_smoothing=0.1, z_loss=1e-3, reduction="mean")
+    fused = linear_cross_entropy(x, w, t, chunk_size=8, **kw)
+    unfused = ce(linear(x, w), t, **kw)
+    got = torch.autograd.grad(fused, [x, w])
+    want = torch.autograd.grad(unfused, [x, w])
+    assert_close("loss", fused, unfused.double())
+    for name, g, r in zip(("dx", "dW"), got, want):
+        assert_close(name, g, r.double())
+
+
+def test_no_grad_and_repeated_backward():
+    """No gradient work under no_grad; backward twice (retain_graph) gives the same gradients."""
+    x = randn(9, 17, requires_grad=True)
+    w = randn(30, 17, requires_grad=True)
+    t = targets((9,), 30)
+    with torch.no_grad():
+        loss_ng = linear_cross_entropy(x, w, t)
+    loss = linear_cross_entropy(x, w, t)
+    assert loss_ng.grad_fn is None and torch.equal(loss_ng, loss.detach())
+    first = torch.autograd.grad(loss, [x, w], retain_graph=True)
+    second = torch.autograd.grad(loss, [x, w])
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def _meta(*shape):
+    return torch.empty(*shape, device="meta")
+
+
+BAD_INPUTS = [
+    ("K_mismatch", ValueError, "weight", lambda: linear_cross_entropy(randn(4, 8), randn(10, 7), targets((4,), 10))),
+    ("int_x", TypeError, "x", lambda: linear_cross_entropy(torch.ones(4, 8, dtype=torch.int64, device=DEVICE),
+                                                          randn(10, 8), targets((4,), 10))),
+    ("weight_on_meta", ValueError, "weight",
+     lambda: linear_cross_entropy(randn(4, 8), _meta(10, 8), targets((4,), 10))),
+    ("target_shape", ValueError, "target", lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((5,), 10))),
+    ("float_target", TypeError, "target", lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), randn(4))),
+    ("reduction", ValueError, "reduction",
+     lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((4,), 10), reduction="avg")),
+    ("chunk_size", ValueError, "chunk_size",
+     lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((4,), 10), chunk_size=0)),
+    ("label_smoothing", ValueError, "label_smoothing",
+     lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((4,), 10), label_smoothing=1.5)),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=lambda c: c[0])
+def test_bad_input(case):
+    _, error, name, call = case
+    with pytest.raises(error, match=rf"\b{name}\b"):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_cross_entropy_bf16_large(reduction):
+    """bf16 at an LM-head-like shape with several chunks (one partial)."""
+    x = randn(4100, 768, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(32000, 768, dtype=torch.bfloat16, scale=768 ** -0.5, requires_grad=True)
+    t = targets((4100,), 32000)
+    check(x, w, t, torch.bfloat16, label_smoothing=0.1, z_loss=1e-4, reduction=reduction, chunk_size=1024)

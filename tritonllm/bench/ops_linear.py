@@ -1,0 +1,114 @@
+"""Benchmarks of the GEMM family: ``linear``, ``linear_swiglu`` and the fused LM-head
+``linear_cross_entropy``, against cuBLAS (``F.linear``), torch eager, torch.compile and Liger-Kernel.
+
+Shapes: ``MxKxN`` for the GEMMs (``linear_swiglu``: N = 2F, the gate and up columns),
+tokens x hidden x vocab for ``linear_cross_entropy``. All three are compute-bound: FLOPs are
+2MNK forward and 4MNK backward (dx and dW). ``linear_cross_entropy`` also records the peak memory
+of fwd+bwd for ours and each baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tritonllm.bench.harness import Case, compiled, liger_available
+from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu
+
+OPS = ["linear", "linear_swiglu", "linear_cross_entropy"]
+
+SHAPES = {
+    "default": {
+        "linear": [(16384, 768, 2304), (16384, 768, 4096), (16384, 2048, 768), (16384, 768, 32000)],
+        "linear_swiglu": [(16384, 768, 2048)],  # (M, K, F)
+        "linear_cross_entropy": [(16384, 768, 32000)],  # (tokens, hidden, vocab)
+    },
+    "large": {
+        "linear": [(8192, 2048, 3072), (8192, 2048, 11264), (8192, 5632, 2048), (8192, 8192, 8192)],
+        "linear_swiglu": [(8192, 2048, 5632)],
+        "linear_cross_entropy": [(8192, 4096, 131072)],
+    },
+}
+
+
+def _gemm_flops(m: int, n: int, k: int) -> dict[str, float]:
+    return {"fwd": 2.0 * m * n * k, "bwd": 4.0 * m * n * k, "fwd+bwd": 6.0 * m * n * k}
+
+
+def _weight(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(rows, k, device="cuda") * k ** -0.5).to(dtype).requires_grad_()
+
+
+def _linear_case(m: int, k: int, n: int, dtype: torch.dtype) -> Case:
+    def make_inputs():
+        return torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True), _weight(n, k, dtype)
+
+    # torch eager is F.linear, i.e. the cuBLAS baseline itself
+    baselines = {"cuBLAS": F.linear, "torch.compile": compiled(F.linear)}
+    return Case("linear", f"{m}x{k}x{n}", dtype, make_inputs, ours=linear, baselines=baselines,
+                flops=_gemm_flops(m, n, k))
+
+
+def _swiglu_torch(x, w13):
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_cublas_triton(x, w13):
+    from tritonllm.kernels import swiglu
+
+    return swiglu(F.linear(x, w13))
+
+
+def _swiglu_liger(x, w13):
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return LigerSiLUMulFunction.apply(gate, up)
+
+
+def _linear_swiglu_case(m: int, k: int, f: int, dtype: torch.dtype) -> Case:
+    def make_inputs():
+        return torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True), _weight(2 * f, k, dtype)
+
+    baselines = {"cuBLAS+swiglu": _swiglu_cublas_triton, "torch": _swiglu_torch,
+                 "torch.compile": compiled(_swiglu_torch)}
+    if liger_available():
+        baselines["liger"] = _swiglu_liger
+    return Case("linear_swiglu", f"{m}x{k}x{2 * f}", dtype, make_inputs, ours=linear_swiglu, baselines=baselines,
+                flops=_gemm_flops(m, 2 * f, k))
+
+
+def _lce_torch(x, w, t):
+    return F.cross_entropy(F.linear(x, w).float(), t)
+
+
+def _lce_liger(x, w, t):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss()(w, x, t)
+
+
+def _linear_cross_entropy_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> Case:
+    def make_inputs():
+        x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+        return x, _weight(vocab, hidden, dtype), torch.randint(0, vocab, (tokens,), device="cuda")
+
+    baselines = {"torch": _lce_torch, "torch.compile": compiled(_lce_torch)}
+    if liger_available():
+        baselines["liger"] = _lce_liger
+    return Case("linear_cross_entropy", f"{tokens}x{hidden}x{vocab}", dtype, make_inputs,
+                ours=lambda x, w, t: linear_cross_entropy(x, w, t), baselines=baselines,
+                flops=_gemm_flops(tokens, vocab, hidden), measure_memory=True)
+
+
+def cases(size: str, dtype: torch.dtype):
+    """The linear, linear_swiglu and linear_cross_entropy cases of ``size`` ("default" or "large")."""
+    if size not in SHAPES:
+        raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
+    for m, k, n in SHAPES[size]["linear"]:
+        yield _linear_case(m, k, n, dtype)
+    for m, k, f in SHAPES[size]["linear_swiglu"]:
+        yield _linear_swiglu_case(m, k, f, dtype)
+    for t, h, v in SHAPES[size]["linear_cross_entropy"]:
+        yield _linear_cross_entropy_case(t, h, v, dtype)
