@@ -1,0 +1,728 @@
+"""Fused flash attention: causal (bottom-right), native GQA/MQA, sliding window, KV-cache decode.
+
+Shapes: ``q`` is ``[B, T, Hq, D]``, ``k`` and ``v`` are ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``;
+query head ``h`` reads key/value head ``h // (Hq / Hkv)``. Inputs may be strided views (e.g. slices
+of a packed qkv projection); only the last dimension must be contiguous. Nothing is transposed.
+
+Forward, per batch, query head h, query row i, with ``s = softmax_scale`` (default ``D**-0.5``)::
+
+    visible(i, j) = j < S
+                    and (not causal or j <= i + S - T)            # bottom-right aligned causal mask
+                    and (window is None or j > i + S - T - window)  # the last `window` keys at most
+    x_ij   = s * q_i . k_j                     for visible pairs, -inf otherwise
+    lse_i  = log sum_j exp(x_ij)               (fp32 [B, Hq, T], -inf for a row that sees no key)
+    o_i    = sum_j exp(x_ij - lse_i) v_j       (0 for a row that sees no key)
+
+computed FlashAttention-2 style: one program per (query block, batch x query head) streams the
+key/value tiles with an online softmax in base 2 (scores pre-multiplied by ``s * log2(e)``),
+fp32 accumulators. Key tiles wholly outside a query block's causal/window range are skipped (the
+loop bounds are computed per query block), tiles wholly inside are processed without masks.
+Decode (``T <= 16``, or too few query blocks to fill the GPU) uses a split-KV (flash-decoding)
+kernel instead: programs over (KV split, block of the group's query rows, batch x KV head) put
+all ``Hq / Hkv`` query heads of a KV head in the M dimension of the tile, so each K/V tile is read
+once per group, and write partial ``(o, lse)`` that a combine kernel merges.
+
+Backward, with ``P_ij = exp(x_ij - lse_i)`` recomputed from the saved lse and ``dO`` the
+output gradient::
+
+    delta_i = sum_d dO_id O_id                                   (preprocess kernel)
+    dV_j    = sum_{h in group(j), i} P_ij dO_i
+    dS_ij   = P_ij (dO_i . v_j - delta_i)
+    dK_j    = s * sum_{h in group(j), i} dS_ij q_i
+    dQ_i    = s * sum_j dS_ij k_j
+
+The dK/dV kernel gives each program one key block of one KV head; it loops over every query
+head of the group and the query blocks that see the key block, accumulating in registers (no
+atomics: deterministic). The dQ kernel gives each program one query block and loops over key
+blocks. Reference: Dao, "FlashAttention-2" (2023); Triton's fused-attention tutorial.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2, num_sms
+
+#: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+_LOG2E = 1.4426950408889634
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+_NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+_POS_INF: tl.constexpr = tl.constexpr(float("inf"))
+
+# Split-KV (decode) path, knobs for the lead to tune on the GPU:
+_SPLIT_MAX_T = 16          # always use the split-KV kernel for T <= this
+_SPLIT_WAVES = 4           # aim for this many programs per SM over the splits
+_SPLIT_MIN_KEYS = 256      # fewest keys one split should read
+_SPLIT_MAX_ROWS = 64       # largest M tile of (query head, query row) pairs in the split kernel
+_COMBINE_ROWS = 16         # (b, h, t) rows per program of the split-combine kernel
+_INTERP_COMBINE_ROWS = 64  # the same under the interpreter (fewer programs)
+_PREPROCESS_BLOCK_M = 64   # rows per program of the delta = rowsum(dO * O) kernel
+_SMEM_BUDGET = 200 * 1024  # bytes of shared memory a config may plan for (H100/H200: 227 KiB)
+_TUNE_MIN_PAIRS = 1 << 20  # autotune prefill/backward only from next_pow2(T) * next_pow2(S) >= this
+
+
+# ----------------------------------------------------------------------------- shared device code
+# Masks are per-row intervals: query i sees keys [first_i, end_i) (computed once per program), so
+# a masked tile costs two compares. Helpers are called per program or per loop segment, never per
+# tile (each jit-helper call re-patches triton.language under the interpreter, about 3 ms).
+
+@triton.jit
+def _keys_seen(q_pos, key_end, shift, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Keys [first, end) seen by queries at ``q_pos``: causal bottom-right (j <= i + shift with
+    shift = S - T), window (j > i + shift - window), below ``key_end``. May be empty (end <= first)."""
+    first = tl.zeros_like(q_pos)
+    end = tl.zeros_like(q_pos) + key_end
+    if CAUSAL:
+        end = tl.minimum(end, q_pos + shift + 1)
+    if HAS_WINDOW:
+        first = tl.maximum(first, q_pos + shift - window + 1)
+    return first, end
+
+
+@triton.jit
+def _queries_seeing(k_pos, T, shift, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Queries [first, end) that see the keys at ``k_pos``: the inverse of :func:`_keys_seen`."""
+    first = tl.zeros_like(k_pos)
+    end = tl.zeros_like(k_pos) + T
+    if CAUSAL:
+        first = tl.maximum(first, k_pos - shift)
+    if HAS_WINDOW:
+        end = tl.minimum(end, k_pos - shift + window)
+    return first, end
+
+
+@triton.jit
+def _segments(first, end, BLOCK: tl.constexpr):
+    """Tile starts of the loop over the other side, from per-row intervals [first, end):
+    ``lo <= full_lo <= full_hi <= hi``. Tiles in [lo, full_lo) and [full_hi, hi) need the mask,
+    tiles in [full_lo, full_hi) are visible to every row (no mask), tiles outside are skipped.
+    Starts are multiples of BLOCK; only non-negative numbers are divided."""
+    lo = tl.min(first, 0) // BLOCK * BLOCK
+    hi = tl.maximum(tl.max(end, 0), lo)
+    full_lo = tl.minimum((tl.max(first, 0) + BLOCK - 1) // BLOCK * BLOCK, hi)
+    full_hi = tl.minimum(tl.maximum(tl.maximum(tl.min(end, 0), 0) // BLOCK * BLOCK, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, first, end, K_base, V_base, stride_ks, stride_vs, lo, hi, qk_scale,
+               offs_n, offs_d, d_ok,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax (base 2) over key tiles lo, lo + BLOCK_N, ... < hi; MASK applies [first, end)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = d_ok[None, :]
+        if MASK:
+            kv_mask = kv_mask & (cols < hi)[:, None]  # hi <= every key_end
+        kv_rows = cols.to(tl.int64)[:, None]
+        k = tl.load(K_base + kv_rows * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASK:
+            qk = tl.where((cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None]), qk, _NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_base + kv_rows * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend(q, first, end, K_base, V_base, stride_ks, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(o, lse)`` of BLOCK_M query rows over their key intervals [first, end): masked edge
+    segments, a mask-free middle; a row with no key gives o = 0, lse = -inf (natural log)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # finite start: a row whose first tiles are all masked gets p = exp2(-inf) = 0 and alpha = 1, no NaN
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_base, V_base, stride_ks, stride_vs, lo, full_lo,
+                               qk_scale, offs_n, offs_d, d_ok, BLOCK_N, True, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_base, V_base, stride_ks, stride_vs, full_lo, full_hi,
+                               qk_scale, offs_n, offs_d, d_ok, BLOCK_N, False, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_base, V_base, stride_ks, stride_vs, full_hi, hi,
+                               qk_scale, offs_n, offs_d, d_ok, BLOCK_N, True, DOT_PRECISION)
+    return _normalize(acc, l_i, m_i)
+
+
+@triton.jit
+def _normalize(acc, l_i, m_i):
+    """(o, natural-log lse) from an online-softmax state in base 2; l_i = 0 gives o = 0, lse = -inf."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, _NEG_INF, (m_i + tl.math.log2(l_safe)) * _LN2)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- forward kernels
+
+@triton.jit
+def _flash_attention_fwd_kernel(
+    Q, K, V,                    # q [B, T, Hq, D], k and v [B, S, Hkv, D]: any strides, last dim contiguous
+    O,                          # out [B, T, Hq, D], contiguous
+    LSE,                        # out [B, Hq, T] fp32, natural-log log-sum-exp of each query row
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    T, S, HQ, GROUP,            # lengths, query heads, query heads per KV head
+    shift, window, qk_scale,    # S - T; window (unused without HAS_WINDOW); softmax_scale * log2(e)
+    T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks first: with causal they see the most keys
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = (pid_bh % HQ).to(tl.int64)
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    d_ok = offs_d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+
+    q_rows = offs_m.to(tl.int64)[:, None]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    # rows past T take the intervals of row T - 1: they are never stored and must not widen the loop
+    first, end = _keys_seen(tl.minimum(offs_m, T - 1), S, shift, window, CAUSAL, HAS_WINDOW)
+    out, lse = _attend(q, first, end, K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
+                       stride_ks, stride_vs, qk_scale, offs_n, offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    o_rows = ((b * T + offs_m) * HQ + h)[:, None]
+    tl.store(O + o_rows * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty), mask=io_mask)
+    tl.store(LSE + (b * HQ + h) * T + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _flash_attention_split_fwd_kernel(
+    Q, K, V,                    # q [B, T, Hq, D], k and v [B, S, Hkv, D]: any strides, last dim contiguous
+    O_part,                     # out [splits, B, Hq, T, D] fp32: each split's normalized partial output
+    LSE_part,                   # out [splits, B, Hq, T] fp32: each split's log-sum-exp (-inf if it saw no key)
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    T, S, HQ, HKV, GROUP,       # lengths, query heads, KV heads, query heads per KV head
+    n_rows,                     # B * Hq * T: rows of one split in O_part / LSE_part
+    shift, window, qk_scale,    # S - T; window (unused without HAS_WINDOW); softmax_scale * log2(e)
+    key_lo, split_size,         # split s reads keys [key_lo + s * split_size, min(S, ... + split_size))
+    S_BUCKET,                   # next_pow2(S): autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    # M rows r = g * T + t: query head hk * GROUP + g at position t, so one K/V tile serves the group
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows % T
+    h = hk * GROUP + rows // T
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    io_mask = (rows < GROUP * T)[:, None] & d_ok[None, :]
+
+    q_rows = (h * stride_qh + t.to(tl.int64) * stride_qt)[:, None]
+    q = tl.load(Q + b * stride_qb + q_rows + offs_d[None, :], mask=io_mask, other=0.0)
+    n_lo = key_lo + pid_s * split_size
+    first, end = _keys_seen(t, tl.minimum(n_lo + split_size, S), shift, window, CAUSAL, HAS_WINDOW)
+    out, lse = _attend(q, tl.maximum(first, n_lo), end, K + b * stride_kb + hk * stride_kh,
+                       V + b * stride_vb + hk * stride_vh, stride_ks, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+                       BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    part_rows = pid_s.to(tl.int64) * n_rows + (b * HQ + h) * T + t
+    tl.store(O_part + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
+    tl.store(LSE_part + part_rows, lse, mask=rows < GROUP * T)
+
+
+@triton.jit
+def _flash_attention_combine_kernel(
+    O_part,                     # [splits, B, Hq, T, D] fp32 partial outputs
+    LSE_part,                   # [splits, B, Hq, T] fp32 partial log-sum-exps
+    O,                          # out [B, T, Hq, D], contiguous
+    LSE,                        # out [B, Hq, T] fp32
+    n_rows, T, HQ, num_splits,  # B * Hq * T; lengths; number of splits
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """BLOCK_R rows (b, h, t) per program: o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s),
+    as an online softmax over the splits in base 2."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b * Hq + h) * T + t
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)  # finite: an empty split (lse -inf) gets weight 0
+    for s in range(0, num_splits):
+        part_rows = s * n_rows + rows
+        lse_s = tl.load(LSE_part + part_rows, mask=row_ok, other=_NEG_INF) * 1.4426950408889634
+        o_s = tl.load(O_part + part_rows[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0)
+        m_new = tl.maximum(m_i, lse_s)
+        alpha = tl.math.exp2(m_i - m_new)
+        w = tl.math.exp2(lse_s - m_new)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        m_i = m_new
+    out, lse = _normalize(acc, l_i, m_i)
+    bh = rows // T
+    o_rows = ((bh // HQ * T + rows % T) * HQ + bh % HQ)[:, None]
+    tl.store(O + o_rows * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty), mask=io_mask)
+    tl.store(LSE + rows, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- backward kernels
+
+@triton.jit
+def _flash_attention_bwd_preprocess_kernel(
+    O,                          # [B, T, Hq, D] forward output, contiguous
+    DO,                         # [B, T, Hq, D] output gradient: any strides, last dim contiguous
+    LSE,                        # [B, Hq, T] fp32 forward log-sum-exp (natural log)
+    DELTA,                      # out [B, Hq, T] fp32: rowsum(dO * O)
+    LSE2,                       # out [B, Hq, T] fp32: lse * log2(e), +inf for rows that saw no key
+    stride_dob, stride_dot, stride_doh,
+    T, HQ,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = (pid_bh % HQ).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o_rows = ((b * T + offs_m) * HQ + h)[:, None]
+    o = tl.load(O + o_rows * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0)
+    do_rows = offs_m.to(tl.int64)[:, None] * stride_dot
+    do = tl.load(DO + b * stride_dob + h * stride_doh + do_rows + offs_d[None, :], mask=io_mask, other=0.0)
+    stat = (b * HQ + h) * T + offs_m
+    tl.store(DELTA + stat, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+    # +inf makes the recomputed probabilities of an empty row exp2(s - inf) = 0
+    lse = tl.load(LSE + stat, mask=row_ok, other=0.0)
+    tl.store(LSE2 + stat, tl.where(lse == _NEG_INF, _POS_INF, lse * 1.4426950408889634), mask=row_ok)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base, stride_qt, stride_dot,
+                lo, hi, T, qk_scale, offs_m, offs_d, d_ok,
+                BLOCK_M: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dK/dV contributions of query tiles lo, lo + BLOCK_M, ... < hi of one query head; key j is seen
+    by queries [first_j, end_j). Scores are kept transposed ([keys, queries]) as in the Triton tutorial."""
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < T
+        qd_mask = d_ok[None, :]
+        if MASK:
+            qd_mask = qd_mask & row_ok[:, None]
+        q_rows = rows.to(tl.int64)[:, None]
+        q = tl.load(Q_base + q_rows * stride_qt + offs_d[None, :], mask=qd_mask, other=0.0)
+        lse2 = tl.load(LSE2_base + rows, mask=row_ok, other=0.0)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
+        if MASK:
+            p_t = tl.where((rows[None, :] >= first[:, None]) & (rows[None, :] < end[:, None]), p_t, 0.0)
+        do = tl.load(DO_base + q_rows * stride_dot + offs_d[None, :], mask=qd_mask, other=0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        delta = tl.load(DELTA_base + rows, mask=row_ok, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _flash_attention_bwd_dkdv_kernel(
+    Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: any strides, last dim contiguous
+    LSE2, DELTA,                # [B, Hq, T] fp32 from the preprocess kernel
+    DK, DV,                     # out [B, S, Hkv, D], contiguous
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    T, S, HQ, HKV, GROUP,       # lengths, query heads, KV heads, query heads per KV head
+    shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
+    T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    io_mask = (cols < S)[:, None] & d_ok[None, :]
+    kv_rows = cols.to(tl.int64)[:, None]
+    k = tl.load(K + b * stride_kb + hk * stride_kh + kv_rows * stride_ks + offs_d[None, :], mask=io_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + kv_rows * stride_vs + offs_d[None, :], mask=io_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # keys past S take the intervals of key S - 1: their rows are never stored
+    first, end = _queries_seeing(tl.minimum(cols, S - 1), T, shift, window, CAUSAL, HAS_WINDOW)
+    lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_M)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        Q_base = Q + b * stride_qb + h * stride_qh
+        DO_base = DO + b * stride_dob + h * stride_doh
+        LSE2_base = LSE2 + (b * HQ + h) * T
+        DELTA_base = DELTA + (b * HQ + h) * T
+        dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base, stride_qt, stride_dot,
+                             lo, full_lo, T, qk_scale, offs_m, offs_d, d_ok, BLOCK_M, True, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base, stride_qt, stride_dot,
+                             full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok, BLOCK_M, False, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base, stride_qt, stride_dot,
+                             full_hi, hi, T, qk_scale, offs_m, offs_d, d_ok, BLOCK_M, True, DOT_PRECISION)
+    out_rows = ((b * S + cols) * HKV + hk)[:, None]
+    tl.store(DK + out_rows * HEAD_DIM + offs_d[None, :], (dk * softmax_scale).to(DK.dtype.element_ty), mask=io_mask)
+    tl.store(DV + out_rows * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, stride_vs, lo, hi, qk_scale,
+              offs_n, offs_d, d_ok,
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dQ contributions of key tiles lo, lo + BLOCK_N, ... < hi; MASK applies [first, end)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = d_ok[None, :]
+        if MASK:
+            kv_mask = kv_mask & (cols < hi)[:, None]  # hi <= every key_end
+        kv_rows = cols.to(tl.int64)[:, None]
+        k = tl.load(K_base + kv_rows * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_base + kv_rows * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+        if MASK:
+            p = tl.where((cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None]), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _flash_attention_bwd_dq_kernel(
+    Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: any strides, last dim contiguous
+    LSE2, DELTA,                # [B, Hq, T] fp32 from the preprocess kernel
+    DQ,                         # out [B, T, Hq, D], contiguous
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    T, S, HQ, GROUP,            # lengths, query heads, query heads per KV head
+    shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
+    T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks first: with causal they see the most keys
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = (pid_bh % HQ).to(tl.int64)
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    d_ok = offs_d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q_rows = offs_m.to(tl.int64)[:, None]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + q_rows * stride_dot + offs_d[None, :], mask=io_mask,
+                 other=0.0)
+    stat = (b * HQ + h) * T + offs_m
+    lse2 = tl.load(LSE2 + stat, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+    K_base = K + b * stride_kb + hk * stride_kh
+    V_base = V + b * stride_vb + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first, end = _keys_seen(tl.minimum(offs_m, T - 1), S, shift, window, CAUSAL, HAS_WINDOW)
+    lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_N)
+    dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, stride_vs, lo, full_lo, qk_scale,
+                   offs_n, offs_d, d_ok, BLOCK_N, True, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, stride_vs, full_lo, full_hi,
+                   qk_scale, offs_n, offs_d, d_ok, BLOCK_N, False, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, stride_vs, full_hi, hi, qk_scale,
+                   offs_n, offs_d, d_ok, BLOCK_N, True, DOT_PRECISION)
+    dq_rows = ((b * T + offs_m) * HQ + h)[:, None]
+    tl.store(DQ + dq_rows * HEAD_DIM + offs_d[None, :], (dq * softmax_scale).to(DQ.dtype.element_ty), mask=io_mask)
+
+
+# ----------------------------------------------------------------------------- tuning
+# Under the interpreter each kernel gets one fixed config (autotune with a single config does not
+# benchmark); BLOCK_M != BLOCK_N there so that tile edges of queries and keys fall differently.
+# On the GPU: short hand-picked lists (every autotuned key compiles each config: the lists are kept
+# small so a test or benchmark run does not spend its time compiling), pruned per head dim and
+# dtype, keyed on the head dim, the mask kind and the lengths rounded to powers of two. The lists
+# are ordered largest tile first; the last one is the fallback. Not yet measured on H100/H200.
+
+def _tuned(kernel, interp: dict, gpu: list[tuple[dict, int, int]], key: list[str], smem_elems, acc_elems):
+    """``kernel`` autotuned over ``gpu`` = [(block sizes, num_warps, num_stages)], keyed on ``key``.
+
+    A config is kept when its planned shared memory ``smem_elems(blocks, BLOCK_D, stages)`` times the
+    element size fits the budget and its fp32 accumulators ``acc_elems(blocks, BLOCK_D)`` need at most
+    256 registers per thread. fp32 inputs (the exact, slow path) and problems under
+    ``_TUNE_MIN_PAIRS`` (rounded T x S) keep only the smallest config: nothing to gain from compiling
+    and timing the others. Under the interpreter: the single config ``interp``.
+    """
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        bd, esize = args["BLOCK_D"], args["Q"].element_size()
+        kept = [c for c in configs if smem_elems(c.kwargs, bd, c.num_stages) * esize <= _SMEM_BUDGET
+                and acc_elems(c.kwargs, bd) <= 256 * 32 * c.num_warps] or configs[-1:]
+        small = "T_BUCKET" in args and args["T_BUCKET"] * args["S_BUCKET"] < _TUNE_MIN_PAIRS
+        return kept[-1:] if esize == 4 or small else kept
+
+    if interpreting():
+        configs = [triton.Config(interp, num_warps=1, num_stages=1)]
+    else:
+        configs = [triton.Config(blocks, num_warps=w, num_stages=s) for blocks, w, s in gpu]
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+def _mn(bm, bn):
+    return {"BLOCK_M": bm, "BLOCK_N": bn}
+
+
+_KEYS = ["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_WINDOW"]
+
+# forward: q tile resident, k and v tiles pipelined; accumulator BLOCK_M x BLOCK_D
+# (Hopper usually prefers BLOCK_M 128, BLOCK_N 64-128, 8 warps at D 128)
+_fwd_kernel = _tuned(
+    _flash_attention_fwd_kernel, _mn(32, 16),
+    [(_mn(128, 128), 8, 2), (_mn(128, 64), 8, 3), (_mn(128, 64), 4, 3), (_mn(64, 128), 4, 2), (_mn(64, 64), 4, 3),
+     (_mn(64, 32), 4, 4)],
+    _KEYS,
+    lambda c, bd, st: bd * (c["BLOCK_M"] + 2 * st * c["BLOCK_N"]),
+    lambda c, bd: c["BLOCK_M"] * bd)
+
+# split-KV decode: BLOCK_M (the group's query rows, <= _SPLIT_MAX_ROWS) is chosen by the launcher
+_split_fwd_kernel = _tuned(
+    _flash_attention_split_fwd_kernel, {"BLOCK_N": 16},
+    [({"BLOCK_N": 128}, 8, 3), ({"BLOCK_N": 128}, 4, 2), ({"BLOCK_N": 64}, 8, 4), ({"BLOCK_N": 64}, 4, 3)],
+    ["S_BUCKET", "HEAD_DIM", "BLOCK_M", "CAUSAL", "HAS_WINDOW"],
+    lambda c, bd, st: bd * (_SPLIT_MAX_ROWS + 2 * st * c["BLOCK_N"]),
+    lambda c, bd: _SPLIT_MAX_ROWS * bd)
+
+# dK/dV: k, v tiles resident, q and dO tiles pipelined; accumulators dK, dV: 2 x BLOCK_N x BLOCK_D
+_dkdv_kernel = _tuned(
+    _flash_attention_bwd_dkdv_kernel, _mn(16, 32),
+    [(_mn(64, 128), 8, 2), (_mn(32, 128), 4, 3), (_mn(32, 64), 4, 3), (_mn(16, 64), 4, 2)],
+    _KEYS,
+    lambda c, bd, st: bd * (2 * c["BLOCK_N"] + 2 * st * c["BLOCK_M"]),
+    lambda c, bd: 2 * c["BLOCK_N"] * bd)
+
+# dQ: q, dO tiles resident, k and v tiles pipelined; accumulator BLOCK_M x BLOCK_D
+_dq_kernel = _tuned(
+    _flash_attention_bwd_dq_kernel, _mn(32, 16),
+    [(_mn(128, 64), 8, 2), (_mn(128, 32), 4, 3), (_mn(64, 64), 4, 3), (_mn(64, 32), 4, 2)],
+    _KEYS,
+    lambda c, bd, st: bd * (2 * c["BLOCK_M"] + 2 * st * c["BLOCK_N"]),
+    lambda c, bd: c["BLOCK_M"] * bd)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _check_attention_inputs(q, k, v, causal, window, softmax_scale) -> float:
+    """Validate q, k, v and the options; return the softmax scale to use."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+    check_same_device(q=q, k=k, v=v)
+    check_same_dtype(q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B, S, Hkv, D], got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    B, T, Hq, D = q.shape
+    Bk, S, Hkv, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"q and k, v must have the same batch size, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if Dk != D:
+        raise ValueError(f"q and k, v must have the same head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.numel() == 0 or k.numel() == 0:
+        raise ValueError(f"q and k, v must be non-empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim D={D} of q, k, v is not supported; expected one of {HEAD_DIMS}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"the Hq={Hq} heads of q must be a multiple of the Hkv={Hkv} heads of k and v")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (keys each query sees, itself included), got {window}")
+        if not causal:
+            raise ValueError("window requires causal=True (a sliding window looks back from each query)")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, position, head) strides of a [B, L, H, D] tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _kernel_flags(q: torch.Tensor, causal: bool, window: int | None) -> dict:
+    D = q.shape[-1]
+    return dict(HEAD_DIM=D, BLOCK_D=next_pow2(D), CAUSAL=causal, HAS_WINDOW=window is not None,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _split_rows_block(group: int, T: int) -> int:
+    """M tile of the split-KV kernel: the group's query rows, 16 (smallest tl.dot) to _SPLIT_MAX_ROWS."""
+    return min(max(next_pow2(group * T), 16), _SPLIT_MAX_ROWS)
+
+
+def _auto_splits(B: int, T: int, Hq: int, Hkv: int, n_keys: int) -> int:
+    """0 for the one-pass kernel, else the number of KV splits of the flash-decoding kernel."""
+    if T > _SPLIT_MAX_T and (triton.cdiv(T, 64) * B * Hq >= num_sms() or n_keys < 8 * T):
+        return 0
+    base = B * Hkv * triton.cdiv(Hq // Hkv * T, _split_rows_block(Hq // Hkv, T))
+    return max(1, min(triton.cdiv(_SPLIT_WAVES * num_sms(), base), triton.cdiv(n_keys, _SPLIT_MIN_KEYS)))
+
+
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                        window: int | None = None, softmax_scale: float | None = None,
+                        split_kv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward attention: ``(o [B, T, Hq, D] contiguous, lse fp32 [B, Hq, T])``.
+
+    ``split_kv``: None picks the kernel (split-KV for T <= 16 or when the query blocks cannot fill
+    the GPU); 0 forces the one-pass kernel; n >= 1 the split-KV kernel with at most n KV splits.
+    """
+    scale = _check_attention_inputs(q, k, v, causal, window, softmax_scale)
+    if split_kv is not None and (isinstance(split_kv, bool) or not isinstance(split_kv, int) or split_kv < 0):
+        raise ValueError(f"split_kv must be None or an int >= 0, got {split_kv!r}")
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    o = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    flags = _kernel_flags(q, causal, window)
+    shift, win, qk_scale = S - T, window or 0, scale * _LOG2E
+    key_lo = max(shift - window + 1, 0) if window is not None else 0
+    splits = _auto_splits(B, T, Hq, Hkv, S - key_lo) if split_kv is None else split_kv
+
+    if splits == 0:
+        grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+        _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), T, S, Hq, Hq // Hkv,
+                          shift, win, qk_scale, next_pow2(T), next_pow2(S), **flags)
+        return o, lse
+
+    group = Hq // Hkv
+    block_m = _split_rows_block(group, T)
+    align = max(c.kwargs["BLOCK_N"] for c in _split_fwd_kernel.configs)
+    split_size = triton.cdiv(triton.cdiv(S - key_lo, splits), align) * align
+    splits = triton.cdiv(S - key_lo, split_size)
+    o_part = torch.empty((splits, B, Hq, T, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((splits, B, Hq, T), dtype=torch.float32, device=q.device)
+    grid = (splits, triton.cdiv(group * T, block_m), B * Hkv)
+    _split_fwd_kernel[grid](q, k, v, o_part, lse_part, *_strides(q), *_strides(k), *_strides(v),
+                            T, S, Hq, Hkv, group, B * Hq * T, shift, win, qk_scale, key_lo, split_size,
+                            next_pow2(S), BLOCK_M=block_m, **flags)
+    rows_block = _INTERP_COMBINE_ROWS if interpreting() else _COMBINE_ROWS
+    _flash_attention_combine_kernel[(triton.cdiv(B * Hq * T, rows_block),)](
+        o_part, lse_part, o, lse, B * Hq * T, T, Hq, splits,
+        HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_R=rows_block, num_warps=1 if interpreting() else 4)
+    return o, lse
+
+
+def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        lse: torch.Tensor, causal: bool = True, window: int | None = None,
+                        softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward attention from the forward's ``o`` and ``lse``: ``(dq, dk, dv)``, contiguous, shaped like
+    ``q``, ``k``, ``v``."""
+    scale = _check_attention_inputs(q, k, v, causal, window, softmax_scale)
+    check_tensor("do", do, ndim=4)
+    check_tensor("o", o, ndim=4)
+    check_tensor("lse", lse, dtypes=(torch.float32,), ndim=3)
+    check_same_device(q=q, do=do, o=o, lse=lse)
+    check_same_dtype(q=q, do=do, o=o)
+    if do.shape != q.shape or o.shape != q.shape:
+        raise ValueError(f"do and o must have the shape of q {tuple(q.shape)}, got do {tuple(do.shape)} "
+                         f"and o {tuple(o.shape)}")
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if lse.shape != (B, Hq, T):
+        raise ValueError(f"lse must have shape {(B, Hq, T)} [B, Hq, T], got {tuple(lse.shape)}")
+    q, k, v, do = (_last_dim_contiguous(t) for t in (q, k, v, do))
+    o, lse = o.contiguous(), lse.contiguous()
+    flags = _kernel_flags(q, causal, window)
+    shift, win, qk_scale = S - T, window or 0, scale * _LOG2E
+
+    delta = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    _flash_attention_bwd_preprocess_kernel[(triton.cdiv(T, _PREPROCESS_BLOCK_M), B * Hq)](
+        o, do, lse, delta, lse2, *_strides(do), T, Hq, HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"],
+        BLOCK_M=_PREPROCESS_BLOCK_M, num_warps=1 if interpreting() else 4)
+
+    dq = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, S, Hkv, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, S, Hkv, D), dtype=v.dtype, device=v.device)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    buckets = (next_pow2(T), next_pow2(S))
+    _dkdv_kernel[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)](
+        q, k, v, do, lse2, delta, dk, dv, *strides, T, S, Hq, Hkv, Hq // Hkv,
+        shift, win, qk_scale, scale, *buckets, **flags)
+    _dq_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)](
+        q, k, v, do, lse2, delta, dq, *strides, T, S, Hq, Hq // Hkv,
+        shift, win, qk_scale, scale, *buckets, **flags)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- autograd + functional
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: forward saves q, k, v, the output and the fp32 log-sum-exp only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, window, softmax_scale):
+        o, lse = flash_attention_fwd(q, k, v, causal, window, softmax_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.window, ctx.softmax_scale = causal, window, softmax_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.window, ctx.softmax_scale)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    window: int | None = None, softmax_scale: float | None = None) -> torch.Tensor:
+    """Softmax attention ``softmax(s * q k^T + mask) v`` with GQA/MQA, computed without the T x S matrix.
+
+    Args:
+        q: ``[B, T, Hq, D]`` queries; k, v: ``[B, S, Hkv, D]`` keys and values, ``Hq % Hkv == 0``
+            (query head h uses KV head ``h // (Hq // Hkv)``). Any strides with a contiguous last
+            dimension (e.g. slices of a packed ``[B, T, Hq + 2 Hkv, D]`` projection).
+            D in (32, 64, 96, 128, 256); fp16/bf16 (fp32 accepted, computed exactly, slower).
+        causal: query i sees keys ``j <= i + S - T`` (bottom-right aligned, so T = 1 against a KV
+            cache of S keys sees them all). Query rows that see no key (T > S) output 0.
+        window: sliding window (needs ``causal=True``): query i sees only keys
+            ``i + S - T - window < j <= i + S - T``, the last ``window`` keys, itself included.
+            Work grows with T * window, not T * S.
+        softmax_scale: ``s``, default ``1 / sqrt(D)``.
+
+    Returns:
+        ``[B, T, Hq, D]`` contiguous, in the dtype of q. Differentiable in q, k, v.
+    """
+    return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale)

@@ -1,0 +1,239 @@
+"""flash_attention: forward output, lse and the gradients of q, k, v against a float64 reference.
+
+The reference is an explicit softmax of ``q k^T * scale`` with the causal / window mask (bottom-right
+aligned), GQA by repeating k and v heads in the reference only. Outputs the launchers allocate are
+poisoned with NaN by ``torch.use_deterministic_algorithms`` (``fill_uninitialized_memory``), so an
+element a kernel never writes fails the check.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from _checks import DTYPES, assert_close, dtype_id, non_contiguous, randn
+from tritonllm.kernels.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty():
+    """torch.empty returns NaN-filled memory while a test runs."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    B: int
+    Hq: int
+    Hkv: int
+    T: int
+    S: int
+    D: int
+    causal: bool = True
+    window: int | None = None
+    scale: float | None = None
+
+
+def reference(q, k, v, causal=True, window=None, scale=None):
+    """(out [B, T, Hq, D], lse [B, Hq, T]) by an explicit masked softmax in the dtype of q.
+
+    Rows that see no key (causal with T > S) give out = 0 and lse = -inf, like the kernel.
+    """
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(Hq // Hkv, dim=2)
+    v = v.repeat_interleave(Hq // Hkv, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    i = torch.arange(T, device=q.device)[:, None] + (S - T)
+    j = torch.arange(S, device=q.device)[None, :]
+    visible = torch.ones(T, S, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= j <= i
+    if window is not None:
+        visible &= j > i - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    m = scores.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    denom = p.sum(-1, keepdim=True)
+    out = torch.einsum("bhts,bshd->bthd", p / denom.clamp_min(torch.finfo(q.dtype).tiny), v)
+    return out, (m + denom.log()).squeeze(-1)
+
+
+def _inputs(c: Case, dtype, layout="contiguous"):
+    """q, k, v requiring grad; ``packed``: slices of one [B, T, Hq + 2 Hkv, D] projection (T == S),
+    ``strided-batch``: every other batch entry of a bigger buffer, ``strided-last-dim``: transposed
+    [B, L, D, H] storage (copied by the launcher)."""
+    if layout == "packed":
+        qkv = randn(c.B, c.T, c.Hq + 2 * c.Hkv, c.D, dtype=dtype, requires_grad=True)
+        return qkv.split([c.Hq, c.Hkv, c.Hkv], dim=2)
+    if layout == "strided-last-dim":
+        return tuple(randn(c.B, n, c.D, h, dtype=dtype).transpose(2, 3).requires_grad_()
+                     for n, h in ((c.T, c.Hq), (c.S, c.Hkv), (c.S, c.Hkv)))
+    q = randn(c.B, c.T, c.Hq, c.D, dtype=dtype, requires_grad=True)
+    k = randn(c.B, c.S, c.Hkv, c.D, dtype=dtype, requires_grad=True)
+    v = randn(c.B, c.S, c.Hkv, c.D, dtype=dtype, requires_grad=True)
+    if layout == "strided-batch":
+        return tuple(non_contiguous(t) for t in (q, k, v))
+    return q, k, v
+
+
+def _check_fwd_bwd(c: Case, dtype, layout="contiguous", strided_grad=False):
+    q, k, v = _inputs(c, dtype, layout)
+    do = randn(c.B, c.T, c.Hq, c.D, dtype=dtype)
+    if strided_grad:
+        do = non_contiguous(do)
+    out = flash_attention(q, k, v, causal=c.causal, window=c.window, softmax_scale=c.scale)
+    assert out.is_contiguous() and out.shape == q.shape and out.dtype == dtype
+    grads = torch.autograd.grad(out, (q, k, v), do)
+
+    def ref_in(t, ref_dtype):
+        return t.detach().to(ref_dtype).requires_grad_()
+
+    results = {}
+    for ref_dtype in (torch.float64, dtype):
+        qr, kr, vr = (ref_in(t, ref_dtype) for t in (q, k, v))
+        ref_out, _ = reference(qr, kr, vr, c.causal, c.window, c.scale)
+        results[ref_dtype] = (ref_out, *torch.autograd.grad(ref_out, (qr, kr, vr), do.to(ref_dtype)))
+    ref64, same = results[torch.float64], results[dtype]
+    for name, got, ref, own in zip(("out", "dq", "dk", "dv"), (out, *grads), ref64, same):
+        assert_close(name, got, ref, same=own)
+
+
+CASES = [
+    Case("mha-causal-B2-T63", 2, 2, 2, 63, 63, 32),
+    Case("mha-full-T100", 1, 2, 2, 100, 100, 64, causal=False),
+    Case("gqa4:1-causal-T50", 1, 8, 2, 50, 50, 32),
+    Case("mqa-causal-T17-S100", 1, 4, 1, 17, 100, 32),
+    Case("mqa-full-B2-T7-S63", 2, 4, 1, 7, 63, 64, causal=False),
+    Case("gqa2:1-window17-T63-S100", 1, 4, 2, 63, 100, 32, window=17),
+    Case("mha-window40-T257", 1, 1, 1, 257, 257, 32, window=40),
+    Case("gqa4:1-decode-T1-S257", 1, 8, 2, 1, 257, 64),
+    Case("mqa-decode-window50-B2-T1-S100", 2, 4, 1, 1, 100, 32, window=50),
+    Case("single-row-T1-S1", 1, 1, 1, 1, 1, 32),
+    Case("scale0.3-T17", 1, 2, 1, 17, 17, 64, scale=0.3),
+    Case("window1-T30", 1, 2, 2, 30, 30, 32, window=1),
+    Case("empty-rows-T17-S5", 1, 2, 2, 17, 5, 32),
+    Case("D96-T33", 1, 1, 1, 33, 33, 96),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_flash_attention(case, dtype):
+    _check_fwd_bwd(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("layout", ["packed", "strided-batch", "strided-last-dim"])
+def test_flash_attention_strided_inputs(layout, dtype):
+    _check_fwd_bwd(Case(layout, 2, 4, 2, 33, 33, 32), dtype, layout=layout, strided_grad=True)
+
+
+@pytest.mark.parametrize("split_kv", [0, 1, 3], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("case", [
+    Case("gqa2:1-causal-T40-S100", 1, 4, 2, 40, 100, 32),
+    Case("gqa4:1-window9-T5-S70", 1, 4, 1, 5, 70, 64, window=9),
+    Case("empty-rows-T9-S4", 1, 2, 1, 9, 4, 32),
+], ids=lambda c: c.name)
+def test_flash_attention_fwd_kernels(case, split_kv):
+    """Each forward kernel (one-pass, split-KV with one or several splits) gives the same out and lse."""
+    q, k, v = (t.detach() for t in _inputs(case, torch.float32))
+    out, lse = flash_attention_fwd(q, k, v, case.causal, case.window, case.scale, split_kv=split_kv)
+    ref_out, ref_lse = reference(q.double(), k.double(), v.double(), case.causal, case.window, case.scale)
+    assert_close("out", out, ref_out)
+    empty = torch.isinf(ref_lse)
+    assert lse.dtype == torch.float32 and lse.shape == (case.B, case.Hq, case.T)
+    assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly for rows that see no key"
+    assert_close("lse", lse[~empty], ref_lse[~empty])
+
+
+def test_flash_attention_deterministic():
+    c = Case("gqa", 1, 4, 2, 40, 40, 32)
+    q, k, v = (t.detach() for t in _inputs(c, torch.float32))
+    do = randn(1, 40, 4, 32)
+    out, lse = flash_attention_fwd(q, k, v)
+    first = flash_attention_bwd(do, q, k, v, out, lse)
+    second = flash_attention_bwd(do, q, k, v, out, lse)
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"{name} differs between two identical backward calls"
+
+
+def _qkv(B=1, T=8, Hq=4, Hkv=2, D=32, S=None, dtype=torch.float32):
+    S = T if S is None else S
+    return randn(B, T, Hq, D, dtype=dtype), randn(B, S, Hkv, D, dtype=dtype), randn(B, S, Hkv, D, dtype=dtype)
+
+
+@pytest.mark.parametrize("make, kwargs, error, match", [
+    (lambda: _qkv(Hq=6, Hkv=4), {}, ValueError, "Hq=6 heads of q"),
+    (lambda: _qkv(D=48), {}, ValueError, "head dim D=48 of q, k, v"),
+    (lambda: (randn(2, 8, 4, 32),) + _qkv()[1:], {}, ValueError, "q and k, v must have the same batch"),
+    (lambda: (randn(1, 8, 4, 64),) + _qkv()[1:], {}, ValueError, "q and k, v must have the same head dim"),
+    (lambda: _qkv()[:2] + (randn(1, 9, 2, 32),), {}, ValueError, "k and v must have the same shape"),
+    (lambda: _qkv()[:2] + (randn(1, 8, 2, 32, dtype=torch.float16),), {}, TypeError, "v is float16"),
+    (lambda: (randn(8, 4, 32),) + _qkv()[1:], {}, ValueError, "q must have 4 dimensions"),
+    (lambda: _qkv()[:1] + (randn(1, 8, 2, 32, 1),) + _qkv()[2:], {}, ValueError, "k must have 4 dimensions"),
+    (lambda: (_qkv()[0].tolist(),) + _qkv()[1:], {}, TypeError, "q must be a torch.Tensor"),
+    (lambda: _qkv(), {"window": 0}, ValueError, "window must be >= 1"),
+    (lambda: _qkv(), {"window": 4, "causal": False}, ValueError, "window requires causal=True"),
+    (lambda: _qkv(), {"window": 2.5}, TypeError, "window must be an int"),
+    (lambda: _qkv(), {"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+    (lambda: _qkv(S=0), {}, ValueError, "q and k, v must be non-empty"),
+], ids=["heads-not-multiple", "head-dim-48", "batch-mismatch", "head-dim-mismatch", "kv-shape-mismatch",
+        "dtype-mismatch", "q-rank-3", "k-rank-5", "q-not-tensor", "window-0", "window-not-causal", "window-float",
+        "scale-nan", "empty-keys"])
+def test_flash_attention_bad_input(make, kwargs, error, match):
+    q, k, v = make()
+    with pytest.raises(error, match=match):
+        flash_attention(q, k, v, **kwargs)
+
+
+def test_flash_attention_bad_split_kv():
+    with pytest.raises(ValueError, match="split_kv"):
+        flash_attention_fwd(*_qkv(), split_kv=-1)
+
+
+def test_flash_attention_bwd_bad_lse():
+    q, k, v = _qkv()
+    out, lse = flash_attention_fwd(q, k, v)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        flash_attention_bwd(torch.ones_like(out), q, k, v, out, lse[:, :, :4])
+    with pytest.raises(ValueError, match="do and o must have the shape of q"):
+        flash_attention_bwd(torch.ones_like(out)[:, :4], q, k, v, out, lse)
+
+
+# ----------------------------------------------------------------------------- GPU only (bf16, large)
+# Kept few: each (head dim, mask kind, dtype) autotunes, i.e. compiles every config, on first use.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
+def test_flash_attention_gpu_head_dims(D):
+    _check_fwd_bwd(Case("gqa4:1-causal-B2-T1000", 2, 8, 2, 1000, 1000, D), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, dtype", [
+    (Case("gqa4:1-causal-T8192-D128", 1, 8, 2, 8192, 8192, 128), torch.bfloat16),
+    (Case("gqa4:1-causal-T8192-D128", 1, 8, 2, 8192, 8192, 128), torch.float16),
+    (Case("mqa-window1024-T8192-D64", 1, 4, 1, 8192, 8192, 64, window=1024), torch.bfloat16),
+    (Case("gqa2:1-window256-T3000-D256", 1, 4, 2, 3000, 3000, 256, window=256), torch.bfloat16),
+    (Case("mha-full-T777-S1500-D128", 1, 4, 4, 777, 1500, 128, causal=False), torch.bfloat16),
+], ids=lambda x: x.name if isinstance(x, Case) else dtype_id(x))
+def test_flash_attention_gpu_long(case, dtype):
+    _check_fwd_bwd(case, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    Case("decode-gqa4:1-B8-T1-S4096", 8, 32, 8, 1, 4096, 128),
+    Case("decode-mqa-B4-T4-S3001", 4, 8, 1, 4, 3001, 64),
+    Case("decode-window512-B2-T1-S5000", 2, 16, 4, 1, 5000, 128, window=512),
+    Case("chunk-gqa4:1-T64-S8192", 1, 8, 2, 64, 8192, 128),
+], ids=lambda c: c.name)
+def test_flash_attention_gpu_decode(case):
+    _check_fwd_bwd(case, torch.bfloat16)
