@@ -1,0 +1,150 @@
+"""The model configuration: one typed dataclass, built from a dict or a Hydra ``DictConfig``.
+
+``conf/model/<name>.yaml`` holds the fields of :class:`ModelConfig` (Hydra group ``model``:
+``python -m tritonllm.train +model=void125m model.n_layers=4``). Invalid or unknown fields raise a
+:class:`ModelConfigError` (both a :class:`tritonllm.errors.ConfigError` and a ``ValueError``) naming
+the field. Every yaml states its parameter count in a ``# params: ...`` comment, which
+``tests/test_models.py`` checks against :meth:`ModelConfig.param_count`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tritonllm.errors import ConfigError
+
+MOE_SCORES = ("softmax", "sigmoid")
+ROPE_SCALINGS = ("ntk", "yarn")
+
+
+class ModelConfigError(ConfigError, ValueError):
+    """An unknown, mistyped or inconsistent model config field (also a ValueError for plain callers)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "custom"  # config name, used in logs and checkpoint folders
+    vocab_size: int = 32000  # rows of the token embedding (and of the LM head)
+    d_model: int = 768  # width of the residual stream
+    n_layers: int = 12  # number of transformer blocks
+    n_heads: int = 12  # query heads per attention layer
+    n_kv_heads: int | None = None  # key/value heads (GQA; 1 = MQA); None = n_heads
+    head_dim: int | None = None  # width of one head; None = d_model // n_heads
+    d_ff: int = 2048  # hidden width of the dense SwiGLU MLP
+    max_seq_len: int = 2048  # longest sequence: size of the RoPE tables and of the KV cache
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: dict | None = None  # None | {"type": "ntk", "factor": f} | {"type": "yarn", "factor": f, ...}
+    qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE
+    window: int | None = None  # sliding-window attention span in tokens; None = full causal
+    norm_eps: float = 1e-6  # epsilon of every RMSNorm
+    tie_embeddings: bool = True  # LM head shares the token embedding matrix
+    init_std: float = 0.02  # std of the normal init; output projections get init_std / sqrt(2 * n_layers)
+    z_loss_coef: float = 0.0  # weight of the LM-head z-loss (mean logsumexp^2) added to the training loss
+    n_experts: int = 0  # routed experts per MoE layer; 0 = dense SwiGLU MLP
+    moe_top_k: int = 2  # experts each token is routed to
+    d_expert: int | None = None  # hidden width of one expert's SwiGLU; None = d_ff
+    n_shared_experts: int = 0  # always-on experts (width d_expert) added to the routed ones
+    moe_score: str = "softmax"  # router scoring function: "softmax" or "sigmoid"
+    moe_normalize: bool = True  # renormalise the top-k routing weights to sum to 1
+    moe_aux_loss_coef: float = 0.01  # weight of the load-balancing auxiliary loss
+    moe_z_loss_coef: float = 0.0  # weight of the router z-loss
+
+    def __post_init__(self):
+        _check_types(self)
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            if getattr(self, f) < 1:
+                raise ModelConfigError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ModelConfigError(f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); "
+                                 "set head_dim explicitly")
+            self.head_dim = self.d_model // self.n_heads
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ModelConfigError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.window is not None and self.window < 1:
+            raise ModelConfigError(f"window must be None or >= 1, got {self.window}")
+        if self.rope_scaling is not None and self.rope_scaling.get("type") not in ROPE_SCALINGS:
+            raise ModelConfigError(f"rope_scaling must be None or a dict with type in {ROPE_SCALINGS}, "
+                             f"got {self.rope_scaling}")
+        if self.d_expert is None:
+            self.d_expert = self.d_ff
+        if self.n_experts < 0:
+            raise ModelConfigError(f"n_experts must be >= 0, got {self.n_experts}")
+        if self.n_experts and not 1 <= self.moe_top_k <= self.n_experts:
+            raise ModelConfigError(f"moe_top_k must be in [1, n_experts={self.n_experts}], got {self.moe_top_k}")
+        if self.moe_score not in MOE_SCORES:
+            raise ModelConfigError(f"moe_score must be one of {MOE_SCORES}, got {self.moe_score!r}")
+
+    @classmethod
+    def from_dict(cls, d) -> ModelConfig:
+        """Build from a mapping or an OmegaConf ``DictConfig``; an unknown key is a ModelConfigError naming it."""
+        d = _plain(d)
+        if not isinstance(d, Mapping):
+            raise ModelConfigError(f"model config must be a mapping or DictConfig, got {type(d).__name__}")
+        d = {k: _plain(v) for k, v in d.items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ModelConfigError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def param_count(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Analytic parameter count of the Transformer this config builds (nothing is allocated).
+
+        ``exclude_embedding`` drops the token-embedding table (the LM head of an untied model is
+        kept: it is a matmul every token pays). ``active`` counts, in MoE layers, only the
+        ``moe_top_k`` routed experts a token uses. MoE layers are counted as a router
+        ``[n_experts, d_model]`` plus ``n_experts + n_shared_experts`` SwiGLU experts of width
+        ``d_expert`` (three ``d_model x d_expert`` matrices each).
+        """
+        d, hd = self.d_model, self.head_dim
+        attn = d * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * d
+        attn += 2 * hd if self.qk_norm else 0
+        if self.n_experts:
+            experts = self.moe_top_k if active else self.n_experts
+            mlp = d * self.n_experts + (experts + self.n_shared_experts) * 3 * d * self.d_expert
+        else:
+            mlp = 3 * d * self.d_ff
+        total = self.n_layers * (attn + mlp + 2 * d) + d
+        embed = self.vocab_size * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        if exclude_embedding:
+            return total + head
+        return total + embed + head
+
+
+def _plain(value):
+    """An OmegaConf container as plain Python (resolved); anything else unchanged."""
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _check_types(cfg: ModelConfig) -> None:
+    """Coerce int -> float where a float is declared; raise a ModelConfigError naming a mistyped field."""
+    hints = typing.get_type_hints(ModelConfig)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
+        if value is None and type(None) in allowed:
+            continue
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            setattr(cfg, f.name, float(value))
+            continue
+        ok = any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in allowed
+                 if t is not type(None))
+        if not ok:
+            names = " | ".join(getattr(t, "__name__", str(t)) for t in allowed)
+            raise ModelConfigError(f"model config field {f.name} must be {names}, got {value!r}")
