@@ -15,7 +15,12 @@ import torch
 
 #: benchmark modules, one per op family; each has OPS (names) and cases(size, dtype).
 FAMILIES = [
-    "tritonllm.bench.ops_memory",
+    "tritonllm.bench.ops_norm",
+    "tritonllm.bench.ops_rope",
+    "tritonllm.bench.ops_linear",
+    "tritonllm.bench.ops_loss_optim",
+    "tritonllm.bench.ops_attention",
+    "tritonllm.bench.ops_moe",
 ]
 
 
@@ -33,6 +38,7 @@ def bench_kernels(argv: list[str]) -> None:
     p.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
     p.add_argument("--sizes", default="default,large", help="comma-separated: default (void125m shapes), large")
     p.add_argument("--out", default="docs/perf", help="folder for kernels-<gpu>.json")
+    p.add_argument("--profile", action="store_true", help="also list each pass's kernels and their GPU time")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("python -m tritonllm.bench needs a CUDA GPU (timings under the interpreter mean nothing)")
@@ -46,12 +52,15 @@ def bench_kernels(argv: list[str]) -> None:
                 if ops is not None and case.op not in ops:
                     continue
                 print(f"-- {case.op} {case.shape}", flush=True)
-                for r in run_case(case):
+                case_rows = run_case(case, profile=args.profile)
+                for r in case_rows:
                     if "GB/s" in r:
                         r["copy_fraction"] = round(r["GB/s"] / copy, 3)
-                    rows.append(r)
+                print_table(case_rows)
+                rows += case_rows
+                # written after every case, so a run cut short keeps what it measured
+                path = write_results("kernels", rows, args.out, extra={"copy_GB/s": round(copy, 1)})
     print_table(rows)
-    path = write_results("kernels", rows, args.out, extra={"copy_GB/s": round(copy, 1)})
     print(f"wrote {path}")
 
 

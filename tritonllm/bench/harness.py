@@ -103,6 +103,27 @@ def peak_memory_gb(fn: Callable) -> float:
     return round((torch.cuda.max_memory_allocated() - before) / 1e9, 4)
 
 
+def kernel_times_us(fn: Callable, iters: int = 10) -> dict[str, float]:
+    """GPU time per call of each kernel ``fn`` launches, in microseconds, from ``torch.profiler``.
+
+    The sum against the do_bench time shows how much of a pass is kernels and how much is idle GPU
+    waiting on the host (launch overhead, synchronizations).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total > 0:
+            times[ev.key[:60]] = round(ev.self_device_time_total / iters, 2)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
@@ -111,8 +132,11 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def run_case(case: Case) -> list[dict]:
-    """Time every pass of ``case`` for ours and each baseline; one result row per pass."""
+def run_case(case: Case, profile: bool = False) -> list[dict]:
+    """Time every pass of ``case`` for ours and each baseline; one result row per pass.
+
+    With ``profile`` each row also gets ``kernels_us``: our kernels' GPU time per call by name.
+    """
     rows = []
     inputs = case.make_inputs()
     for kind in case.passes:
@@ -137,6 +161,8 @@ def run_case(case: Case) -> list[dict]:
         if kind in case.flops:
             row["TFLOP/s"] = round(case.flops[kind] / (ms * 1e-3) / 1e12, 1)
         row["baselines_ms"] = base
+        if profile:
+            row["kernels_us"] = kernel_times_us(fn)
         if measure:
             row["peak_mem_gb"] = mem
             row["baselines_peak_mem_gb"] = base_mem
@@ -201,3 +227,7 @@ def print_table(rows: list[dict]) -> None:
         base = " ".join(f"{k}={v:.3f}" for k, v in r.get("baselines_ms", {}).items())
         sp = f"{r['speedup_vs_best']:.2f}" if "speedup_vs_best" in r else "-"
         print(f"{r['op']:<22}{r['shape']:<26}{r['dtype']:<5}{r['pass']:<8}{r['ms']:>9.4f}{rate:>12}  {base:<50}{sp:>7}")
+        if "kernels_us" in r:
+            busy = sum(r["kernels_us"].values())
+            print(f"{'':<8}kernels {busy:.1f} us of {r['ms'] * 1e3:.1f} us: "
+                  + ", ".join(f"{k} {v}" for k, v in r["kernels_us"].items()))

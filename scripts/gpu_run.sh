@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [train]   (default: tests bench)
+# Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-out.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then  # wheels carried to a machine without network: hydra, omegaconf, antlr4, liger-kernel
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+stages=${*:-tests bench}
+for stage in $stages; do
+    case $stage in
+        tests)
+            timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -n 8 --dist loadfile ${TESTS:-tests} -p no:cacheprovider \
+                --junitxml="$OUT/tests.xml" 2>&1 | tail -60 | tee "$OUT/tests.log" ;;
+        bench|bench=*)
+            ops=${stage#bench}; ops=${ops#=}
+            timeout ${BENCH_TIMEOUT:-540} python3 -m tritonllm.bench kernels ${ops:+--ops $ops} ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^--" | tail -${TAIL:-80} ;;
+        train)
+            python3 -m tritonllm.bench train +model=void125m bench.out="$OUT" 2>&1 | tee "$OUT/train.log" ;;
+    esac
+done
