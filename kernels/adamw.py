@@ -41,8 +41,9 @@ from ._common import FLOAT_DTYPES, check_tensor, interpreting, next_pow2
 #: loop step by NUM_WARPS warps. Large chunks amortise each program's table look-ups (two
 #: dependent loads before the first data load). Not measured yet.
 CHUNK, BLOCK, NUM_WARPS = 16384, 2048, 8
-#: the same under the interpreter: small, so that test tensors span several chunks and steps.
-_INTERPRET_CHUNK, _INTERPRET_BLOCK = 2048, 1024
+#: the same under the interpreter, where the cost is per program: large, so a CPU training step
+#: takes a few programs (tests/test_adamw.py shrinks them to cover several chunks and steps).
+_INTERPRET_CHUNK, _INTERPRET_BLOCK = 65536, 65536
 #: partials per step of the single-program norm reduction.
 _REDUCE_BLOCK = 4096
 #: how many tables the cache keeps (one per bucket and parameter set).

@@ -16,6 +16,15 @@ PARAMS = [((5,), 0), ((17, 33), 0), ((3, 5, 7), 0), ((1,), 1), ((1000,), 1), ((1
 GROUPS = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0), dict(lr=2e-2, weight_decay=0.3)]
 
 
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    """Chunks of a few thousand elements, so the test tensors span several chunks and loop steps."""
+    import tritonllm.kernels.adamw as adamw
+
+    monkeypatch.setattr(adamw, "_INTERPRET_CHUNK", 2048)
+    monkeypatch.setattr(adamw, "_INTERPRET_BLOCK", 1024)
+
+
 def leaf(t):
     return t.detach().requires_grad_(True)
 

@@ -1,1 +1,83 @@
-"""tritonllm.data"""
+"""tritonllm.data: corpora, tokenizer, token shards and the batch loader.
+
+``load_corpus(cfg.data)`` turns a data config (``conf/data/*.yaml``) into memory-mapped token
+shards and the tokenizer that goes with them; ``corpus.loaders(...)`` gives the training and
+validation :class:`TokenLoader`. Data kinds:
+
+- ``stdlib``: the Python standard library's ``*.py`` files on this machine (nothing to download),
+  up to ``max_bytes``, tokenized with a BPE model of ``vocab_size`` pieces trained on them;
+- ``text``: plain-text files matched by the glob ``files``, tokenized with the SentencePiece model
+  ``tokenizer`` or one trained on them;
+- ``bin``: pre-tokenized llm.c / modded-nanogpt shards matched by ``files`` (and ``val_files``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tritonllm.data.corpus import glob_files, stdlib_files, tokenized_corpus, within_budget
+from tritonllm.data.loader import TokenLoader, TokenStream, split_stream
+from tritonllm.data.shards import open_shard, write_shard
+from tritonllm.data.tokenizer import Tokenizer
+from tritonllm.errors import ConfigError, DataError
+
+__all__ = ["Corpus", "load_corpus", "Tokenizer", "TokenLoader", "TokenStream", "open_shard", "write_shard"]
+
+
+@dataclass
+class Corpus:
+    """Token shards of one data config, ready to be cut into batches."""
+
+    train_shards: list          # memory-mapped 1-D token arrays
+    val_shards: list | None     # None: the last val_fraction of train_shards is validation
+    val_fraction: float
+    tokenizer: Tokenizer | None  # None for pre-tokenized shards given without a tokenizer
+    vocab_size: int | None      # ids the data may hold (tokenizer or data.vocab_size); None if unknown
+    description: str
+
+    def loaders(self, batch_size: int, seq_len: int, seed: int,
+                vocab_size: int | None) -> tuple[TokenLoader, TokenLoader]:
+        """Training loader (shuffled, seeded) and validation loader (in order)."""
+        if self.val_shards is None:
+            train, val = split_stream(self.train_shards, self.val_fraction)
+        else:
+            train, val = TokenStream(self.train_shards), TokenStream(self.val_shards)
+        return (TokenLoader(train, batch_size, seq_len, seed, True, vocab_size, "train"),
+                TokenLoader(val, batch_size, seq_len, seed, False, vocab_size, "validation"))
+
+
+def _tokenizer_path(cfg) -> str | None:
+    path = cfg.get("tokenizer")
+    if path is None:
+        return None
+    path = os.path.expanduser(str(path))
+    if not os.path.isfile(path):
+        raise DataError(f"data.tokenizer={path!r} does not exist")
+    return path
+
+
+def load_corpus(cfg) -> Corpus:
+    """Build (or find in the cache) the token shards and tokenizer described by the data config ``cfg``."""
+    kind = cfg.get("kind")
+    val_fraction = float(cfg.get("val_fraction", 0.05))
+    if kind in ("stdlib", "text"):
+        if kind == "stdlib":
+            files = within_budget(stdlib_files(), cfg.get("max_bytes"))
+            if not files:
+                raise DataError("no *.py files found in the Python standard library (sysconfig stdlib path)")
+        else:
+            files = within_budget(glob_files(cfg.get("files"), "data.files"), cfg.get("max_bytes"))
+        shard, model = tokenized_corpus(kind, files, cfg.get("vocab_size"), _tokenizer_path(cfg), cfg.cache_dir,
+                                        cfg.get("tokenizer_bytes"))
+        tok = Tokenizer(model)
+        return Corpus([open_shard(shard)], None, val_fraction, tok, tok.vocab_size,
+                      f"{kind}: {len(files)} files, first {files[0]}")
+    if kind == "bin":
+        train = [open_shard(f) for f in glob_files(cfg.get("files"), "data.files")]
+        val = [open_shard(f) for f in glob_files(cfg.val_files, "data.val_files")] if cfg.get("val_files") else None
+        path = _tokenizer_path(cfg)
+        tok = Tokenizer(path) if path else None
+        vocab = cfg.get("vocab_size") or (tok.vocab_size if tok else None)
+        return Corpus(train, val, val_fraction, tok, vocab, f"bin: {len(train)} train shards ({cfg.files})")
+    raise ConfigError(f"data.kind={kind!r} is not one of stdlib, text, bin")

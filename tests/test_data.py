@@ -1,0 +1,220 @@
+"""Data pipeline: llm.c token shards (valid and malformed), the text and standard-library corpora with
+their cached tokenizer, the train/validation split and the deterministic, resumable batch loader."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tritonllm.data import TokenLoader, TokenStream, Tokenizer, load_corpus, open_shard, write_shard
+from tritonllm.data.corpus import stdlib_files
+from tritonllm.data.shards import HEADER_BYTES
+from tritonllm.errors import ConfigError, DataError
+
+TEXT = [
+    "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n\tTabbed line.\n",
+    "for i in range(10):\n    print(i * i)  # squares\nwhile True:\n    break\n",
+]
+
+
+def text_files(folder, n=12):
+    folder.mkdir(exist_ok=True)
+    for i in range(n):
+        (folder / f"doc{i:02d}.txt").write_text(TEXT[i % len(TEXT)] * (3 + i % 4) + f"document number {i}\n")
+    return str(folder / "*.txt")
+
+
+def data_cfg(**kw):
+    return OmegaConf.create(kw)
+
+
+# ----------------------------------------------------------------------------- shards
+
+@pytest.mark.parametrize("vocab,magic,itemsize", [(50257, 20240520, 2), (128256, 20240801, 4)],
+                         ids=["gpt2-uint16", "llama3-uint32"])
+def test_shard_roundtrip(tmp_path, vocab, magic, itemsize):
+    ids = np.random.default_rng(0).integers(0, vocab, size=1001)
+    path = str(tmp_path / "s.bin")
+    write_shard(path, ids, vocab)
+    header = np.fromfile(path, dtype="<i4", count=3)
+    assert header.tolist() == [magic, 1 if magic == 20240520 else 7, 1001]
+    assert os.path.getsize(path) == HEADER_BYTES + 1001 * itemsize
+    tokens = open_shard(path)
+    assert isinstance(tokens, np.memmap) and tokens.dtype.itemsize == itemsize
+    np.testing.assert_array_equal(tokens, ids)
+
+
+def _raw_shard(path, magic, version, count, n_tokens, dtype="<u2"):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (magic, version, count)
+    with open(path, "wb") as f:
+        f.write(header.tobytes() + np.arange(n_tokens, dtype=dtype).tobytes())
+    return str(path)
+
+
+@pytest.mark.parametrize("magic,version,count,n_tokens,match", [
+    (12345, 1, 10, 10, "magic 12345; expected 20240520 or 20240801"),
+    (20240520, 7, 10, 10, "version 7; magic 20240520 expects version 1"),
+    (20240801, 1, 10, 10, "version 1; magic 20240801 expects version 7"),
+    (20240520, 1, 100, 60, "header says 100 tokens"),
+    (20240520, 1, 10, 12, "header says 10 tokens"),
+], ids=["wrong-magic", "wrong-version-gpt2", "wrong-version-llama3", "truncated", "trailing-bytes"])
+def test_malformed_shard_rejected_with_file_name(tmp_path, magic, version, count, n_tokens, match):
+    dtype = "<u4" if magic == 20240801 else "<u2"
+    path = _raw_shard(tmp_path / "bad_shard.bin", magic, version, count, n_tokens, dtype)
+    with pytest.raises(DataError, match="bad_shard.bin") as e:
+        open_shard(path)
+    assert match in str(e.value)
+
+
+def test_shard_shorter_than_header(tmp_path):
+    path = tmp_path / "tiny.bin"
+    path.write_bytes(b"\0" * 100)
+    with pytest.raises(DataError, match="tiny.bin.*shorter than the 1024-byte header"):
+        open_shard(str(path))
+
+
+# ----------------------------------------------------------------------------- loader
+
+def test_stream_reads_across_shard_boundaries():
+    shards = [np.arange(0, 5), np.arange(5, 6), np.arange(6, 20)]
+    s = TokenStream(shards, 3, 18)
+    assert len(s) == 15
+    np.testing.assert_array_equal(s.read(0, 15), np.arange(3, 18))
+    np.testing.assert_array_equal(s.read(1, 4), [4, 5, 6, 7])
+
+
+def _loader(n_tokens=1000, seed=0, batch=4, seq=16, shuffle=True, vocab=None):
+    return TokenLoader(TokenStream([np.arange(n_tokens) % 997]), batch, seq, seed, shuffle, vocab)
+
+
+def test_batches_are_shifted_windows_and_cover_an_epoch_once():
+    loader = _loader(n_tokens=16 * 20 + 1, batch=5)
+    firsts = []
+    for _ in range(4):  # 20 windows = 4 batches of 5: one epoch
+        x, y = loader.next_batch()
+        assert x.shape == y.shape == (5, 16) and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        firsts += (x[:, 0] // 16).tolist()
+    assert sorted(firsts) == list(range(20))
+    assert loader.state_dict()["epoch"] == 0
+    loader.next_batch()
+    assert loader.state_dict()["epoch"] == 1
+
+
+def test_loader_deterministic_given_seed_and_resumable():
+    a, b, c = _loader(seed=1), _loader(seed=1), _loader(seed=2)
+    batches_a = [a.next_batch()[0] for _ in range(3)]
+    assert all(torch.equal(p, b.next_batch()[0]) for p in batches_a)
+    assert not torch.equal(batches_a[0], c.next_batch()[0])
+    state = a.state_dict()
+    expected = [a.next_batch()[0] for _ in range(20)]  # crosses into the next epochs
+    resumed = _loader(seed=1)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(e, resumed.next_batch()[0]) for e in expected)
+
+
+def test_loader_rejects_state_of_other_data():
+    state = _loader(n_tokens=1000).state_dict()
+    with pytest.raises(DataError, match="windows"):
+        _loader(n_tokens=2000).load_state_dict(state)
+
+
+def test_validation_batches_fixed_and_stateless():
+    val = _loader(shuffle=False)
+    first = [x for x, _ in val.batches(3)]
+    again = [x for x, _ in val.batches(3)]
+    assert all(torch.equal(p, q) for p, q in zip(first, again))
+    assert first[0][0, 0].item() == 0 and val.state_dict()["index"] == 0
+
+
+def test_split_too_small_is_clear():
+    with pytest.raises(DataError, match="fewer than seq_len"):
+        _loader(n_tokens=10, seq=16)
+
+
+def test_token_outside_vocab_is_a_data_error():
+    loader = _loader(vocab=100)
+    with pytest.raises(DataError, match="token id .* outside the model's vocabulary of 100"):
+        loader.next_batch()
+
+
+# ----------------------------------------------------------------------------- corpora
+
+def test_bin_corpus_with_val_files_and_split(tmp_path):
+    for i in range(2):
+        write_shard(str(tmp_path / f"train_{i}.bin"), np.arange(i * 300, i * 300 + 300) % 50000, 50257)
+    write_shard(str(tmp_path / "val_0.bin"), np.arange(200), 50257)
+    corpus = load_corpus(data_cfg(kind="bin", files=str(tmp_path / "train_*.bin"),
+                                  val_files=str(tmp_path / "val_*.bin"), val_fraction=0.1, vocab_size=50257))
+    assert corpus.vocab_size == 50257 and corpus.tokenizer is None
+    train, val = corpus.loaders(2, 8, 0, 50257)
+    assert train.n_windows == (600 - 1) // 8 and val.n_windows == (200 - 1) // 8
+    split = load_corpus(data_cfg(kind="bin", files=str(tmp_path / "train_*.bin"), val_files=None,
+                                 val_fraction=0.25, vocab_size=None))
+    train, val = split.loaders(2, 8, 0, None)
+    assert len(train.stream) == 450 and len(val.stream) == 150
+    assert next(val.batches(1))[0][0, 0].item() == 450
+
+
+def test_bin_malformed_shard_named_through_corpus(tmp_path):
+    write_shard(str(tmp_path / "a.bin"), np.arange(100), 50257)
+    _raw_shard(tmp_path / "b.bin", 20240520, 1, 500, 10)
+    with pytest.raises(DataError, match="b.bin"):
+        load_corpus(data_cfg(kind="bin", files=str(tmp_path / "*.bin"), val_files=None, val_fraction=0.1))
+
+
+@pytest.mark.parametrize("kind,key", [("bin", "data.files"), ("text", "data.files")], ids=["bin", "text"])
+def test_missing_data_path(tmp_path, kind, key):
+    with pytest.raises(DataError, match=f"{key}=.*nothing_here.*matches no file"):
+        load_corpus(data_cfg(kind=kind, files=str(tmp_path / "nothing_here" / "*.bin"), val_files=None,
+                             vocab_size=400, cache_dir=str(tmp_path / "cache")))
+
+
+def test_missing_tokenizer_path(tmp_path):
+    with pytest.raises(DataError, match="data.tokenizer=.*no.model"):
+        load_corpus(data_cfg(kind="text", files=text_files(tmp_path / "t"), tokenizer=str(tmp_path / "no.model"),
+                             vocab_size=400, cache_dir=str(tmp_path / "cache")))
+
+
+def test_unknown_kind():
+    with pytest.raises(ConfigError, match="data.kind='csv'"):
+        load_corpus(data_cfg(kind="csv"))
+
+
+def test_text_corpus_trains_tokenizer_caches_and_roundtrips(tmp_path, monkeypatch):
+    cfg = data_cfg(kind="text", files=text_files(tmp_path / "texts"), tokenizer=None, vocab_size=400,
+                   max_bytes=None, tokenizer_bytes=None, val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    corpus = load_corpus(cfg)
+    tok = corpus.tokenizer
+    assert corpus.vocab_size == tok.vocab_size <= 400
+    for text in TEXT:
+        assert tok.decode(tok.encode(text)) == text
+    tokens = np.asarray(corpus.train_shards[0])
+    assert (tokens == tok.eos_id).sum() == 12  # one end-of-document token per file
+    # the same settings hit the cache: no retraining
+    monkeypatch.setattr(Tokenizer, "train", staticmethod(lambda *a, **k: pytest.fail("retrained")))
+    again = load_corpus(cfg)
+    np.testing.assert_array_equal(np.asarray(again.train_shards[0]), tokens)
+    # a given tokenizer is used as is
+    given = load_corpus(data_cfg(**{**OmegaConf.to_container(cfg), "files": str(tmp_path / "texts" / "doc0*.txt"),
+                                    "tokenizer": tok.path}))
+    assert given.vocab_size == tok.vocab_size
+    assert len(given.train_shards[0]) < len(tokens)
+
+
+def test_stdlib_corpus(tmp_path):
+    files = stdlib_files()
+    assert files == sorted(files) and files
+    assert not any("site-packages" in f for f in files)
+    cfg = data_cfg(kind="stdlib", max_bytes=150_000, vocab_size=400, tokenizer_bytes=None, val_fraction=0.05,
+                   cache_dir=str(tmp_path / "cache"))
+    corpus = load_corpus(cfg)
+    assert corpus.tokenizer is not None and corpus.vocab_size <= 400
+    train, val = corpus.loaders(2, 32, 0, corpus.vocab_size)
+    x, _ = train.next_batch()
+    assert x.max().item() < corpus.vocab_size
+    assert len(os.listdir(tmp_path / "cache")) == 1

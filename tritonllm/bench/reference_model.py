@@ -1,0 +1,145 @@
+"""The tritonllm Transformer's architecture in plain PyTorch ops: the tests' reference and the
+training benchmark's baseline.
+
+Same parameter names and shapes as ``tritonllm.models.Transformer`` (``load_state_dict`` from it
+works), computed in the dtype of its parameters with ``F.linear``, an explicit softmax attention
+and eager RMSNorm / RoPE / SwiGLU / cross-entropy. No tritonllm kernel is used.
+``ReferenceTransformer(cfg, sdpa=True)`` runs full causal attention through
+``F.scaled_dot_product_attention`` (FlashAttention-2 / cuDNN on the GPU): the baseline that
+``python -m tritonllm.bench train`` times under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_tables(cfg, dtype, device=None):
+    """cos, sin ``[max_seq_len, head_dim / 2]``: angle ``t * theta^(-2i / head_dim)`` (no scaling)."""
+    assert cfg.rope_scaling is None, "the reference implements unscaled RoPE only"
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim)
+    angles = torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope(x, cos, sin):
+    """Rotate the pairs ``(x[..., i], x[..., i + D/2])`` of ``x [B, T, H, D]`` by the angle of position t."""
+    T, half = x.shape[1], x.shape[-1] // 2
+    c, s = cos[:T][None, :, None, :], sin[:T][None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+
+def attention(q, k, v, window, sdpa=False):
+    """Causal softmax attention of ``q [B, T, Hq, D]`` over ``k, v [B, T, Hkv, D]``; with ``window``,
+    query t sees keys ``t - window < s <= t``. GQA: query head h reads key/value head ``h // (Hq / Hkv)``.
+    ``sdpa`` (no window): through ``F.scaled_dot_product_attention``."""
+    T, Hq, D = q.shape[1:]
+    if sdpa and window is None:
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=Hq != k.shape[2])
+        return y.transpose(1, 2)
+    k = k.repeat_interleave(Hq // k.shape[2], dim=2)
+    v = v.repeat_interleave(Hq // v.shape[2], dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(D)
+    qpos, kpos = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+
+
+class _Linear(nn.Module):
+    def __init__(self, n, k):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, k))
+
+
+class _Norm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, sdpa=False):
+        super().__init__()
+        self.cfg, self.sdpa = cfg, sdpa
+        self.qkv = _Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.d_model)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = _Norm(cfg.head_dim), _Norm(cfg.head_dim)
+        self.proj = _Linear(cfg.d_model, cfg.n_heads * cfg.head_dim)
+
+    def forward(self, x, cos, sin):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        qkv = F.linear(x, self.qkv.weight).view(B, T, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+        q, k, v = qkv.split([cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads], dim=2)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, self.q_norm.weight, cfg.norm_eps), rms_norm(k, self.k_norm.weight, cfg.norm_eps)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        y = attention(q, k, v, cfg.window, self.sdpa)
+        return F.linear(y.reshape(B, T, -1), self.proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.w13 = _Linear(2 * cfg.d_ff, cfg.d_model)
+        self.w2 = _Linear(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x):
+        gate, up = F.linear(x, self.w13.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2.weight)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, sdpa=False):
+        super().__init__()
+        self.cfg = cfg
+        self.attn_norm, self.mlp_norm = _Norm(cfg.d_model), _Norm(cfg.d_model)
+        self.attn, self.mlp = Attention(cfg, sdpa), MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(rms_norm(x, self.attn_norm.weight, self.cfg.norm_eps), cos, sin)
+        return x + self.mlp(rms_norm(x, self.mlp_norm.weight, self.cfg.norm_eps))
+
+
+class ReferenceTransformer(nn.Module):
+    """Plain-PyTorch twin of ``tritonllm.models.Transformer`` (dense MLP only)."""
+
+    def __init__(self, cfg, sdpa=False):
+        super().__init__()
+        assert cfg.n_experts == 0, "the reference has the dense MLP only"
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, sdpa) for _ in range(cfg.n_layers))
+        self.norm = _Norm(cfg.d_model)
+        self.lm_head = None if cfg.tie_embeddings else _Linear(cfg.vocab_size, cfg.d_model)
+
+    def forward(self, idx, targets=None):
+        """Logits ``[B, T, V]``, or the loss: mean cross-entropy + z_loss_coef * mean(logsumexp^2), both
+        over the targets that are not -100."""
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg, self.norm.weight.dtype, idx.device)
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(rms_norm(x, self.norm.weight, cfg.norm_eps), head)
+        if targets is None:
+            return logits
+        logits, targets = logits.view(-1, logits.shape[-1]), targets.reshape(-1)
+        loss = F.cross_entropy(logits, targets)
+        if cfg.z_loss_coef:  # skipped at 0: the masked logsumexp would cost the benchmark baseline a sync
+            loss = loss + cfg.z_loss_coef * torch.logsumexp(logits[targets != -100], dim=-1).pow(2).mean()
+        return loss

@@ -1,0 +1,124 @@
+"""Corpora tokenized by tritonllm: the Python standard library's sources and plain-text files.
+
+Both are turned into one token shard (llm.c format, see :mod:`tritonllm.data.shards`) plus the
+SentencePiece model that produced it, cached in ``<cache_dir>/<kind>-<hash>/`` where the hash
+covers every setting that changes the result (the file list with sizes and modification times,
+byte budget, vocabulary size, the tokenizer given or the training options). The cache entry is
+built in a temporary folder and moved into place with ``os.replace``, so concurrent jobs of a sweep
+never read a half-written entry.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sysconfig
+
+from tritonllm.data.shards import ShardWriter
+from tritonllm.data.tokenizer import SPM_OPTIONS, Tokenizer
+from tritonllm.errors import DataError
+
+log = logging.getLogger(__name__)
+
+#: bump when the cached layout or the tokenization changes
+CACHE_VERSION = 1
+
+
+def stdlib_files() -> list[str]:
+    """The standard library's own ``*.py`` files, sorted (installed third-party packages excluded)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+    skip = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+    return sorted(f for f in files if not any(s in f for s in skip))
+
+
+def glob_files(pattern: str, key: str) -> list[str]:
+    """Sorted files matching ``pattern`` (``~`` expanded, ``**`` recursive); a DataError naming the
+    config ``key`` when nothing matches."""
+    files = sorted(f for f in glob.glob(os.path.expanduser(str(pattern)), recursive=True) if os.path.isfile(f))
+    if not files:
+        raise DataError(f"{key}={pattern!r} matches no file")
+    return files
+
+
+def within_budget(files: list[str], max_bytes: int | None) -> list[str]:
+    """The leading files of ``files`` whose sizes add up to at most ``max_bytes`` (at least one)."""
+    if max_bytes is None:
+        return list(files)
+    chosen, total = [], 0
+    for f in files:
+        size = os.path.getsize(f)
+        if chosen and total + size > max_bytes:
+            break
+        chosen.append(f)
+        total += size
+    return chosen
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _fingerprint(path: str) -> list:
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
+
+
+def tokenized_corpus(kind: str, files: list[str], vocab_size: int, tokenizer: str | None, cache_dir: str,
+                     tokenizer_bytes: int | None = None) -> tuple[str, str]:
+    """Tokenize ``files`` (one document each, end-of-document token after each) into a cached shard.
+
+    ``tokenizer`` is the path of a SentencePiece model to use, or None to train a BPE model of
+    ``vocab_size`` pieces on the leading ``tokenizer_bytes`` of the files. Returns the paths of
+    the shard and of the tokenizer model in the cache.
+    """
+    settings = {"version": CACHE_VERSION, "kind": kind, "files": [_fingerprint(f) for f in files],
+                "tokenizer": _fingerprint(tokenizer) if tokenizer else None}
+    if tokenizer is None:
+        settings.update(vocab_size=int(vocab_size), tokenizer_bytes=tokenizer_bytes,
+                        spm={k: v for k, v in SPM_OPTIONS.items() if k not in ("num_threads", "minloglevel")})
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    cache_dir = os.path.expanduser(str(cache_dir))
+    entry = os.path.join(cache_dir, f"{kind}-{key}")
+    shard, model = os.path.join(entry, "tokens.bin"), os.path.join(entry, "tokenizer.model")
+    if os.path.isfile(os.path.join(entry, "meta.json")):
+        return shard, model
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = os.path.join(cache_dir, f".tmp-{kind}-{key}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        tmp_model = os.path.join(tmp, "tokenizer.model")
+        if tokenizer is None:
+            train_files = within_budget(files, tokenizer_bytes)
+            log.info("training a %d-piece BPE tokenizer on %d %s files", vocab_size, len(train_files), kind)
+            tok = Tokenizer.train((read_text(f) for f in train_files), tmp_model, vocab_size,
+                                  what=f"{len(train_files)} {kind} files ({train_files[0]} ...)")
+        else:
+            shutil.copyfile(tokenizer, tmp_model)
+            tok = Tokenizer(tmp_model)
+        with ShardWriter(os.path.join(tmp, "tokens.bin"), tok.vocab_size) as w:
+            for f in files:
+                w.write(tok.encode(read_text(f)))
+                w.write([tok.eos_id])
+        meta = {"files": len(files), "bytes": sum(os.path.getsize(f) for f in files), "tokens": w.count,
+                "vocab_size": tok.vocab_size, "settings": settings}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        log.info("tokenized %d files (%d bytes) into %d tokens: %s", len(files), meta["bytes"], w.count, entry)
+        try:
+            os.replace(tmp, entry)
+        except OSError:  # another job of a sweep built the same entry first
+            if not os.path.isfile(os.path.join(entry, "meta.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return shard, model

@@ -1,0 +1,106 @@
+"""Token shards in the llm.c / modded-nanogpt format, read memory-mapped.
+
+A shard is a 1024-byte header of 256 little-endian int32 followed by the tokens:
+
+====  =========================================================================
+slot  meaning
+====  =========================================================================
+0     magic: 20240520 (GPT-2 style, version 1, uint16 tokens) or
+      20240801 (Llama-3 style, version 7, uint32 tokens)
+1     version (1 or 7, matching the magic)
+2     number of tokens
+====  =========================================================================
+
+The corpora tritonllm tokenizes itself (the standard-library corpus, plain-text files) are cached
+in the same format, so every data source reaches the loader as a list of memory-mapped shards.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from tritonllm.errors import DataError
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+#: magic -> (version, token dtype)
+FORMATS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}
+
+
+def magic_for_vocab(vocab_size: int) -> int:
+    """The shard magic whose token dtype holds ids below ``vocab_size``."""
+    return 20240520 if vocab_size <= 1 << 16 else 20240801
+
+
+def open_shard(path: str) -> np.memmap:
+    """Validate the header of the shard at ``path`` and memory-map its tokens (1-D, read-only)."""
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    except OSError as e:
+        raise DataError(f"cannot read token shard {path}: {e.strerror or e}") from None
+    if header.size < HEADER_INTS:
+        raise DataError(f"token shard {path} is {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+    magic, version, ntok = (int(v) for v in header[:3])
+    if magic not in FORMATS:
+        expected = " or ".join(str(m) for m in FORMATS)
+        raise DataError(f"token shard {path} has magic {magic}; expected {expected} (llm.c format)")
+    want_version, dtype = FORMATS[magic]
+    if version != want_version:
+        raise DataError(f"token shard {path} has version {version}; magic {magic} expects version {want_version}")
+    expected_size = HEADER_BYTES + ntok * dtype.itemsize
+    if ntok < 0 or size != expected_size:
+        raise DataError(
+            f"token shard {path} is {size} bytes; its header says {ntok} tokens of {dtype.itemsize} bytes, "
+            f"i.e. {expected_size} bytes (truncated or corrupt file)"
+        )
+    if ntok == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+class ShardWriter:
+    """Write a shard incrementally: ``with ShardWriter(path, vocab_size) as w: w.write(ids)``.
+
+    The header's token count is filled in on close, so a corpus can be streamed to disk without
+    holding it in memory.
+    """
+
+    def __init__(self, path: str, vocab_size: int):
+        self.path = path
+        self.magic = magic_for_vocab(vocab_size)
+        self.version, self.dtype = FORMATS[self.magic]
+        self.count = 0
+        self._f = open(path, "wb")
+        self._f.write(b"\0" * HEADER_BYTES)
+
+    def write(self, ids) -> None:
+        arr = np.asarray(ids, dtype=self.dtype)
+        self._f.write(arr.tobytes())
+        self.count += arr.size
+
+    def close(self) -> None:
+        header = np.zeros(HEADER_INTS, dtype="<i4")
+        header[:3] = (self.magic, self.version, self.count)
+        self._f.seek(0)
+        self._f.write(header.tobytes())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._f.close()
+
+
+def write_shard(path: str, ids, vocab_size: int) -> None:
+    """Write the token ids ``ids`` to a new shard at ``path``."""
+    with ShardWriter(path, vocab_size) as w:
+        w.write(ids)

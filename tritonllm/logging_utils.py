@@ -1,0 +1,149 @@
+"""Run logging: ``metrics.jsonl``, ``run_info.json``, ``loss.png`` in the run folder, and W&B.
+
+Every run writes, in its folder:
+
+- ``run_info.json``: the resolved config, the git commit of the tritonllm checkout (and whether it
+  had local changes), library versions, the device and the command line;
+- ``metrics.jsonl``: one JSON object per line, ``{"kind": "train" | "val" | "skip", "step": ..., ...}``;
+- ``loss.png``: training and validation loss against step (matplotlib, Agg), redrawn at the end.
+
+``logger=wandb`` also logs to Weights & Biases (``wandb`` is imported only then; ``logger.mode``
+offline by default). Under a Hydra multirun each job is its own W&B run, grouped by the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import socket
+import subprocess
+import sys
+from importlib import metadata
+
+from tritonllm.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PACKAGES = ("tritonllm", "torch", "triton", "numpy", "sentencepiece", "safetensors", "hydra-core", "omegaconf")
+
+
+def git_info() -> dict:
+    """Commit and dirty flag of the git checkout tritonllm is imported from (empty when not in one)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode:
+            return {}
+        return {"commit": head.stdout.strip(), "dirty": bool(git("status", "--porcelain", "-uno").stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def library_versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def run_metadata(device_name: str) -> dict:
+    return {"git": git_info(), "versions": library_versions(), "device": device_name,
+            "host": socket.gethostname(), "argv": sys.argv}
+
+
+def hydra_job() -> dict:
+    """``{"sweep": <sweep folder name>, "job": <job number>}`` of the Hydra multirun job we run in, else ``{}``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized():
+            return {}
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN:
+            return {}
+        return {"sweep": os.path.basename(os.path.normpath(hc.sweep.dir)), "job": str(hc.job.num)}
+    except Exception:  # Hydra absent or not configured: not a multirun job
+        return {}
+
+
+class RunLogger:
+    """Writes the run's metrics and metadata; ``log(record)`` per event, ``close()`` at the end."""
+
+    def __init__(self, out_dir: str, name: str, config: dict, logger_cfg, device_name: str):
+        self.out_dir = out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
+        info = {"name": name, "config": config, **run_metadata(device_name)}
+        with open(os.path.join(out_dir, "run_info.json"), "w") as f:
+            json.dump(info, f, indent=1, default=str)
+        self._file = open(self.metrics_path, "a")
+        self.wandb = None
+        if logger_cfg.backend == "wandb":
+            self.wandb = self._init_wandb(name, info, logger_cfg)
+        elif logger_cfg.backend != "local":
+            raise ConfigError(f"logger.backend={logger_cfg.backend!r} is not one of local, wandb")
+
+    def _init_wandb(self, name: str, info: dict, cfg):
+        import wandb
+
+        job = hydra_job()
+        group = cfg.group or (f"{name}-{job['sweep']}" if job else None)
+        run_name = f"{name}-{job['job']}" if job else name
+        run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, group=group, name=run_name,
+                         tags=list(cfg.tags), dir=self.out_dir, config=info)
+        log.info("W&B run %s (%s mode)%s", run_name, cfg.mode, f", group {group}" if group else "")
+        return run
+
+    def log(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.wandb is not None:
+            kind = record["kind"]
+            self.wandb.log({f"{kind}/{k}": v for k, v in record.items() if k not in ("kind", "step")},
+                           step=record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        plot_losses(self.metrics_path, os.path.join(self.out_dir, "loss.png"))
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def plot_losses(metrics_path: str, png_path: str) -> None:
+    """Training loss and validation loss against step from ``metrics.jsonl`` into ``png_path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, val = [], []
+    with open(metrics_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["kind"] == "train":
+                train.append((r["step"], r["loss"]))
+            elif r["kind"] == "val":
+                val.append((r["step"], r["val_loss"]))
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)

@@ -1,0 +1,47 @@
+"""Helpers shared by the command-line apps (train, generate, bench train): device and dtype
+choice, and printing a :class:`~tritonllm.errors.TritonLLMError` as one clear line."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from tritonllm.errors import ConfigError, TritonLLMError
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; anything else as given (checked)."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"device={spec!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={spec!r} but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device, key: str = "trainer.dtype") -> torch.dtype:
+    """``auto`` -> bf16 on CUDA, fp32 on CPU (the interpreter cannot do bf16 ``tl.dot``)."""
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec not in DTYPES:
+        raise ConfigError(f"{key}={spec!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[spec]
+
+
+def exit_on_user_error(fn):
+    """Run ``fn``; a TritonLLMError is printed as ``tritonllm: error: <message>`` and exits with status 1."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TritonLLMError as e:
+            print(f"tritonllm: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+    return wrapper
