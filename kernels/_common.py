@@ -24,6 +24,58 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def autotuning() -> bool:
+    """False while the environment sets ``TRITONLLM_NO_AUTOTUNE=1`` (tests/conftest.py does): kernels
+    built with :func:`autotune` then run one pinned config each, unbenchmarked."""
+    return os.environ.get("TRITONLLM_NO_AUTOTUNE", "0") != "1"
+
+
+class _Autotuned:
+    """A ``@triton.jit`` kernel autotuned by ``triton.autotune``, or, while :func:`autotuning` is off,
+    launched directly with the first of its configs that the ``early_config_prune`` hook keeps: no
+    benchmarking, one compile per specialization (what a test run wants). Launch as
+    ``kernel[grid](*args, **kwargs)``. ``configs`` lists the candidates; the first is the pinned one.
+    """
+
+    def __init__(self, fn, configs, key, prune_configs_by=None, **kwargs):
+        self.fn = fn
+        self.autotuner = triton.autotune(configs, key=key, prune_configs_by=prune_configs_by, **kwargs)(fn)
+        self.prune = (prune_configs_by or {}).get("early_config_prune")
+
+    @property
+    def configs(self) -> list:
+        return self.autotuner.configs
+
+    @configs.setter
+    def configs(self, configs) -> None:
+        self.autotuner.configs = list(configs)
+        self.autotuner.cache.clear()
+
+    def pinned_config(self, *args, **kwargs):
+        """The config a launch with these arguments runs while autotuning is off."""
+        configs = self.configs
+        if self.prune is not None:
+            configs = self.prune(configs, dict(zip(self.fn.arg_names, args)), **kwargs)
+        return configs[0]
+
+    def __getitem__(self, grid):
+        if autotuning():
+            return self.autotuner[grid]
+
+        def launch(*args, **kwargs):
+            config = self.pinned_config(*args, **kwargs)
+            if config.pre_hook is not None:
+                config.pre_hook({**dict(zip(self.fn.arg_names, args)), **kwargs, **config.all_kwargs()})
+            return self.fn[grid](*args, **kwargs, **config.all_kwargs())
+        return launch
+
+
+def autotune(configs, key, prune_configs_by=None, **kwargs):
+    """``triton.autotune`` that honours ``TRITONLLM_NO_AUTOTUNE=1`` (see :class:`_Autotuned`);
+    same arguments."""
+    return lambda fn: _Autotuned(fn, configs, key, prune_configs_by, **kwargs)
+
+
 def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim=None, min_ndim=None) -> None:
     """Check that ``t`` is a tensor on a device the kernels can use, with an allowed dtype.
 

@@ -1,4 +1,4 @@
-"""Token embedding: a row gather forward, a deterministic scatter-add backward.
+"""Token embedding: a row gather forward, a deterministic segment-sum backward.
 
 Forward, for ids of any shape ``[...]`` (N tokens) and ``weight`` ``[V, D]``::
 
@@ -9,47 +9,41 @@ Backward::
     dW[v, :] = sum over n with ids[n] == v of dy[n, :]  (0 for rows no token uses, and for padding_idx)
 
 No float atomics: the token positions are sorted by id once (``torch.sort``, stable: index
-bookkeeping, not float math), so the tokens of one id form a contiguous segment of the sorted order.
-The sorted order is cut into chunks of ``CHUNK`` tokens; one program per (chunk, column block)
-gathers the chunk's ``dy`` rows and sums each id's rows with one ``tl.dot`` against the 0/1 matrix
-``same[r, j] = (id[r] == id[j])`` (fp32 accumulation; exact products since the matrix is 0/1). A
-segment lying inside one chunk is written straight to its dW row. A segment crossing chunk
-boundaries leaves fp32 partials (its tail piece in the chunk where it starts, its head piece in
-each later chunk); a second kernel adds them chunk by chunk in order, so results are bitwise
-reproducible. dW starts zero-filled.
+bookkeeping, not float math; the keys are cast to int16 when ``V <= 32768``, else int32, so that
+the radix sort makes 2 or 4 passes instead of the 8 of int64), so the tokens of one id form a
+contiguous segment of the sorted order. One program per (block of ``BLOCK_V`` consecutive ids,
+block of columns) finds its ids' token range in the sorted order by binary search, walks it in
+chunks of ``CHUNK`` tokens and adds each chunk's ``dy`` rows to its ``[BLOCK_V, BLOCK_D]`` fp32
+tile with one ``tl.dot`` against the 0/1 matrix ``onehot[i, j] = (v0 + i == id[j])`` (exact
+products). The tile is written once, zeros included: every dW row is written exactly once, no
+memset, and the summation order is fixed, so results are bitwise reproducible.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting, rows_view
+from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting
 
-# Sorted tokens per backward program (the segment-sum dot is CHUNK x CHUNK x BLOCK_D): longer chunks
-# mean fewer crossing segments for the fixup kernel, at CHUNK / 2 wasted MMA flops per dy element.
-_CHUNK = 64
-# Column block of the fixup kernel (it only touches crossing segments).
-_FIXUP_BLOCK_D = 256
-
-
-def _fwd_configs():
-    if interpreting():
-        return [triton.Config({"BLOCK_N": 128, "BLOCK_D": 128}, num_warps=1)]
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w)
-        for n, d, w in ((8, 512, 4), (16, 256, 4), (32, 256, 8), (16, 512, 8), (64, 128, 4), (32, 1024, 8))
-    ]
-
-
-def _bwd_configs():
-    if interpreting():
-        return [triton.Config({"BLOCK_D": 128}, num_warps=1)]
-    return [triton.Config({"BLOCK_D": d}, num_warps=w) for d in (64, 128, 256) for w in (4, 8)]
+#: Forward tile (fixed config, no autotune: the autotuner's per-call key building cost host time on
+#: a ~10 us gather): BLOCK_N tokens x BLOCK_D columns per program.
+_FWD_BLOCK_N = 16
+_FWD_BLOCK_D = 256
+_FWD_NUM_WARPS = 4
+#: Backward: a program owns _BWD_BLOCK_V consecutive ids x _BWD_BLOCK_D columns of dW and adds
+#: _BWD_CHUNK sorted tokens per tl.dot ([BLOCK_V, CHUNK] x [CHUNK, BLOCK_D]; each >= 16).
+_BWD_BLOCK_V = 64
+_BWD_BLOCK_D = 128
+_BWD_CHUNK = 32
+_BWD_NUM_WARPS = 4
+#: Sort int16 keys when the vocabulary fits (2 radix passes instead of the 4 of int32).
+_SORT_INT16 = True
 
 
-@triton.autotune(configs=_fwd_configs(), key=["D"])
 @triton.jit
 def _embedding_fwd_kernel(
     ids_ptr,  # [N] token ids, int32 or int64, all in [0, V)
@@ -57,6 +51,7 @@ def _embedding_fwd_kernel(
     out_ptr,  # [N, D] output, contiguous
     N,  # number of tokens
     D,  # embedding dim
+    stride_ids,  # ids stride (elements)
     stride_w,  # weight row stride (elements)
     BLOCK_N: tl.constexpr,  # tokens per program
     BLOCK_D: tl.constexpr,  # columns per program
@@ -65,85 +60,60 @@ def _embedding_fwd_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_mask = rows < N
     mask = row_mask[:, None] & (cols < D)[None, :]
-    ids = tl.load(ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    ids = tl.load(ids_ptr + rows.to(tl.int64) * stride_ids, mask=row_mask, other=0).to(tl.int64)
     vals = tl.load(w_ptr + ids[:, None] * stride_w + cols[None, :], mask=mask)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], vals, mask=mask)
 
 
-@triton.autotune(configs=_bwd_configs(), key=["D"])
 @triton.jit
 def _embedding_bwd_kernel(
     dy_ptr,  # [N, D] output gradient, last dim contiguous
-    sorted_ptr,  # [N] ids sorted ascending
+    sorted_ptr,  # [N] ids sorted ascending (int16 or int32)
     perm_ptr,  # [N] int64: token position of each sorted id
-    dw_ptr,  # [V, D] weight gradient, zero-filled; rows of segments inside one chunk written here
-    head_ptr,  # [num_chunks, D] fp32: sum of the chunk's first segment when it started in an earlier chunk
-    tail_ptr,  # [num_chunks, D] fp32: sum of the chunk's last segment when it starts here and goes on
+    dw_ptr,  # [V, D] weight gradient output, contiguous: every row written
     N,  # number of tokens
+    V,  # vocabulary size
     D,  # embedding dim
     stride_dy,  # dy row stride
-    stride_dw,  # dW row stride
     padding_idx,  # id whose rows get no gradient (-1: none)
-    CHUNK: tl.constexpr,  # sorted tokens per program
+    SEARCH_STEPS,  # N.bit_length(): binary-search steps that narrow [0, N] to one position
+    BLOCK_V: tl.constexpr,  # ids per program
     BLOCK_D: tl.constexpr,  # columns per program
+    CHUNK: tl.constexpr,  # sorted tokens per tl.dot
 ):
-    chunk = tl.program_id(0)
-    start = chunk * CHUNK
-    r = tl.arange(0, CHUNK)
-    rows = start + r
-    valid = rows < N
-    ids = tl.load(sorted_ptr + rows, mask=valid, other=-1)
-    next_ids = tl.load(sorted_ptr + rows + 1, mask=rows + 1 < N, other=-1)
-    before = tl.load(sorted_ptr + start - 1, mask=start > 0, other=-1)  # id just before the chunk
-    pos = tl.load(perm_ptr + rows, mask=valid, other=0)
+    v0 = tl.program_id(0) * BLOCK_V
+    # [start, end) = sorted positions of ids in [v0, v0 + BLOCK_V): lower bounds of both, searched together
+    bound = tl.arange(0, 2)
+    target = v0 + bound * BLOCK_V
+    lo = tl.zeros([2], dtype=tl.int32)
+    hi = tl.full([2], N, dtype=tl.int32)
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = lo + (hi - lo) // 2
+        key = tl.load(sorted_ptr + mid, mask=active, other=0).to(tl.int32)
+        right = active & (key < target)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    start = tl.sum(tl.where(bound == 0, lo, 0))
+    end = tl.sum(tl.where(bound == 1, lo, 0))
 
+    v = v0 + tl.arange(0, BLOCK_V)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = (cols < D)[None, :]
-    keep = valid & (ids != padding_idx)
-    x = tl.load(dy_ptr + pos[:, None] * stride_dy + cols[None, :], mask=keep[:, None] & col_mask, other=0.0)
-    same = (ids[:, None] == ids[None, :]).to(x.dtype)
-    # seg[r] = sum of the chunk's rows with id[r]; tf32x3 applies to fp32 dy only (error ~2^-22)
-    seg = tl.dot(same, x, input_precision="tf32x3")
-
-    piece_end = valid & ((ids != next_ids) | (r == CHUNK - 1))  # last row of a segment within this chunk
-    starts_here = ids != before
-    ends_here = ids != next_ids
-    dw_offs = ids[:, None].to(tl.int64) * stride_dw + cols[None, :]
-    complete = piece_end & starts_here & ends_here  # the whole segment is in this chunk
-    tl.store(dw_ptr + dw_offs, seg.to(dw_ptr.dtype.element_ty), mask=complete[:, None] & col_mask)
-    part_offs = chunk.to(tl.int64) * D + cols[None, :] + 0 * r[:, None]
-    tl.store(head_ptr + part_offs, seg, mask=(piece_end & ~starts_here)[:, None] & col_mask)
-    tl.store(tail_ptr + part_offs, seg, mask=(piece_end & starts_here & ~ends_here)[:, None] & col_mask)
-
-
-@triton.jit
-def _embedding_bwd_fixup_kernel(
-    sorted_ptr,  # [N] ids sorted ascending
-    dw_ptr,  # [V, D] weight gradient
-    head_ptr,  # [num_chunks, D] fp32 head partials (see _embedding_bwd_kernel)
-    tail_ptr,  # [num_chunks, D] fp32 tail partials
-    N,  # number of tokens
-    D,  # embedding dim
-    stride_dw,  # dW row stride
-    CHUNK: tl.constexpr,  # sorted tokens per chunk (as in _embedding_bwd_kernel)
-    BLOCK_D: tl.constexpr,  # columns per program
-):
-    chunk = tl.program_id(0)
-    end = (chunk + 1) * CHUNK
-    if end < N:
-        last = tl.load(sorted_ptr + end - 1)
-        before = tl.load(sorted_ptr + chunk * CHUNK - 1, mask=chunk > 0, other=-1)
-        more = tl.load(sorted_ptr + end) == last
-        if more & (last != before):  # this chunk owns a segment running into the next chunk(s)
-            cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-            col_mask = cols < D
-            acc = tl.load(tail_ptr + chunk.to(tl.int64) * D + cols, mask=col_mask, other=0.0)
-            q = chunk + 1
-            while more:
-                acc += tl.load(head_ptr + q.to(tl.int64) * D + cols, mask=col_mask, other=0.0)
-                q += 1
-                more = tl.load(sorted_ptr + q * CHUNK, mask=q * CHUNK < N, other=-1) == last
-            tl.store(dw_ptr + last.to(tl.int64) * stride_dw + cols, acc.to(dw_ptr.dtype.element_ty), mask=col_mask)
+    col_mask = cols < D
+    acc = tl.zeros([BLOCK_V, BLOCK_D], dtype=tl.float32)
+    for j0 in range(start, end, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        valid = j < end
+        ids = tl.load(sorted_ptr + j, mask=valid, other=-1).to(tl.int32)
+        pos = tl.load(perm_ptr + j, mask=valid, other=0)
+        x = tl.load(dy_ptr + pos[:, None] * stride_dy + cols[None, :], mask=valid[:, None] & col_mask[None, :],
+                    other=0.0)
+        onehot = (v[:, None] == ids[None, :]).to(x.dtype)
+        # tf32x3 applies to fp32 dy only (error ~2^-22); half-precision products by 0/1 are exact
+        acc = tl.dot(onehot, x, acc, input_precision="tf32x3")
+    acc = tl.where((v == padding_idx)[:, None], 0.0, acc)
+    tl.store(dw_ptr + v[:, None].to(tl.int64) * D + cols[None, :], acc.to(dw_ptr.dtype.element_ty),
+             mask=(v < V)[:, None] & col_mask[None, :])
 
 
 def _padding_index(padding_idx, num_embeddings: int) -> int:
@@ -164,22 +134,65 @@ def _check_id_range(ids: torch.Tensor, num_embeddings: int) -> None:
             raise ValueError(f"ids must be in [0, {num_embeddings}), got values in [{lo}, {hi}]")
 
 
-def embedding_fwd(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``weight[ids]``: ``[..., D]`` in ``weight``'s dtype."""
+def _check_fwd(ids, weight, validate: bool) -> None:
     check_tensor("weight", weight, ndim=2)
     check_tensor("ids", ids, dtypes=INDEX_DTYPES)
     check_same_device(ids=ids, weight=weight)
-    _check_id_range(ids, weight.shape[0])
-    V, D = weight.shape
+    if validate:
+        _check_id_range(ids, weight.shape[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _fwd_plan(n: int, d: int, knobs: tuple) -> tuple[int, int, tuple[int, int], int]:
+    """``(BLOCK_N, BLOCK_D, grid, num_warps)`` of the forward gather."""
+    block_n, block_d, num_warps = knobs
+    return block_n, block_d, (triton.cdiv(n, block_n), triton.cdiv(d, block_d)), 1 if interpreting() else num_warps
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_plan(v: int, d: int, knobs: tuple) -> tuple[int, int, tuple[int, int], int, torch.dtype]:
+    """``(BLOCK_V, BLOCK_D, grid, num_warps, sort key dtype)`` of the backward."""
+    block_v, block_d, num_warps, int16 = knobs
+    block_d = min(block_d, max(16, triton.next_power_of_2(d)))
+    key_dtype = torch.int16 if int16 and v <= 2**15 else torch.int32
+    return (block_v, block_d, (triton.cdiv(v, block_v), triton.cdiv(d, block_d)), 1 if interpreting() else num_warps,
+            key_dtype)
+
+
+def _fwd(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Unchecked forward: ``weight[ids]`` ``[..., D]``."""
+    D = weight.shape[1]
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    flat = ids.reshape(-1)
-    N = flat.numel()
+    flat = ids.reshape(-1)  # a view, possibly strided (e.g. of a column ids[:, -1:]): its stride goes to the kernel
+    N = flat.shape[0]
     out = torch.empty((N, D), dtype=weight.dtype, device=weight.device)
-    if out.numel():
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(D, meta["BLOCK_D"]))  # noqa: E731
-        _embedding_fwd_kernel[grid](flat, weight, out, N, D, weight.stride(0))
+    if N and D:
+        block_n, block_d, grid, num_warps = _fwd_plan(N, D, (_FWD_BLOCK_N, _FWD_BLOCK_D, _FWD_NUM_WARPS))
+        _embedding_fwd_kernel[grid](flat, weight, out, N, D, flat.stride(0), weight.stride(0),
+                                    BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
     return out.view(*ids.shape, D)
+
+
+def _bwd(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int, pad: int) -> torch.Tensor:
+    """Unchecked backward: ``dy`` ``[*ids.shape, D]``, ``pad`` a row index or -1."""
+    N, D = ids.numel(), dy.shape[-1]
+    block_v, block_d, grid, num_warps, key_dtype = _bwd_plan(
+        num_embeddings, D, (_BWD_BLOCK_V, _BWD_BLOCK_D, _BWD_NUM_WARPS, _SORT_INT16))
+    dw = torch.empty((num_embeddings, D), dtype=dy.dtype, device=dy.device)
+    if num_embeddings and D:
+        dy2 = (dy if dy.stride(-1) == 1 else dy.contiguous()).reshape(N, D)
+        sorted_ids, perm = torch.sort(ids.reshape(-1).to(key_dtype), stable=True)
+        _embedding_bwd_kernel[grid](dy2, sorted_ids, perm, dw, N, num_embeddings, D, dy2.stride(0), pad,
+                                    N.bit_length(), BLOCK_V=block_v, BLOCK_D=block_d, CHUNK=_BWD_CHUNK,
+                                    num_warps=num_warps)
+    return dw
+
+
+def embedding_fwd(ids: torch.Tensor, weight: torch.Tensor, validate: bool = True) -> torch.Tensor:
+    """``weight[ids]``: ``[..., D]`` in ``weight``'s dtype (``validate``: see :func:`embedding`)."""
+    _check_fwd(ids, weight, validate)
+    return _fwd(ids, weight)
 
 
 def embedding_bwd(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
@@ -191,57 +204,44 @@ def embedding_bwd(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
     if tuple(dy.shape) != (*ids.shape, dy.shape[-1]):
         raise ValueError(f"dy must have shape ids.shape + [D] = {tuple(ids.shape)} + [D], got {tuple(dy.shape)}")
     pad = _padding_index(padding_idx, num_embeddings)
-    D = dy.shape[-1]
-    dw = torch.zeros((num_embeddings, D), dtype=dy.dtype, device=dy.device)
-    N = ids.numel()
-    if N == 0 or D == 0:
-        return dw
-    dy2 = rows_view(dy, D)
-    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
-    num_chunks = triton.cdiv(N, _CHUNK)
-    head = torch.empty((num_chunks, D), dtype=torch.float32, device=dy.device)
-    tail = torch.empty_like(head)
-    grid = lambda meta: (num_chunks, triton.cdiv(D, meta["BLOCK_D"]))  # noqa: E731
-    _embedding_bwd_kernel[grid](dy2, sorted_ids, perm, dw, head, tail, N, D, dy2.stride(0), dw.stride(0), pad,
-                                CHUNK=_CHUNK)
-    _embedding_bwd_fixup_kernel[(num_chunks, triton.cdiv(D, _FIXUP_BLOCK_D))](
-        sorted_ids, dw, head, tail, N, D, dw.stride(0), CHUNK=_CHUNK, BLOCK_D=_FIXUP_BLOCK_D,
-    )
-    return dw
+    return _bwd(dy, ids, num_embeddings, pad)
 
 
 class EmbeddingFunction(torch.autograd.Function):
-    """Autograd wrapper of :func:`embedding_fwd` / :func:`embedding_bwd` (gradient for ``weight`` only)."""
+    """Autograd wrapper of the forward / backward launchers (gradient for ``weight`` only). The
+    forward checks the inputs; the backward launches unchecked."""
 
     @staticmethod
-    def forward(ctx, ids, weight, padding_idx):
-        out = embedding_fwd(ids, weight)
-        ctx.save_for_backward(ids)
+    def forward(ctx, ids, weight, padding_idx, validate):
+        _check_fwd(ids, weight, validate)
+        ctx.pad = _padding_index(padding_idx, weight.shape[0])
         ctx.num_embeddings = weight.shape[0]
-        ctx.padding_idx = padding_idx
-        return out
+        ctx.save_for_backward(ids)
+        return _fwd(ids, weight)
 
     @staticmethod
     def backward(ctx, dy):
         (ids,) = ctx.saved_tensors
-        dw = embedding_bwd(dy, ids, ctx.num_embeddings, ctx.padding_idx) if ctx.needs_input_grad[1] else None
-        return None, dw, None
+        dw = _bwd(dy, ids, ctx.num_embeddings, ctx.pad) if ctx.needs_input_grad[1] else None
+        return None, dw, None, None
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
+              validate: bool = True) -> torch.Tensor:
     """Token embedding lookup.
 
     Args:
-        ids: int32/int64 token ids of any shape ``[...]``, all in ``[0, V)`` (checked on the host:
-            one min/max and one device-to-host sync per call).
+        ids: int32/int64 token ids of any shape and strides ``[...]``, all in ``[0, V)``.
         weight: ``[V, D]`` float32/float16/bfloat16 (any row stride).
         padding_idx: optional row (negative counts from the end) that receives no gradient; its
             forward value is ``weight[padding_idx]`` as in ``torch.nn.functional.embedding``.
+        validate: check on the host that every id is in ``[0, V)`` (ValueError naming ``ids``
+            otherwise): one min/max and one device-to-host sync per call. ``False`` skips it for
+            callers that guarantee the range (the training path: the data pipeline checks token
+            ranges when it loads a corpus); an id out of range is then undefined behaviour.
 
     Returns:
         ``out[..., :] = weight[ids[...], :]``, shape ``[..., D]``, dtype of ``weight``. The gradient
         ``dW[v] = sum_{n: ids[n] = v} dy[n]`` (fp32 sums, deterministic, zero for unused rows).
     """
-    check_tensor("weight", weight, ndim=2)
-    _padding_index(padding_idx, weight.shape[0])  # reject a bad padding_idx before any work
-    return EmbeddingFunction.apply(ids, weight, padding_idx)
+    return EmbeddingFunction.apply(ids, weight, padding_idx, validate)

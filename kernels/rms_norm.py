@@ -22,6 +22,8 @@ Square Layer Normalization" (2019); Liger-Kernel ``ops/rms_norm.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,23 +32,28 @@ from ._common import check_same_device, check_same_dtype, check_tensor, interpre
 
 #: Longest row chunk held in registers; longer rows take the two-pass loop over chunks.
 _MAX_BLOCK_N = 8192
-#: Forward, autotuned on (N, residual) over BLOCK_M x num_warps: configs are pruned to tiles
-#: (BLOCK_M * BLOCK_N) of at most _FWD_MAX_TILE elements and _FWD_MAX_PER_THREAD per thread
-#: (ptxas sm_90a: 64 per thread takes ~210 registers, 32 per thread 94-128).
-_FWD_MAX_TILE = 16384
-_FWD_MAX_PER_THREAD = 32
-#: Backward (not autotuned: the rows each program sums into its dW partial, hence the rounding,
-#: must not depend on a timing): rows of BLOCK_N gathered into tiles of at least _BWD_TILE
-#: elements, with warps chosen for _BWD_ELEMS_PER_THREAD elements per thread (one 16-byte bf16
-#: load). ptxas (sm_90a, triton 3.9) reports 64 registers at N=768 (tile [2, 1024], 8 warps), so
-#: 4 programs fit on an SM; persistent grid of _BWD_PROGRAMS_PER_SM programs per SM.
-_BWD_TILE = 2048
-_BWD_ELEMS_PER_THREAD = 8
-_BWD_PROGRAMS_PER_SM = 4
+#: Forward (fixed config, no autotune: the autotuner's per-call key building costs host time on a
+#: pass that is ~13 us of GPU work): a program normalizes max(1, _FWD_TILE // BLOCK_N) rows with
+#: one warp per 32 * _FWD_ELEMS_PER_THREAD elements of its tile.
+_FWD_TILE = 4096
+_FWD_ELEMS_PER_THREAD = 16
+#: Backward (fixed, never timing-dependent: the rows each program sums into its dW partial, hence
+#: the rounding, must not depend on a timing): persistent grid of _BWD_PROGRAMS_PER_SM programs per
+#: SM, each taking tiles of max(1, _BWD_TILE // BLOCK_N) rows with one warp per
+#: 32 * _BWD_ELEMS_PER_THREAD elements. With _BWD_PREFETCH a program loads its next tile before
+#: the math of the current one (two tiles in flight: the old loop, 2 rows x 4 programs with no
+#: overlap, ran at ~4x the bandwidth floor, 87 us against 18 at 16384x768 on H200).
+#: Measured on an H200 (scripts/tune_memops.py): at 32768x4096 tile 4096 / 2 programs per SM runs
+#: the backward at 3935 GB/s (92% of copy); at 16384x768 tile 2048 / 4 programs per SM takes 33.6 us
+#: against 58.9 us for the wide setting, so rows of at most _BWD_NARROW_N use the narrow one.
+_BWD_TILE, _BWD_PROGRAMS_PER_SM = 4096, 2
+_BWD_NARROW_N, _BWD_NARROW_TILE, _BWD_NARROW_PROGRAMS_PER_SM = 1024, 2048, 4
+_BWD_ELEMS_PER_THREAD = 16
+_BWD_PREFETCH = True
 #: Partial-dW reduction tile: [_DW_BLOCK_P partial rows, _DW_BLOCK_N columns]; narrow columns
-#: give N / 32 programs (24 at N=768) to spread the reduction over more SMs.
-_DW_BLOCK_P = 128
-_DW_BLOCK_N = 32
+#: give N / _DW_BLOCK_N programs (48 at N=768) to spread the reduction over more SMs.
+_DW_BLOCK_P = 256
+_DW_BLOCK_N = 16
 #: Under the interpreter cost grows with the number of programs: one fixed, large tile.
 _INTERP_TILE = 32768
 
@@ -119,6 +126,20 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_tile(DY, X, RSTD, rb, M, N, stride_dy, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row block ``rb`` of x and dy as stored (converted at use, so a prefetched tile stays packed)
+    and its fp32 rstd; rows past M (a block past the last) are masked off and read nothing."""
+    rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return x, dy, rstd
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     DY,         # [M, N] gradient of y, last dim contiguous
     X,          # [M, N] the normalized input h (x, or x + residual), last dim contiguous
@@ -134,8 +155,9 @@ def _rms_norm_bwd_kernel(
     stride_dx,  # row stride of DX in elements
     M, N,
     HAS_DH: tl.constexpr,
-    ONE_PASS: tl.constexpr,   # N <= BLOCK_N: c is computed from the row in registers
-    BLOCK_M: tl.constexpr,    # rows per iteration
+    ONE_PASS: tl.constexpr,   # N <= BLOCK_N: the tile holds whole rows
+    PREFETCH: tl.constexpr,   # ONE_PASS only: load the next tile before this tile's math
+    BLOCK_M: tl.constexpr,    # rows per tile
     BLOCK_N: tl.constexpr,    # columns per chunk (power of two)
 ):
     # Persistent: program p handles row blocks p, p + P, p + 2P, ... so that its dW partial
@@ -145,7 +167,34 @@ def _rms_norm_bwd_kernel(
     n_row_blocks = tl.cdiv(M, BLOCK_M)
     arange_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    if not ONE_PASS:
+    if ONE_PASS:
+        col_mask = cols < N
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if PREFETCH:
+            x, dy, rstd = _bwd_tile(DY, X, RSTD, pid, M, N, stride_dy, stride_x, BLOCK_M, BLOCK_N)
+        for rb in range(pid, n_row_blocks, n_programs):
+            if PREFETCH:
+                x_next, dy_next, rstd_next = _bwd_tile(DY, X, RSTD, rb + n_programs, M, N, stride_dy, stride_x,
+                                                       BLOCK_M, BLOCK_N)
+            else:
+                x, dy, rstd = _bwd_tile(DY, X, RSTD, rb, M, N, stride_dy, stride_x, BLOCK_M, BLOCK_N)
+            rows = (rb * BLOCK_M + arange_m).to(tl.int64)
+            mask = (rows < M)[:, None] & col_mask[None, :]
+            xhat = x.to(tl.float32) * rstd[:, None]
+            dyf = dy.to(tl.float32)
+            g = dyf * w[None, :]
+            mean_xg = tl.sum(xhat * g, axis=1) / N
+            dx = (g - xhat * mean_xg[:, None]) * rstd[:, None]
+            if HAS_DH:
+                dx += tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(dyf * xhat, axis=0)
+            if PREFETCH:
+                x, dy, rstd = x_next, dy_next, rstd_next
+        tl.store(PARTIAL + pid.to(tl.int64) * N + cols, dw, mask=col_mask)
+    else:
+        # Rows longer than BLOCK_N: c per row first (into the C scratch), then dx and dW chunk by chunk.
         for rb in range(pid, n_row_blocks, n_programs):
             rows = (rb * BLOCK_M + arange_m).to(tl.int64)
             row_mask = rows < M
@@ -161,30 +210,27 @@ def _rms_norm_bwd_kernel(
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             tl.store(C + rows, acc * rstd / N, mask=row_mask)
         tl.debug_barrier()
-    for start in range(0, N, BLOCK_N):
-        c = start + cols
-        col_mask = c < N
-        w = tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)
-        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for rb in range(pid, n_row_blocks, n_programs):
-            rows = (rb * BLOCK_M + arange_m).to(tl.int64)
-            row_mask = rows < M
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            xhat = x * rstd[:, None]
-            g = dy * w[None, :]
-            if ONE_PASS:
-                mean_xg = tl.sum(xhat * g, axis=1) / N
-            else:
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            col_mask = c < N
+            w = tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)
+            dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for rb in range(pid, n_row_blocks, n_programs):
+                rows = (rb * BLOCK_M + arange_m).to(tl.int64)
+                row_mask = rows < M
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(X + rows[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+                xhat = x * rstd[:, None]
+                g = dy * w[None, :]
                 mean_xg = tl.load(C + rows, mask=row_mask, other=0.0)
-            dx = (g - xhat * mean_xg[:, None]) * rstd[:, None]
-            if HAS_DH:
-                dx += tl.load(DH + rows[:, None] * stride_dh + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + rows[:, None] * stride_dx + c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            dw += tl.sum(dy * xhat, axis=0)
-        tl.store(PARTIAL + pid.to(tl.int64) * N + c, dw, mask=col_mask)
+                dx = (g - xhat * mean_xg[:, None]) * rstd[:, None]
+                if HAS_DH:
+                    dx += tl.load(DH + rows[:, None] * stride_dh + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                tl.store(DX + rows[:, None] * stride_dx + c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                dw += tl.sum(dy * xhat, axis=0)
+            tl.store(PARTIAL + pid.to(tl.int64) * N + c, dw, mask=col_mask)
 
 
 @triton.jit
@@ -205,21 +251,37 @@ def _rms_norm_bwd_dw_kernel(
     tl.store(DW + cols, acc.to(DW.dtype.element_ty), mask=col_mask)
 
 
-def _block_n(n: int) -> int:
-    return min(max(next_pow2(n), 16), _MAX_BLOCK_N)
+def _warps(tile: int, per_thread: int) -> int:
+    return min(16, max(1, tile // (32 * per_thread)))
 
 
-def _prune_fwd_configs(configs, named_args, **kwargs):
-    block_n = {**named_args, **kwargs}["BLOCK_N"]
-    return [c for c in configs
-            if c.kwargs["BLOCK_M"] * block_n <= min(_FWD_MAX_TILE, _FWD_MAX_PER_THREAD * 32 * c.num_warps)]
+@functools.lru_cache(maxsize=256)
+def _fwd_plan(n: int, knobs: tuple) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_M, num_warps)`` of the forward for rows of ``n``; ``knobs`` are the module
+    knobs it depends on (part of the cache key, so that setting a knob takes effect)."""
+    max_block_n, tile, per_thread, interp_tile = knobs
+    block_n = min(max(next_pow2(n), 16), max_block_n)
+    if interpreting():
+        return block_n, max(1, interp_tile // block_n), 4
+    block_m = max(1, tile // block_n)
+    return block_n, block_m, _warps(block_m * block_n, per_thread)
 
 
-_rms_norm_fwd_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2, 4, 8, 16) for w in (4, 8, 16)],
-    key=["N", "HAS_RESIDUAL"],
-    prune_configs_by={"early_config_prune": _prune_fwd_configs},
-)(_rms_norm_fwd_kernel)
+@functools.lru_cache(maxsize=256)
+def _bwd_plan(m: int, n: int, device_index, knobs: tuple) -> tuple[int, ...]:
+    """``(BLOCK_N, BLOCK_M, num_warps, programs, dW BLOCK_P, dW BLOCK_N)`` of the backward."""
+    max_block_n, tile, per_thread, per_sm, dw_block_p, dw_block_n, interp_tile = knobs
+    block_n = min(max(next_pow2(n), 16), max_block_n)
+    if interpreting():
+        block_m, num_warps = max(1, interp_tile // block_n), 4
+    else:
+        block_m = max(1, tile // block_n)
+        num_warps = _warps(block_m * block_n, per_thread)
+    programs = max(1, min(num_sms(device_index) * per_sm, triton.cdiv(m, block_m)))
+    dw_block_p = min(dw_block_p, next_pow2(programs))
+    if interpreting():
+        dw_block_n = min(interp_tile // dw_block_p, next_pow2(n))
+    return block_n, block_m, num_warps, programs, dw_block_p, dw_block_n
 
 
 def _check_eps(eps) -> None:
@@ -227,10 +289,7 @@ def _check_eps(eps) -> None:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 
 
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                 residual: torch.Tensor | None = None):
-    """Launch the forward: returns ``(y, h, rstd)`` with ``y``/``h`` shaped like ``x`` (``h`` is
-    ``x + residual``, or None without a residual) and ``rstd`` fp32 of shape ``[rows]``."""
+def _check_fwd(x, weight, eps, residual) -> None:
     check_tensor("x", x, min_ndim=1)
     check_tensor("weight", weight, ndim=1)
     if residual is not None:
@@ -244,23 +303,56 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
     _check_eps(eps)
-    x2 = rows_view(x, n)
-    r2 = rows_view(residual, n) if residual is not None else x2
-    weight = weight.contiguous()
-    m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    h = torch.empty((m, n), dtype=x.dtype, device=x.device) if residual is not None else y
-    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+
+
+def _fwd(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Unchecked forward on ``[M, N]`` row views (contiguous weight): ``(y, h or None, rstd)``."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    h = torch.empty((m, n), dtype=x2.dtype, device=x2.device) if r2 is not None else y
+    rstd = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m > 0:
-        block_n = _block_n(n)
-        args = (x2, r2, y, h, weight, rstd, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0), m, n, float(eps))
-        meta = dict(HAS_RESIDUAL=residual is not None, ONE_PASS=n <= block_n, BLOCK_N=block_n)
-        if interpreting():
-            block_m = max(1, _INTERP_TILE // block_n)
-            _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](*args, **meta, BLOCK_M=block_m)
-        else:
-            _rms_norm_fwd_tuned[lambda cfg: (triton.cdiv(m, cfg["BLOCK_M"]),)](*args, **meta)
-    return y.view(x.shape), (h.view(x.shape) if residual is not None else None), rstd
+        block_n, block_m, num_warps = _fwd_plan(n, (_MAX_BLOCK_N, _FWD_TILE, _FWD_ELEMS_PER_THREAD, _INTERP_TILE))
+        r = r2 if r2 is not None else x2
+        _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x2, r, y, h, weight, rstd, x2.stride(0), r.stride(0), n, n, m, n, float(eps),
+            HAS_RESIDUAL=r2 is not None, ONE_PASS=n <= block_n, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps)
+    return y, (h if r2 is not None else None), rstd
+
+
+def _bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dh2: torch.Tensor | None):
+    """Unchecked backward on ``[M, N]`` row views: ``(dx [M, N], dweight)``."""
+    m, n = x2.shape
+    tile, per_sm = ((_BWD_NARROW_TILE, _BWD_NARROW_PROGRAMS_PER_SM) if n <= _BWD_NARROW_N
+                    else (_BWD_TILE, _BWD_PROGRAMS_PER_SM))
+    block_n, block_m, num_warps, programs, dw_block_p, dw_block_n = _bwd_plan(
+        m, n, x2.device.index, (_MAX_BLOCK_N, tile, _BWD_ELEMS_PER_THREAD, per_sm,
+                                _DW_BLOCK_P, _DW_BLOCK_N, _INTERP_TILE))
+    one_pass = n <= block_n
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
+    scratch = rstd if one_pass else torch.empty((m,), dtype=torch.float32, device=x2.device)
+    dh = dh2 if dh2 is not None else dy2
+    _rms_norm_bwd_kernel[(programs,)](
+        dy2, x2, weight, rstd, dh, dx, scratch, partial, dy2.stride(0), x2.stride(0), dh.stride(0), n, m, n,
+        HAS_DH=dh2 is not None, ONE_PASS=one_pass, PREFETCH=_BWD_PREFETCH, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps)
+    dw = torch.empty((n,), dtype=weight.dtype, device=weight.device)
+    _rms_norm_bwd_dw_kernel[(triton.cdiv(n, dw_block_n),)](
+        partial, dw, programs, n, BLOCK_P=dw_block_p, BLOCK_N=dw_block_n)
+    return dx, dw
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                 residual: torch.Tensor | None = None):
+    """Launch the forward: returns ``(y, h, rstd)`` with ``y``/``h`` shaped like ``x`` (``h`` is
+    ``x + residual``, or None without a residual) and ``rstd`` fp32 of shape ``[rows]``."""
+    _check_fwd(x, weight, eps, residual)
+    n = x.shape[-1]
+    y, h, rstd = _fwd(rows_view(x, n), rows_view(residual, n) if residual is not None else None,
+                      weight.contiguous(), eps)
+    return y.view(x.shape), (h.view(x.shape) if h is not None else None), rstd
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -285,49 +377,36 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     if weight.shape != (n,) or rstd.shape != (m,):
         raise ValueError(f"weight and rstd must have shapes ({n},) and ({m},), "
                          f"got {tuple(weight.shape)} and {tuple(rstd.shape)}")
-    dy2 = rows_view(dy, n)
-    dh2 = rows_view(dh, n) if dh is not None else dy2
-    weight = weight.contiguous()
-    block_n = _block_n(n)
-    one_pass = n <= block_n
-    if interpreting():
-        block_m, num_warps = max(1, _INTERP_TILE // block_n), 4
-    else:
-        block_m = max(1, _BWD_TILE // block_n)
-        num_warps = min(32, max(4, block_m * block_n // (32 * _BWD_ELEMS_PER_THREAD)))
-    programs = max(1, min(num_sms(x.device.index) * _BWD_PROGRAMS_PER_SM, triton.cdiv(m, block_m)))
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
-    scratch = rstd if one_pass else torch.empty((m,), dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(programs,)](
-        dy2, x2, weight, rstd, dh2, dx, scratch, partial,
-        dy2.stride(0), x2.stride(0), dh2.stride(0), dx.stride(0), m, n,
-        HAS_DH=dh is not None, ONE_PASS=one_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    dw = torch.empty((n,), dtype=weight.dtype, device=weight.device)
-    dw_block_p = min(_DW_BLOCK_P, next_pow2(programs))
-    dw_block_n = min(_INTERP_TILE // dw_block_p, next_pow2(n)) if interpreting() else _DW_BLOCK_N
-    _rms_norm_bwd_dw_kernel[(triton.cdiv(n, dw_block_n),)](
-        partial, dw, programs, n, BLOCK_P=dw_block_p, BLOCK_N=dw_block_n)
+    dx, dw = _bwd(rows_view(dy, n), x2, weight.contiguous(), rstd, rows_view(dh, n) if dh is not None else None)
     return dx.view(x.shape), dw
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """Autograd wrapper: ``apply(x, weight, eps, residual)`` returns ``y``, or ``(y, h)`` with a residual."""
+    """Autograd wrapper: ``apply(x, weight, eps, residual)`` returns ``y``, or ``(y, h)`` with a residual.
+
+    The forward checks the inputs and saves the ``[M, N]`` row views; the backward launches
+    without re-checking."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, residual):
-        y, h, rstd = rms_norm_fwd(x, weight, eps, residual)
-        ctx.has_residual = residual is not None
-        ctx.save_for_backward(h if ctx.has_residual else x, weight, rstd)
+        _check_fwd(x, weight, eps, residual)
+        n = x.shape[-1]
+        x2 = rows_view(x, n)
+        weight = weight.contiguous()
+        y, h, rstd = _fwd(x2, rows_view(residual, n) if residual is not None else None, weight, eps)
+        ctx.shape = x.shape
+        ctx.has_residual = h is not None
+        ctx.save_for_backward(h if h is not None else x2, weight, rstd)
         ctx.set_materialize_grads(False)
-        return (y, h) if ctx.has_residual else y
+        return (y.view(x.shape), h.view(x.shape)) if h is not None else y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        x, weight, rstd = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros_like(x)
-        dx, dw = rms_norm_bwd(dy, x, weight, rstd, dh)
+        x2, weight, rstd = ctx.saved_tensors
+        n = x2.shape[1]
+        dy2 = rows_view(dy, n) if dy is not None else torch.zeros_like(x2)
+        dx, dw = _bwd(dy2, x2, weight, rstd, rows_view(dh, n) if dh is not None else None)
+        dx = dx.view(ctx.shape)
         return dx, dw, None, (dx if ctx.has_residual else None)
 
 

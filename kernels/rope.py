@@ -13,9 +13,10 @@ transpose is the rotation by the opposite angle, so ``dx`` is ``dy`` rotated wit
     dx2 = dy2 * c - dy1 * s
 
 The same kernel does both (``INVERSE`` negates ``s``). All math is in fp32; ``x`` may be any strided
-view whose last dimension is contiguous (e.g. ``q`` sliced out of a packed ``qkv`` projection): it is
-read in place, never copied. One program rotates ``BLOCK_H`` heads of one ``(b, t)`` row, so the
-table row is loaded once per position.
+view whose last dimension is contiguous (e.g. ``q``, or ``q`` and ``k`` together, sliced out of a
+packed ``qkv`` projection): it is read in place, never copied. One program rotates a tile of
+``BLOCK_R`` rows (flattened ``(b, t)``) by ``BLOCK_H`` heads, so each table row it needs is loaded
+once per program; ``BLOCK_H`` is the largest power of two dividing ``H`` (no masked head lanes).
 
 Tables (:func:`rope_cos_sin`), for ``i`` in ``[0, D/2)`` and position ``p``::
 
@@ -48,33 +49,31 @@ integer) before the fp32 cosine and sine, so entries are accurate to fp32 roundi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_tensor, interpreting, next_pow2, rows_view
+from ._common import check_same_device, check_tensor, interpreting, next_pow2
 
-# Elements of one half-tile (BLOCK_H x BLOCK_HALF) a rope program rotates: caps BLOCK_H.
-_ROPE_TILE = 2048
-# Elements of the (rows x D/2) tile one table program fills.
+#: A rope program's tile holds _ROPE_TILE elements of each half (rows x heads x D/2), rotated by
+#: _ROPE_NUM_WARPS warps (fixed config: the autotuner's per-call key building cost host time on a
+#: ~13 us launch).
+_ROPE_TILE = 4096
+_ROPE_NUM_WARPS = 8
+#: Elements of the (rows x D/2) tile one table program fills.
 _TABLE_TILE = 4096
 
 
-def _rope_configs():
-    if interpreting():
-        return [triton.Config({}, num_warps=1)]
-    return [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8)]
-
-
-@triton.autotune(configs=_rope_configs(), key=["H", "HALF", "BLOCK_H"])
 @triton.jit
-def _rope_fwd_kernel(
+def _rope_kernel(
     x_ptr,  # [B, T, H, D] input (dy for the backward), any strides, last dim contiguous
     cos_ptr,  # [S, D/2] cosine table, last dim contiguous
     sin_ptr,  # [S, D/2] sine table, last dim contiguous
     out_ptr,  # [B, T, H, D] output, contiguous
+    R,  # rows B * T
     T,  # sequence length
     H,  # number of heads
     stride_xb,  # x stride between batch entries (elements)
@@ -84,33 +83,38 @@ def _rope_fwd_kernel(
     stride_sin,  # sin row stride
     position_offset,  # table row of position t = 0
     HALF: tl.constexpr,  # D / 2
+    BLOCK_R: tl.constexpr,  # rows (flattened b, t) per program
     BLOCK_H: tl.constexpr,  # heads per program
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
     INVERSE: tl.constexpr,  # rotate by the opposite angle (the backward)
 ):
-    row = tl.program_id(0)  # flattened (b, t)
+    # tile axes: [rows, heads, half of the head dim]
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
     b = row // T
     t = row - b * T
-    d = tl.arange(0, BLOCK_HALF)
+    row_mask = row < R
     d_mask = d < HALF
     pos = (t + position_offset).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    table_mask = row_mask[:, None, None] & d_mask[None, None, :]
+    c = tl.load(cos_ptr + pos[:, None, None] * stride_cos + d[None, None, :], mask=table_mask, other=0.0)
+    s = tl.load(sin_ptr + pos[:, None, None] * stride_sin + d[None, None, :], mask=table_mask, other=0.0)
+    c = c.to(tl.float32)
+    s = s.to(tl.float32)
     if INVERSE:
         s = -s
 
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (h < H)[:, None] & d_mask[None, :]
-    x_row = x_ptr + b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xt
-    x_offs = h[:, None].to(tl.int64) * stride_xh + d[None, :]
-    x1 = tl.load(x_row + x_offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    mask = table_mask & (h < H)[None, :, None]
+    x_offs = ((b.to(tl.int64) * stride_xb + t.to(tl.int64) * stride_xt)[:, None, None]
+              + h.to(tl.int64)[None, :, None] * stride_xh + d[None, None, :])
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
 
-    out_row = out_ptr + row.to(tl.int64) * H * (2 * HALF)
-    out_offs = h[:, None] * (2 * HALF) + d[None, :]
+    out_offs = (row.to(tl.int64) * H)[:, None, None] * (2 * HALF) + h[None, :, None] * (2 * HALF) + d[None, None, :]
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_row + out_offs, (x1 * c - x2 * s).to(dtype), mask=mask)
-    tl.store(out_row + out_offs + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
+    tl.store(out_ptr + out_offs, (x1 * c - x2 * s).to(dtype), mask=mask)
+    tl.store(out_ptr + out_offs + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -162,19 +166,34 @@ def _check_rope_args(name: str, x, cos, sin, position_offset) -> None:
         )
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(rows: int, heads: int, half: int, tile: int, num_warps: int) -> tuple[int, ...]:
+    """``(BLOCK_R, BLOCK_H, BLOCK_HALF, row programs, head programs, num_warps)``: BLOCK_H is the
+    largest power of two dividing ``heads`` that fits the tile, BLOCK_R fills the rest of it."""
+    block_half = next_pow2(half)
+    block_h = min(heads & -heads, next_pow2(max(1, tile // block_half)))
+    block_r = min(next_pow2(rows), max(1, tile // (block_h * block_half)))
+    return (block_r, block_h, block_half, triton.cdiv(rows, block_r), triton.cdiv(heads, block_h),
+            1 if interpreting() else num_warps)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _rope_launch(x, cos, sin, position_offset: int, inverse: bool) -> torch.Tensor:
+    """Unchecked launch: ``x`` (or ``dy``) ``[B, T, H, D]`` with unit last stride, tables with unit last stride."""
     B, T, H, D = x.shape
     out = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    half = D // 2
-    cos, sin = rows_view(cos, half), rows_view(sin, half)
-    block_half = next_pow2(half)
-    block_h = min(next_pow2(H), max(1, _ROPE_TILE // block_half))
-    grid = (B * T, triton.cdiv(H, block_h))
-    _rope_fwd_kernel[grid](
-        x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
-        position_offset, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, INVERSE=inverse,
+    block_r, block_h, block_half, row_programs, head_programs, num_warps = _plan(
+        B * T, H, D // 2, _ROPE_TILE, _ROPE_NUM_WARPS)
+    sb, st, sh, _ = x.stride()
+    _rope_kernel[(row_programs, head_programs)](
+        x, cos, sin, out, B * T, T, H, sb, st, sh, cos.stride(0), sin.stride(0), position_offset,
+        HALF=D // 2, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_HALF=block_half, INVERSE=inverse,
+        num_warps=num_warps,
     )
     return out
 
@@ -182,31 +201,33 @@ def _rope_launch(x, cos, sin, position_offset: int, inverse: bool) -> torch.Tens
 def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
     """Rotate ``x`` ``[B, T, H, D]`` by the table rows ``position_offset .. position_offset + T - 1``."""
     _check_rope_args("x", x, cos, sin, position_offset)
-    return _rope_launch(x, cos, sin, position_offset, inverse=False)
+    return _rope_launch(x, _unit_last(cos), _unit_last(sin), position_offset, inverse=False)
 
 
 def rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
     """Gradient of :func:`rope_fwd` with respect to ``x``: ``dy`` rotated by the opposite angle."""
     check_tensor("dy", dy, ndim=4)
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()  # a gradient may arrive in any layout (x itself is never copied)
+    dy = _unit_last(dy)  # a gradient may arrive in any layout (x itself is never copied)
     _check_rope_args("dy", dy, cos, sin, position_offset)
-    return _rope_launch(dy, cos, sin, position_offset, inverse=True)
+    return _rope_launch(dy, _unit_last(cos), _unit_last(sin), position_offset, inverse=True)
 
 
 class RopeFunction(torch.autograd.Function):
-    """Autograd wrapper of :func:`rope_fwd` / :func:`rope_bwd` (no gradient for the tables)."""
+    """Autograd wrapper of :func:`rope_fwd` / :func:`rope_bwd` (no gradient for the tables). The
+    forward checks the inputs; the backward launches unchecked."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, position_offset):
+        _check_rope_args("x", x, cos, sin, position_offset)
+        cos, sin = _unit_last(cos), _unit_last(sin)
         ctx.save_for_backward(cos, sin)
         ctx.position_offset = position_offset
-        return rope_fwd(x, cos, sin, position_offset)
+        return _rope_launch(x, cos, sin, position_offset, inverse=False)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        return rope_bwd(dy, cos, sin, ctx.position_offset), None, None, None
+        return _rope_launch(_unit_last(dy), cos, sin, ctx.position_offset, inverse=True), None, None, None
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position_offset: int = 0) -> torch.Tensor:
@@ -214,7 +235,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position_offs
 
     Args:
         x: ``[B, T, H, D]`` float32/float16/bfloat16, ``D`` even; any strides as long as the last
-            dimension is contiguous (a slice of a packed ``[B, T, Hq + 2 Hkv, D]`` qkv is read in place).
+            dimension is contiguous. A slice of a packed ``[B, T, Hq + 2 Hkv, D]`` qkv is read in
+            place; ``q`` and ``k`` rotate in one launch as the slice ``qkv[:, :, :Hq + Hkv]``.
         cos, sin: ``[S, D // 2]`` tables (float32 recommended, see :func:`rope_cos_sin`), ``S >= position_offset + T``.
         position_offset: table row of position ``t = 0`` (decoding at position ``p`` uses rows ``p .. p + T - 1``).
 

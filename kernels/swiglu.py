@@ -20,6 +20,8 @@ Transformer" (2020); Liger-Kernel ``ops/swiglu.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -99,20 +101,25 @@ def _swiglu_bwd_kernel(
              mask=mask)
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(rows: int, cols: int, tile: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_C, programs)`` for ``[rows, cols]`` operands and tiles of ``tile`` elements."""
+    block_c = min(max(next_pow2(cols), 16), tile)
+    block_m = min(tile // block_c, next_pow2(rows))
+    return block_m, block_c, triton.cdiv(rows, block_m) * triton.cdiv(cols, block_c)
+
+
 def _launch(kernel, *views: torch.Tensor) -> None:
     """Run ``kernel`` over ``[M, F]`` views (last dim contiguous): as one flat row of ``M * F``
     elements when every view is contiguous, else as ``M`` strided rows."""
     m, f = views[0].shape
     if m * f == 0:
         return
-    flat = m == 1 or all(v.stride(0) == f for v in views)
+    strides = [v.stride(0) for v in views]
+    flat = m == 1 or strides.count(f) == len(strides)
     rows, cols = (1, m * f) if flat else (m, f)
-    tile = _INTERP_TILE if interpreting() else _TILE
-    block_c = min(max(next_pow2(cols), 16), tile)
-    block_m = min(tile // block_c, next_pow2(rows))
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_c),)
-    kernel[grid](*views, *(v.stride(0) for v in views), rows, cols,
-                 BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS)
+    block_m, block_c, programs = _plan(rows, cols, _INTERP_TILE if interpreting() else _TILE)
+    kernel[(programs,)](*views, *strides, rows, cols, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS)
 
 
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor | None) -> int:
@@ -140,13 +147,31 @@ def _halves(gate: torch.Tensor, up: torch.Tensor | None, f: int):
     return rows_view(gate, f), rows_view(up, f)
 
 
+def _fwd(g2: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+    """Unchecked forward on ``[M, F]`` views: ``y [M, F]``."""
+    y = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
+    _launch(_swiglu_fwd_kernel, g2, u2, y)
+    return y
+
+
+def _bwd(dy2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, packed: bool):
+    """Unchecked backward on ``[M, F]`` views: ``(dgate, dup)`` ``[M, F]``, or one ``[M, 2F]``
+    gradient when ``packed``."""
+    m, f = g2.shape
+    if packed:
+        grad = torch.empty((m, 2 * f), dtype=g2.dtype, device=g2.device)
+        _launch(_swiglu_bwd_kernel, g2, u2, dy2, grad[:, :f], grad[:, f:])
+        return grad
+    dgate = torch.empty((m, f), dtype=g2.dtype, device=g2.device)
+    dup = torch.empty((m, f), dtype=g2.dtype, device=g2.device)
+    _launch(_swiglu_bwd_kernel, g2, u2, dy2, dgate, dup)
+    return dgate, dup
+
+
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the forward: ``silu(gate) * up``, or of the halves of ``gate_up`` when ``up`` is None."""
     f = _check_inputs(gate, up)
-    g2, u2 = _halves(gate, up, f)
-    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    _launch(_swiglu_fwd_kernel, g2, u2, y)
-    return y.view(*gate.shape[:-1], f)
+    return _fwd(*_halves(gate, up, f)).view(*gate.shape[:-1], f)
 
 
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None = None):
@@ -158,32 +183,33 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None = N
     if tuple(dy.shape) != out_shape:
         raise ValueError(f"dy must have shape {out_shape}, got {tuple(dy.shape)}")
     g2, u2 = _halves(gate, up, f)
-    dy2 = rows_view(dy, f)
     if up is None:
-        grad = torch.empty((g2.shape[0], 2 * f), dtype=gate.dtype, device=gate.device)
-        _launch(_swiglu_bwd_kernel, g2, u2, dy2, grad[:, :f], grad[:, f:])
-        return grad.view(gate.shape)
-    dgate = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    _launch(_swiglu_bwd_kernel, g2, u2, dy2, dgate, dup)
+        return _bwd(rows_view(dy, f), g2, u2, packed=True).view(gate.shape)
+    dgate, dup = _bwd(rows_view(dy, f), g2, u2, packed=False)
     return dgate.view(gate.shape), dup.view(gate.shape)
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """Autograd wrapper: ``apply(gate, up)``, or ``apply(gate_up, None)`` for the packed form."""
+    """Autograd wrapper: ``apply(gate, up)``, or ``apply(gate_up, None)`` for the packed form. The
+    forward checks the inputs and saves the ``[M, F]`` views; the backward launches unchecked."""
 
     @staticmethod
     def forward(ctx, gate, up):
-        y = swiglu_fwd(gate, up)
-        ctx.save_for_backward(gate, up)
-        return y
+        f = _check_inputs(gate, up)
+        g2, u2 = _halves(gate, up, f)
+        ctx.save_for_backward(g2, u2)
+        ctx.shapes = (gate.shape, None if up is None else up.shape)
+        return _fwd(g2, u2).view(*gate.shape[:-1], f)
 
     @staticmethod
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        if up is None:
-            return swiglu_bwd(dy, gate), None
-        return swiglu_bwd(dy, gate, up)
+        g2, u2 = ctx.saved_tensors
+        gate_shape, up_shape = ctx.shapes
+        dy2 = rows_view(dy, g2.shape[1])
+        if up_shape is None:
+            return _bwd(dy2, g2, u2, packed=True).view(gate_shape), None
+        dgate, dup = _bwd(dy2, g2, u2, packed=False)
+        return dgate.view(gate_shape), dup.view(up_shape)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""embedding against a float64 PyTorch reference: output and dW (repeated ids, segments crossing
-backward chunks, padding_idx, int32/int64 ids, strided weight), determinism and bad input."""
+"""embedding against a float64 PyTorch reference: output and dW (repeated ids, segments longer than
+a backward chunk, several id and column blocks, padding_idx, int32/int64 ids and sort keys, strided
+weight and ids, validate=False), determinism and bad input."""
 
 import importlib
 
@@ -10,11 +11,14 @@ import torch.nn.functional as F
 from _checks import DEVICE, DTYPES, assert_close, dtype_id, non_contiguous, poison_, randn
 from tritonllm.kernels import embedding
 
-CHUNK = importlib.import_module("tritonllm.kernels.embedding")._CHUNK
+embedding_module = importlib.import_module("tritonllm.kernels.embedding")
+CHUNK, BLOCK_D = embedding_module._BWD_CHUNK, embedding_module._BWD_BLOCK_D
 
-# (V, D, ids shape): one-row vocabulary (every id the same: one segment across all backward chunks),
-# D = 1, odd sizes, ids [3, 7], several chunks of sorted tokens
-CASES = [(1, 17, (3, 7)), (100, 128, (5,)), (1000, 1, (3, 7)), (100, 17, (3 * CHUNK + 5,)), (1000, 128, (2, 150))]
+# (V, D, ids shape): one-row vocabulary (every id the same: one segment over several backward chunks),
+# D = 1, odd sizes, ids [3, 7], several chunks of sorted tokens per id block, several id blocks,
+# several column blocks with a ragged last one
+CASES = [(1, 17, (3, 7)), (100, 128, (5,)), (1000, 1, (3, 7)), (100, 17, (3 * CHUNK + 5,)), (1000, 128, (2, 150)),
+         (300, 2 * BLOCK_D + 5, (40,))]
 
 
 def case_id(case):
@@ -30,9 +34,9 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
 
 
-def check(ids, weight, padding_idx=None):
+def check(ids, weight, padding_idx=None, validate=True):
     """Compare the output and dW with float64 and same-dtype F.embedding on the same inputs."""
-    out = embedding(ids, weight, padding_idx=padding_idx)
+    out = embedding(ids, weight, padding_idx=padding_idx, validate=validate)
     dy = randn(*out.shape, dtype=out.dtype)
     (dw,) = torch.autograd.grad(out, [weight], dy)
     refs = {}
@@ -79,6 +83,28 @@ def test_embedding_strided_inputs(poisoned_empty):
     ids = torch.randint(0, 30, (4, 40), device=DEVICE)[:, ::3]
     assert not ids.is_contiguous() and weight.stride(0) != 19
     check(ids, weight)
+
+
+@pytest.mark.parametrize("view", ["last_column", "column"])
+def test_embedding_ids_column_view(view, poisoned_empty):
+    """A column of [B, T] ids (as in decoding, idx[:, -1:]): flattening it gives a strided view, not a copy."""
+    idx = torch.randint(0, 50, (5, 9), device=DEVICE)
+    ids = idx[:, -1:] if view == "last_column" else idx[:, 3]
+    assert ids.reshape(-1).stride(0) == 9
+    check(ids, randn(50, 24, requires_grad=True))
+
+
+def test_embedding_no_validate(poisoned_empty):
+    """validate=False skips the host-side range check and computes the same thing."""
+    check(torch.randint(0, 100, (3, 50), device=DEVICE), randn(100, 40, requires_grad=True), validate=False)
+
+
+def test_embedding_int32_sort_keys(monkeypatch, poisoned_empty):
+    """The int32-key sort path (taken when V > 32768) on a small vocabulary."""
+    monkeypatch.setattr(embedding_module, "_SORT_INT16", False)
+    ids = torch.randint(0, 100, (3 * CHUNK + 7,), device=DEVICE)
+    ids[::2] = 42
+    check(ids, randn(100, 24, requires_grad=True), padding_idx=7)
 
 
 def test_embedding_empty_ids():

@@ -109,6 +109,18 @@ def test_rms_norm_small_blocks(residual, monkeypatch, poisoned_empty):
     check(x, randn(300, requires_grad=True), r)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no_prefetch", "prefetch"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_backward_tiles(prefetch, residual, monkeypatch, poisoned_empty):
+    """Many row tiles per persistent backward program (4-row tiles, 51 of them, the last ragged,
+    over 8 programs), with and without loading the next tile before the current tile's math."""
+    monkeypatch.setattr(rms_norm_module, "_INTERP_TILE", 512)
+    monkeypatch.setattr(rms_norm_module, "_BWD_PREFETCH", prefetch)
+    x = randn(203, 100, requires_grad=True)
+    r = randn(203, 100, requires_grad=True) if residual else None
+    check(x, randn(100, requires_grad=True), r)
+
+
 def test_rms_norm_weight_grad_deterministic():
     x = randn(600, 100, requires_grad=True)
     weight = randn(100, requires_grad=True)

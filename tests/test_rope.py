@@ -1,6 +1,7 @@
 """rope (output and dx, strided views, position_offset) and rope_cos_sin (plain, NTK, YaRN) against
 float64 PyTorch references of the formulas."""
 
+import importlib
 import math
 
 import pytest
@@ -8,6 +9,9 @@ import torch
 
 from _checks import DEVICE, DTYPES, assert_close, dtype_id, poison_, randn
 from tritonllm.kernels import rope, rope_cos_sin
+
+# the module, not the function of the same name that tritonllm.kernels exports
+rope_module = importlib.import_module("tritonllm.kernels.rope")
 
 # (B, T, H, D): a single row and head with D = 2, odd T and H, D/2 not a power of two
 SHAPES = [(1, 1, 1, 2), (2, 5, 3, 64), (1, 17, 4, 128), (1, 123, 2, 32), (3, 7, 5, 6)]
@@ -81,6 +85,17 @@ def test_rope_packed_qkv_views(dtype, poisoned_empty):
     qkv = randn(B, T, hq + 2 * hkv, D, dtype=dtype, requires_grad=True)
     cos, sin = tables(T, D // 2)
     check(qkv, lambda t: [t[:, :, :hq], t[:, :, hq:hq + hkv]], cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_rope_packed_qk_one_call(dtype, monkeypatch, poisoned_empty):
+    """q and k rotated in one call as the slice qkv[:, :, :Hq + Hkv] (GQA 8:4, 12 heads); a 64-element
+    tile gives 2 rows x 4 heads per program: 9 row programs x 3 head programs."""
+    monkeypatch.setattr(rope_module, "_ROPE_TILE", 64)
+    B, T, hq, hkv, D = 2, 9, 8, 4, 16
+    qkv = randn(B, T, hq + 2 * hkv, D, dtype=dtype, requires_grad=True)
+    cos, sin = tables(T, D // 2)
+    check(qkv, lambda t: [t[:, :, :hq + hkv]], cos, sin)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -1,6 +1,9 @@
 """Benchmarks of ``rope`` (q and k rotated together) and ``embedding`` against torch eager,
 torch.compile and, for RoPE, Liger-Kernel.
 
+Ours is called the way the training path calls it: rope rotates q and k in one call as the packed
+q|k slice of a qkv projection, embedding skips the host-side id range check (``validate=False``).
+
 Sizes: rope "default" = q and k [16, 1024, 12, 64] (B, T, H, D, void125m), "large" = q
 [4, 8192, 32, 128] and k [4, 8192, 8, 128] (GQA 32:8); embedding "default" = 16384 ids into
 32000 x 768, "large" = 32768 ids into 131072 x 4096. All memory-bound: rope reads q, k and the fp32
@@ -39,8 +42,22 @@ def _rope_qk_torch(q, k, cos, sin, cos_full, sin_full):
     return _rope_torch(q, cos, sin), _rope_torch(k, cos, sin)
 
 
-def _rope_qk_ours(q, k, cos, sin, cos_full, sin_full):
-    return rope(q, cos, sin), rope(k, cos, sin)
+def _packed_qk(inputs):
+    """Ours' inputs: q and k copied into a packed [B, T, Hq + 2 Hkv, D] qkv buffer (the model's
+    projection layout: heads [0, Hq) are q, [Hq, Hq + Hkv) k, the rest v) and the q|k slice of it
+    as a strided leaf, so the timed backward is rope's own (in the model the slice's gradient
+    lands in the qkv gradient through autograd, not timed here)."""
+    q, k, cos, sin = inputs[:4]
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qkv = torch.randn(b, t, hq + 2 * hkv, d, device=q.device, dtype=q.dtype)
+    qkv[:, :, :hq] = q.detach()
+    qkv[:, :, hq:hq + hkv] = k.detach()
+    return qkv[:, :, :hq + hkv].detach().requires_grad_(), cos, sin
+
+
+def _rope_qk_ours(qk, cos, sin):
+    return rope(qk, cos, sin)
 
 
 def _rope_qk_liger(q, k, cos, sin, cos_full, sin_full):
@@ -68,12 +85,21 @@ def _rope_case(b: int, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype) ->
         baselines["liger"] = _rope_qk_liger
     es = torch.finfo(dtype).bits // 8
     per_pass = 2 * b * t * (hq + hkv) * d * es + 2 * t * (d // 2) * 4  # read q, k, cos, sin; write q', k'
+    # ours rotates the packed q|k view [B, T, Hq + Hkv, D] of a qkv tensor in one call (_packed_qk);
+    # the baselines get their natural inputs, separate contiguous q and k
     return Case("rope", f"B{b} Hq{hq}/Hkv{hkv} T{t} D{d}", dtype, make_inputs, ours=_rope_qk_ours,
-                baselines=baselines, bytes={"fwd": per_pass, "bwd": per_pass, "fwd+bwd": 2 * per_pass})
+                baselines=baselines, bytes={"fwd": per_pass, "bwd": per_pass, "fwd+bwd": 2 * per_pass},
+                ours_inputs=_packed_qk)
 
 
 def _embedding_torch(ids, weight):
     return F.embedding(ids, weight)
+
+
+def _embedding_ours(ids, weight):
+    # validate=False as on the training path (the data pipeline range-checks token ids when it loads
+    # a corpus): no host-side min/max and device sync; F.embedding checks the ids on the device
+    return embedding(ids, weight, validate=False)
 
 
 def _embedding_case(n: int, v: int, d: int, dtype: torch.dtype) -> Case:
@@ -86,7 +112,7 @@ def _embedding_case(n: int, v: int, d: int, dtype: torch.dtype) -> Case:
     fwd = n * 8 + 2 * n * d * es  # read ids (int64) and the gathered rows; write out
     bwd = n * d * es + v * d * es  # read dy; write the dense dW
     # shape: tokens x hidden x vocab
-    return Case("embedding", f"{n}x{d}x{v}", dtype, make_inputs, ours=embedding,
+    return Case("embedding", f"{n}x{d}x{v}", dtype, make_inputs, ours=_embedding_ours,
                 baselines={"torch": _embedding_torch, "torch.compile": compiled(_embedding_torch)},
                 bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd})
 
