@@ -14,9 +14,13 @@ Forward, per batch, query head h, query row i, with ``s = softmax_scale`` (defau
     o_i    = sum_j exp(x_ij - lse_i) v_j       (0 for a row that sees no key)
 
 computed FlashAttention-2 style: one program per (query block, batch x query head) streams the
-key/value tiles with an online softmax in base 2 (scores pre-multiplied by ``s * log2(e)``),
-fp32 accumulators. Key tiles wholly outside a query block's causal/window range are skipped (the
-loop bounds are computed per query block), tiles wholly inside are processed without masks.
+key/value tiles with an online softmax in base 2 (the resident q tile is pre-multiplied by
+``s * log2(e)`` once, so scores come out of the dot in base 2), fp32 accumulators. Key tiles wholly
+outside a query block's causal/window range are skipped (the loop bounds are computed per query
+block), tiles wholly inside are processed without masks: either in three loops (masked head,
+mask-free middle, masked tail) or in one loop whose edge tiles take a masking branch (``ONE_LOOP``).
+On sm90+ GPUs (and under the interpreter) 16-bit inputs with 16-byte aligned strides stream their
+tiles through tensor descriptors (TMA, knob ``TMA``); other inputs through masked pointer loads.
 Decode (``T <= 16``, or too few query blocks to fill the GPU) uses a split-KV (flash-decoding)
 kernel instead: programs over (KV split, block of the group's query rows, batch x KV head) put
 all ``Hq / Hkv`` query heads of a KV head in the M dimension of the tile, so each K/V tile is read
@@ -34,18 +38,25 @@ output gradient::
 The dK/dV kernel gives each program one key block of one KV head; it loops over every query
 head of the group and the query blocks that see the key block, accumulating in registers (no
 atomics: deterministic). The dQ kernel gives each program one query block and loops over key
-blocks. Reference: Dao, "FlashAttention-2" (2023); Triton's fused-attention tutorial.
+blocks. Seven tile products per (query, key) tile pair where a fused kernel with dQ atomics needs
+five: the price of determinism. Both recompute ``P = exp2(s log2(e) q.k - lse log2(e))`` with one
+FMA per score and leave the resident tile unscaled: pre-scaling it, as the forward does with q,
+turns it from a shared-memory operand of the tensor-core product into a register one (+32
+registers per thread at D128, enough to spill in dK/dV). Reference: Dao,
+"FlashAttention-2" (2023); Triton's fused-attention tutorial.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2, num_sms
+from ._common import (autotune, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2,
+                      num_sms)
 
 #: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -63,8 +74,36 @@ _SPLIT_MAX_ROWS = 64       # largest M tile of (query head, query row) pairs in 
 _COMBINE_ROWS = 16         # (b, h, t) rows per program of the split-combine kernel
 _INTERP_COMBINE_ROWS = 64  # the same under the interpreter (fewer programs)
 _PREPROCESS_BLOCK_M = 64   # rows per program of the delta = rowsum(dO * O) kernel
-_SMEM_BUDGET = 200 * 1024  # bytes of shared memory a config may plan for (H100/H200: 227 KiB)
+_SMEM_BUDGET = 200 * 1024  # bytes of shared memory a config may plan for (H100/H200: 227 KiB per block)
 _TUNE_MIN_PAIRS = 1 << 20  # autotune prefill/backward only from next_pow2(T) * next_pow2(S) >= this
+
+# Prefill/backward knobs, timed side by side by scripts/tune_attention.py on the GPU (not yet measured):
+#: per kernel: stream the K/V tiles (forward, dQ) or the Q/dO tiles and lse/delta rows (dK/dV) through
+#: tensor descriptors (TMA) where the device (sm90+), the dtype (16-bit) and the strides (16-byte
+#: aligned) allow
+TMA = {"fwd": True, "dkdv": True, "dq": True}
+#: per kernel and mask kind ("causal": every call without a window): one pipelined loop whose edge
+#: tiles take a masking branch (True) instead of three loops with a pipeline prologue each (False);
+#: short loops (sliding window: ~9 tiles) should gain. One loop also needs fewer registers (Triton 3.6,
+#: sm90, first configs, TMA, D128: forward 232 -> 190, dQ 192 -> 179, dK/dV spills 336 -> 96 bytes)
+ONE_LOOP = {"fwd": {"causal": True, "window": True},
+            "dkdv": {"causal": True, "window": True},
+            "dq": {"causal": True, "window": True}}
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
+#: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
+#: Forward: q tile resident, k/v tiles pipelined (Hopper: M 64 per warpgroup, so BLOCK_M 128 = 8 warps).
+#: first entry = the config used without autotuning. 64x64 w4 s3 was the fastest forward at every
+#: tuned shape on an H200 (scripts/tune_attention.py: 1.24x the 128x128 w8 s2 tile at B8 Hq32/Hkv8 T4096 D128).
+FWD_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2)]
+#: dK/dV: k/v tiles (BLOCK_N keys) resident, q/dO tiles (BLOCK_M queries) pipelined. Triton 3.6 sm90
+#: compile (TMA, one loop), registers / spill bytes per thread at D128 and D64: 32x128 w8 s2 255/0,
+#: 131/0; 64x128 w8 s2 (FlashAttention-2's tile) 255/136, 216/0 (the dK, dV accumulators alone take
+#: 128 registers at D128); Triton's tutorial tile 32x128 w4 s5 spills at both (768, 136): left out.
+DKDV_CONFIGS = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (16, 64, 4, 2)]
+#: dQ: q/dO tiles resident, k/v tiles pipelined (128x32 4 warps 5 stages: Triton's tutorial; spills
+#: 32 bytes at D128)
+#: 128x64 w8 s3 first: 1.16x the 128x64 w8 s2 tile at B8 Hq32/Hkv8 T4096 D128 on an H200 (tune_attention.py)
+DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2)]
 
 
 # ----------------------------------------------------------------------------- shared device code
@@ -111,46 +150,64 @@ def _segments(first, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, first, end, K_base, V_base, stride_ks, stride_vs, lo, hi, qk_scale,
+def _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, lo, hi, full_lo, full_hi,
                offs_n, offs_d, d_ok,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax (base 2) over key tiles lo, lo + BLOCK_N, ... < hi; MASK applies [first, end)."""
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax (base 2, q pre-scaled) over key tiles lo, lo + BLOCK_N, ... < hi. MASK: 0 none,
+    1 every tile, 2 the tiles outside [full_lo, full_hi) (a branch in the loop); masks apply
+    [first, end). K_src, V_src: tensor descriptors (USE_TMA, rows past S read as 0) or base pointers."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = d_ok[None, :]
-        if MASK:
-            kv_mask = kv_mask & (cols < hi)[:, None]  # hi <= every key_end
-        kv_rows = cols.to(tl.int64)[:, None]
-        k = tl.load(K_base + kv_rows * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if MASK:
+        if USE_TMA:
+            k = K_src.load([start_n, 0])
+        else:
+            kv_mask = d_ok[None, :]
+            if MASK != 0:
+                kv_mask = kv_mask & (cols < hi)[:, None]  # hi <= every key_end
+            kv_rows = cols.to(tl.int64)[:, None]
+            k = tl.load(K_src + kv_rows * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASK == 1:
             qk = tl.where((cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None]), qk, _NEG_INF)
+        elif MASK == 2:
+            if (start_n < full_lo) | (start_n >= full_hi):
+                qk = tl.where((cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None]), qk, _NEG_INF)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_base + kv_rows * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if USE_TMA:
+            v = V_src.load([start_n, 0])
+        else:
+            v = tl.load(V_src + kv_rows * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attend(q, first, end, K_base, V_base, stride_ks, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``(o, lse)`` of BLOCK_M query rows over their key intervals [first, end): masked edge
-    segments, a mask-free middle; a row with no key gives o = 0, lse = -inf (natural log)."""
+def _attend(q, first, end, K_src, V_src, stride_ks, stride_vs, offs_n, offs_d, d_ok,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            ONE_LOOP: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(o, lse)`` of BLOCK_M query rows (q pre-scaled by ``s * log2(e)``) over their key intervals
+    [first, end): masked edge tiles, mask-free middle; a row with no key gives o = 0, lse = -inf
+    (natural log)."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # finite start: a row whose first tiles are all masked gets p = exp2(-inf) = 0 and alpha = 1, no NaN
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_base, V_base, stride_ks, stride_vs, lo, full_lo,
-                               qk_scale, offs_n, offs_d, d_ok, BLOCK_N, True, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_base, V_base, stride_ks, stride_vs, full_lo, full_hi,
-                               qk_scale, offs_n, offs_d, d_ok, BLOCK_N, False, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_base, V_base, stride_ks, stride_vs, full_hi, hi,
-                               qk_scale, offs_n, offs_d, d_ok, BLOCK_N, True, DOT_PRECISION)
+    if ONE_LOOP:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, lo, hi,
+                                   full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 2, USE_TMA, DOT_PRECISION)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, lo, full_lo,
+                                   full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA, DOT_PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, full_lo,
+                                   full_hi, full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 0, USE_TMA,
+                                   DOT_PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, full_hi, hi,
+                                   full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA, DOT_PRECISION)
     return _normalize(acc, l_i, m_i)
 
 
@@ -179,6 +236,7 @@ def _flash_attention_fwd_kernel(
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks first: with causal they see the most keys
     pid_bh = tl.program_id(1)
@@ -194,10 +252,18 @@ def _flash_attention_fwd_kernel(
 
     q_rows = offs_m.to(tl.int64)[:, None]
     q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    q = (q * qk_scale).to(Q.dtype.element_ty)  # scores in base 2 straight from the dot
+    K_src = K + b * stride_kb + hk * stride_kh
+    V_src = V + b * stride_vb + hk * stride_vh
+    if USE_TMA:
+        K_src = tl.make_tensor_descriptor(K_src, shape=[S, HEAD_DIM], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        V_src = tl.make_tensor_descriptor(V_src, shape=[S, HEAD_DIM], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
     # rows past T take the intervals of row T - 1: they are never stored and must not widen the loop
     first, end = _keys_seen(tl.minimum(offs_m, T - 1), S, shift, window, CAUSAL, HAS_WINDOW)
-    out, lse = _attend(q, first, end, K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
-                       stride_ks, stride_vs, qk_scale, offs_n, offs_d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    out, lse = _attend(q, first, end, K_src, V_src, stride_ks, stride_vs, offs_n, offs_d, d_ok,
+                       BLOCK_M, BLOCK_N, BLOCK_D, ONE_LOOP, USE_TMA, DOT_PRECISION)
     o_rows = ((b * T + offs_m) * HQ + h)[:, None]
     tl.store(O + o_rows * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty), mask=io_mask)
     tl.store(LSE + (b * HQ + h) * T + offs_m, lse, mask=row_ok)
@@ -235,11 +301,12 @@ def _flash_attention_split_fwd_kernel(
 
     q_rows = (h * stride_qh + t.to(tl.int64) * stride_qt)[:, None]
     q = tl.load(Q + b * stride_qb + q_rows + offs_d[None, :], mask=io_mask, other=0.0)
+    q = (q * qk_scale).to(Q.dtype.element_ty)
     n_lo = key_lo + pid_s * split_size
     first, end = _keys_seen(t, tl.minimum(n_lo + split_size, S), shift, window, CAUSAL, HAS_WINDOW)
     out, lse = _attend(q, tl.maximum(first, n_lo), end, K + b * stride_kb + hk * stride_kh,
-                       V + b * stride_vb + hk * stride_vh, stride_ks, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-                       BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION)
+                       V + b * stride_vb + hk * stride_vh, stride_ks, stride_vs, offs_n, offs_d, d_ok,
+                       BLOCK_M, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION)
     part_rows = pid_s.to(tl.int64) * n_rows + (b * HQ + h) * T + t
     tl.store(O_part + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
     tl.store(LSE_part + part_rows, lse, mask=rows < GROUP * T)
@@ -287,10 +354,10 @@ def _flash_attention_bwd_preprocess_kernel(
     O,                          # [B, T, Hq, D] forward output, contiguous
     DO,                         # [B, T, Hq, D] output gradient: any strides, last dim contiguous
     LSE,                        # [B, Hq, T] fp32 forward log-sum-exp (natural log)
-    DELTA,                      # out [B, Hq, T] fp32: rowsum(dO * O)
-    LSE2,                       # out [B, Hq, T] fp32: lse * log2(e), +inf for rows that saw no key
+    DELTA,                      # out [B, Hq, T(pitch)] fp32: rowsum(dO * O)
+    LSE2,                       # out [B, Hq, T(pitch)] fp32: lse * log2(e), +inf for rows that saw no key
     stride_dob, stride_dot, stride_doh,
-    T, HQ,
+    T, HQ, stat_pitch,          # stat_pitch: row pitch of DELTA and LSE2 (T rounded up to 4)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -305,34 +372,51 @@ def _flash_attention_bwd_preprocess_kernel(
     o = tl.load(O + o_rows * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0)
     do_rows = offs_m.to(tl.int64)[:, None] * stride_dot
     do = tl.load(DO + b * stride_dob + h * stride_doh + do_rows + offs_d[None, :], mask=io_mask, other=0.0)
-    stat = (b * HQ + h) * T + offs_m
+    stat = (b * HQ + h) * stat_pitch + offs_m
     tl.store(DELTA + stat, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
     # +inf makes the recomputed probabilities of an empty row exp2(s - inf) = 0
-    lse = tl.load(LSE + stat, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + (b * HQ + h) * T + offs_m, mask=row_ok, other=0.0)
     tl.store(LSE2 + stat, tl.where(lse == _NEG_INF, _POS_INF, lse * 1.4426950408889634), mask=row_ok)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base, stride_qt, stride_dot,
-                lo, hi, T, qk_scale, offs_m, offs_d, d_ok,
-                BLOCK_M: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """dK/dV contributions of query tiles lo, lo + BLOCK_M, ... < hi of one query head; key j is seen
-    by queries [first_j, end_j). Scores are kept transposed ([keys, queries]) as in the Triton tutorial."""
+def _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt, stride_dot,
+                lo, hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
+                BLOCK_M: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dK/dV contributions of query tiles lo, lo + BLOCK_M, ... < hi of one query head; key j is seen by
+    queries [first_j, end_j). MASK as in :func:`_fwd_inner`. Scores are kept transposed ([keys,
+    queries]) as in the Triton tutorial. Q_src, DO_src, LSE2_src, DELTA_src: tensor descriptors
+    (USE_TMA) or base pointers."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < T
-        qd_mask = d_ok[None, :]
-        if MASK:
-            qd_mask = qd_mask & row_ok[:, None]
-        q_rows = rows.to(tl.int64)[:, None]
-        q = tl.load(Q_base + q_rows * stride_qt + offs_d[None, :], mask=qd_mask, other=0.0)
-        lse2 = tl.load(LSE2_base + rows, mask=row_ok, other=0.0)
+        if USE_TMA:
+            q = Q_src.load([start_m, 0])
+        else:
+            qd_mask = d_ok[None, :]
+            if MASK != 0:
+                qd_mask = qd_mask & row_ok[:, None]
+            q_rows = rows.to(tl.int64)[:, None]
+            q = tl.load(Q_src + q_rows * stride_qt + offs_d[None, :], mask=qd_mask, other=0.0)
+        if USE_TMA:  # no per-row pointers or masks in registers: rows past T read 0 and are masked
+            lse2 = LSE2_src.load([start_m])
+        else:
+            lse2 = tl.load(LSE2_src + rows, mask=row_ok, other=0.0)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
-        if MASK:
+        if MASK == 1:
             p_t = tl.where((rows[None, :] >= first[:, None]) & (rows[None, :] < end[:, None]), p_t, 0.0)
-        do = tl.load(DO_base + q_rows * stride_dot + offs_d[None, :], mask=qd_mask, other=0.0)
+        elif MASK == 2:
+            if (start_m < full_lo) | (start_m >= full_hi):
+                p_t = tl.where((rows[None, :] >= first[:, None]) & (rows[None, :] < end[:, None]), p_t, 0.0)
+        if USE_TMA:
+            do = DO_src.load([start_m, 0])
+        else:
+            do = tl.load(DO_src + q_rows * stride_dot + offs_d[None, :], mask=qd_mask, other=0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        delta = tl.load(DELTA_base + rows, mask=row_ok, other=0.0)
+        if USE_TMA:
+            delta = DELTA_src.load([start_m])
+        else:
+            delta = tl.load(DELTA_src + rows, mask=row_ok, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
@@ -342,17 +426,19 @@ def _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base
 @triton.jit
 def _flash_attention_bwd_dkdv_kernel(
     Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: any strides, last dim contiguous
-    LSE2, DELTA,                # [B, Hq, T] fp32 from the preprocess kernel
+    LSE2, DELTA,                # [B, Hq, T(pitch)] fp32 from the preprocess kernel
     DK, DV,                     # out [B, S, Hkv, D], contiguous
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dot, stride_doh,
-    T, S, HQ, HKV, GROUP,       # lengths, query heads, KV heads, query heads per KV head
+    T, S, HQ, stat_pitch,       # lengths, query heads, row pitch of LSE2 and DELTA
+    HKV, GROUP,                 # KV heads, query heads per KV head
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -373,37 +459,60 @@ def _flash_attention_bwd_dkdv_kernel(
     lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_M)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        Q_base = Q + b * stride_qb + h * stride_qh
-        DO_base = DO + b * stride_dob + h * stride_doh
-        LSE2_base = LSE2 + (b * HQ + h) * T
-        DELTA_base = DELTA + (b * HQ + h) * T
-        dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base, stride_qt, stride_dot,
-                             lo, full_lo, T, qk_scale, offs_m, offs_d, d_ok, BLOCK_M, True, DOT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base, stride_qt, stride_dot,
-                             full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok, BLOCK_M, False, DOT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_base, DO_base, LSE2_base, DELTA_base, stride_qt, stride_dot,
-                             full_hi, hi, T, qk_scale, offs_m, offs_d, d_ok, BLOCK_M, True, DOT_PRECISION)
+        Q_src = Q + b * stride_qb + h * stride_qh
+        DO_src = DO + b * stride_dob + h * stride_doh
+        LSE2_src = LSE2 + (b * HQ + h) * stat_pitch
+        DELTA_src = DELTA + (b * HQ + h) * stat_pitch
+        if USE_TMA:
+            Q_src = tl.make_tensor_descriptor(Q_src, shape=[T, HEAD_DIM], strides=[stride_qt, 1],
+                                              block_shape=[BLOCK_M, BLOCK_D])
+            DO_src = tl.make_tensor_descriptor(DO_src, shape=[T, HEAD_DIM], strides=[stride_dot, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
+            LSE2_src = tl.make_tensor_descriptor(LSE2_src, shape=[T], strides=[1], block_shape=[BLOCK_M])
+            DELTA_src = tl.make_tensor_descriptor(DELTA_src, shape=[T], strides=[1], block_shape=[BLOCK_M])
+        if ONE_LOOP:
+            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt,
+                                 stride_dot, lo, hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
+                                 BLOCK_M, 2, USE_TMA, DOT_PRECISION)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt,
+                                 stride_dot, lo, full_lo, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
+                                 BLOCK_M, 1, USE_TMA, DOT_PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt,
+                                 stride_dot, full_lo, full_hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d,
+                                 d_ok,
+                                 BLOCK_M, 0, USE_TMA, DOT_PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt,
+                                 stride_dot, full_hi, hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
+                                 BLOCK_M, 1, USE_TMA, DOT_PRECISION)
     out_rows = ((b * S + cols) * HKV + hk)[:, None]
     tl.store(DK + out_rows * HEAD_DIM + offs_d[None, :], (dk * softmax_scale).to(DK.dtype.element_ty), mask=io_mask)
     tl.store(DV + out_rows * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, stride_vs, lo, hi, qk_scale,
-              offs_n, offs_d, d_ok,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """dQ contributions of key tiles lo, lo + BLOCK_N, ... < hi; MASK applies [first, end)."""
+def _dq_inner(dq, q, do, lse2, delta, first, end, K_src, V_src, stride_ks, stride_vs, lo, hi, full_lo, full_hi,
+              qk_scale, offs_n, offs_d, d_ok,
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dQ contributions of key tiles lo, lo + BLOCK_N, ... < hi; MASK as in :func:`_fwd_inner`."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = d_ok[None, :]
-        if MASK:
-            kv_mask = kv_mask & (cols < hi)[:, None]  # hi <= every key_end
-        kv_rows = cols.to(tl.int64)[:, None]
-        k = tl.load(K_base + kv_rows * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V_base + kv_rows * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if USE_TMA:
+            k = K_src.load([start_n, 0])
+            v = V_src.load([start_n, 0])
+        else:
+            kv_mask = d_ok[None, :]
+            if MASK != 0:
+                kv_mask = kv_mask & (cols < hi)[:, None]  # hi <= every key_end
+            kv_rows = cols.to(tl.int64)[:, None]
+            k = tl.load(K_src + kv_rows * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V_src + kv_rows * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
-        if MASK:
+        if MASK == 1:
             p = tl.where((cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None]), p, 0.0)
+        elif MASK == 2:
+            if (start_n < full_lo) | (start_n >= full_hi):
+                p = tl.where((cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None]), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -413,17 +522,19 @@ def _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, str
 @triton.jit
 def _flash_attention_bwd_dq_kernel(
     Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: any strides, last dim contiguous
-    LSE2, DELTA,                # [B, Hq, T] fp32 from the preprocess kernel
+    LSE2, DELTA,                # [B, Hq, T(pitch)] fp32 from the preprocess kernel
     DQ,                         # out [B, T, Hq, D], contiguous
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dot, stride_doh,
-    T, S, HQ, GROUP,            # lengths, query heads, query heads per KV head
+    T, S, HQ, stat_pitch,       # lengths, query heads, row pitch of LSE2 and DELTA
+    GROUP,                      # query heads per KV head
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks first: with causal they see the most keys
     pid_bh = tl.program_id(1)
@@ -440,46 +551,55 @@ def _flash_attention_bwd_dq_kernel(
     q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + q_rows * stride_dot + offs_d[None, :], mask=io_mask,
                  other=0.0)
-    stat = (b * HQ + h) * T + offs_m
+    stat = (b * HQ + h) * stat_pitch + offs_m
     lse2 = tl.load(LSE2 + stat, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
-    K_base = K + b * stride_kb + hk * stride_kh
-    V_base = V + b * stride_vb + hk * stride_vh
+    K_src = K + b * stride_kb + hk * stride_kh
+    V_src = V + b * stride_vb + hk * stride_vh
+    if USE_TMA:
+        K_src = tl.make_tensor_descriptor(K_src, shape=[S, HEAD_DIM], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        V_src = tl.make_tensor_descriptor(V_src, shape=[S, HEAD_DIM], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first, end = _keys_seen(tl.minimum(offs_m, T - 1), S, shift, window, CAUSAL, HAS_WINDOW)
     lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_N)
-    dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, stride_vs, lo, full_lo, qk_scale,
-                   offs_n, offs_d, d_ok, BLOCK_N, True, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, stride_vs, full_lo, full_hi,
-                   qk_scale, offs_n, offs_d, d_ok, BLOCK_N, False, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_base, V_base, stride_ks, stride_vs, full_hi, hi, qk_scale,
-                   offs_n, offs_d, d_ok, BLOCK_N, True, DOT_PRECISION)
+    if ONE_LOOP:
+        dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_src, V_src, stride_ks, stride_vs, lo, hi, full_lo,
+                       full_hi, qk_scale, offs_n, offs_d, d_ok, BLOCK_N, 2, USE_TMA, DOT_PRECISION)
+    else:
+        dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_src, V_src, stride_ks, stride_vs, lo, full_lo, full_lo,
+                       full_hi, qk_scale, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA, DOT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_src, V_src, stride_ks, stride_vs, full_lo, full_hi,
+                       full_lo, full_hi, qk_scale, offs_n, offs_d, d_ok, BLOCK_N, 0, USE_TMA, DOT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_src, V_src, stride_ks, stride_vs, full_hi, hi, full_lo,
+                       full_hi, qk_scale, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA, DOT_PRECISION)
     dq_rows = ((b * T + offs_m) * HQ + h)[:, None]
     tl.store(DQ + dq_rows * HEAD_DIM + offs_d[None, :], (dq * softmax_scale).to(DQ.dtype.element_ty), mask=io_mask)
 
 
 # ----------------------------------------------------------------------------- tuning
-# Under the interpreter each kernel gets one fixed config (autotune with a single config does not
-# benchmark); BLOCK_M != BLOCK_N there so that tile edges of queries and keys fall differently.
-# On the GPU: short hand-picked lists (every autotuned key compiles each config: the lists are kept
-# small so a test or benchmark run does not spend its time compiling), pruned per head dim and
-# dtype, keyed on the head dim, the mask kind and the lengths rounded to powers of two. The lists
-# are ordered largest tile first; the last one is the fallback. Not yet measured on H100/H200.
+# Under the interpreter each kernel gets one fixed config; BLOCK_M != BLOCK_N there so that tile
+# edges of queries and keys fall differently. On the GPU: the short lists FWD_CONFIGS, DKDV_CONFIGS,
+# DQ_CONFIGS (every autotuned key compiles each config: the lists are kept small so a benchmark run
+# does not spend its time compiling), pruned per head dim and dtype, keyed on the head dim, the mask
+# kind and the lengths rounded to powers of two. With TRITONLLM_NO_AUTOTUNE=1 (the test suite) each
+# kernel runs the first config the pruning keeps (see ``_common.autotune``).
 
-def _tuned(kernel, interp: dict, gpu: list[tuple[dict, int, int]], key: list[str], smem_elems, acc_elems):
+def _tuned(kernel, interp: dict, gpu: list[tuple[dict, int, int]], key: list[str], smem_elems, reg_elems):
     """``kernel`` autotuned over ``gpu`` = [(block sizes, num_warps, num_stages)], keyed on ``key``.
 
     A config is kept when its planned shared memory ``smem_elems(blocks, BLOCK_D, stages)`` times the
-    element size fits the budget and its fp32 accumulators ``acc_elems(blocks, BLOCK_D)`` need at most
-    256 registers per thread. fp32 inputs (the exact, slow path) and problems under
-    ``_TUNE_MIN_PAIRS`` (rounded T x S) keep only the smallest config: nothing to gain from compiling
-    and timing the others. Under the interpreter: the single config ``interp``.
+    element size fits the budget and the fp32 tiles live in its loop, ``reg_elems(blocks, BLOCK_D)``
+    elements, need at most 192 registers per thread. fp32 inputs (the exact, slow path) and problems
+    under ``_TUNE_MIN_PAIRS`` (rounded T x S) keep only the smallest config: nothing to gain from
+    compiling and timing the others. Under the interpreter: the single config ``interp``.
     """
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         bd, esize = args["BLOCK_D"], args["Q"].element_size()
         kept = [c for c in configs if smem_elems(c.kwargs, bd, c.num_stages) * esize <= _SMEM_BUDGET
-                and acc_elems(c.kwargs, bd) <= 256 * 32 * c.num_warps] or configs[-1:]
+                and reg_elems(c.kwargs, bd) <= 192 * 32 * c.num_warps] or configs[-1:]
         small = "T_BUCKET" in args and args["T_BUCKET"] * args["S_BUCKET"] < _TUNE_MIN_PAIRS
         return kept[-1:] if esize == 4 or small else kept
 
@@ -487,24 +607,21 @@ def _tuned(kernel, interp: dict, gpu: list[tuple[dict, int, int]], key: list[str
         configs = [triton.Config(interp, num_warps=1, num_stages=1)]
     else:
         configs = [triton.Config(blocks, num_warps=w, num_stages=s) for blocks, w, s in gpu]
-    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
+    return autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
 
 
-def _mn(bm, bn):
-    return {"BLOCK_M": bm, "BLOCK_N": bn}
+def _mn(configs: list[tuple[int, int, int, int]]) -> list[tuple[dict, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples as ``_tuned`` wants them."""
+    return [({"BLOCK_M": bm, "BLOCK_N": bn}, w, st) for bm, bn, w, st in configs]
 
 
-_KEYS = ["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_WINDOW"]
+_KEYS = ["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "USE_TMA", "ONE_LOOP"]
 
-# forward: q tile resident, k and v tiles pipelined; accumulator BLOCK_M x BLOCK_D
-# (Hopper usually prefers BLOCK_M 128, BLOCK_N 64-128, 8 warps at D 128)
+# forward: q tile and the k, v stages in shared memory; accumulator BLOCK_M x BLOCK_D, scores BLOCK_M x BLOCK_N
 _fwd_kernel = _tuned(
-    _flash_attention_fwd_kernel, _mn(32, 16),
-    [(_mn(128, 128), 8, 2), (_mn(128, 64), 8, 3), (_mn(128, 64), 4, 3), (_mn(64, 128), 4, 2), (_mn(64, 64), 4, 3),
-     (_mn(64, 32), 4, 4)],
-    _KEYS,
+    _flash_attention_fwd_kernel, {"BLOCK_M": 32, "BLOCK_N": 16}, _mn(FWD_CONFIGS), _KEYS,
     lambda c, bd, st: bd * (c["BLOCK_M"] + 2 * st * c["BLOCK_N"]),
-    lambda c, bd: c["BLOCK_M"] * bd)
+    lambda c, bd: c["BLOCK_M"] * (bd + c["BLOCK_N"]))
 
 # split-KV decode: BLOCK_M (the group's query rows, <= _SPLIT_MAX_ROWS) is chosen by the launcher
 _split_fwd_kernel = _tuned(
@@ -512,23 +629,20 @@ _split_fwd_kernel = _tuned(
     [({"BLOCK_N": 128}, 8, 3), ({"BLOCK_N": 128}, 4, 2), ({"BLOCK_N": 64}, 8, 4), ({"BLOCK_N": 64}, 4, 3)],
     ["S_BUCKET", "HEAD_DIM", "BLOCK_M", "CAUSAL", "HAS_WINDOW"],
     lambda c, bd, st: bd * (_SPLIT_MAX_ROWS + 2 * st * c["BLOCK_N"]),
-    lambda c, bd: _SPLIT_MAX_ROWS * bd)
+    lambda c, bd: _SPLIT_MAX_ROWS * (bd + c["BLOCK_N"]))
 
-# dK/dV: k, v tiles resident, q and dO tiles pipelined; accumulators dK, dV: 2 x BLOCK_N x BLOCK_D
+# dK/dV: k, v tiles resident, q and dO tiles pipelined; accumulators dK, dV: 2 x BLOCK_N x BLOCK_D,
+# P and dP: 2 x BLOCK_N x BLOCK_M
 _dkdv_kernel = _tuned(
-    _flash_attention_bwd_dkdv_kernel, _mn(16, 32),
-    [(_mn(64, 128), 8, 2), (_mn(32, 128), 4, 3), (_mn(32, 64), 4, 3), (_mn(16, 64), 4, 2)],
-    _KEYS,
+    _flash_attention_bwd_dkdv_kernel, {"BLOCK_M": 16, "BLOCK_N": 32}, _mn(DKDV_CONFIGS), _KEYS,
     lambda c, bd, st: bd * (2 * c["BLOCK_N"] + 2 * st * c["BLOCK_M"]),
-    lambda c, bd: 2 * c["BLOCK_N"] * bd)
+    lambda c, bd: 2 * c["BLOCK_N"] * (bd + c["BLOCK_M"]))
 
-# dQ: q, dO tiles resident, k and v tiles pipelined; accumulator BLOCK_M x BLOCK_D
+# dQ: q, dO tiles resident, k and v tiles pipelined; accumulator BLOCK_M x BLOCK_D, P and dP 2 x BLOCK_M x BLOCK_N
 _dq_kernel = _tuned(
-    _flash_attention_bwd_dq_kernel, _mn(32, 16),
-    [(_mn(128, 64), 8, 2), (_mn(128, 32), 4, 3), (_mn(64, 64), 4, 3), (_mn(64, 32), 4, 2)],
-    _KEYS,
+    _flash_attention_bwd_dq_kernel, {"BLOCK_M": 32, "BLOCK_N": 16}, _mn(DQ_CONFIGS), _KEYS,
     lambda c, bd, st: bd * (2 * c["BLOCK_M"] + 2 * st * c["BLOCK_N"]),
-    lambda c, bd: c["BLOCK_M"] * bd)
+    lambda c, bd: c["BLOCK_M"] * (bd + 2 * c["BLOCK_N"]))
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -586,6 +700,31 @@ def _kernel_flags(q: torch.Tensor, causal: bool, window: int | None) -> dict:
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
+@functools.lru_cache(maxsize=None)
+def _tma_device(device: torch.device) -> bool:
+    """Tensor descriptors work here: under the interpreter, or on an sm90+ GPU with Triton's TMA API."""
+    if interpreting():
+        return True
+    return hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch for the tensor descriptors the kernels build (``triton.set_allocator``)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _stream_flags(kernel: str, window: int | None, *streamed: torch.Tensor) -> dict:
+    """USE_TMA and ONE_LOOP of ``kernel`` ("fwd", "dkdv", "dq") from the TMA and ONE_LOOP knobs; TMA
+    also needs 16-bit ``streamed`` tensors ([B, L, H, D], last dim contiguous) whose base and (batch,
+    position, head) strides are 16-byte aligned, the descriptor's base and row pitch."""
+    use_tma = (TMA[kernel] and streamed[0].dtype != torch.float32 and _tma_device(streamed[0].device)
+               and all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in _strides(t))
+                       for t in streamed))
+    if use_tma and not interpreting():
+        triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
+    return dict(USE_TMA=use_tma, ONE_LOOP=ONE_LOOP[kernel]["causal" if window is None else "window"])
+
+
 def _split_rows_block(group: int, T: int) -> int:
     """M tile of the split-KV kernel: the group's query rows, 16 (smallest tl.dot) to _SPLIT_MAX_ROWS."""
     return min(max(next_pow2(group * T), 16), _SPLIT_MAX_ROWS)
@@ -623,7 +762,8 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     if splits == 0:
         grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731
         _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), T, S, Hq, Hq // Hkv,
-                          shift, win, qk_scale, next_pow2(T), next_pow2(S), **flags)
+                          shift, win, qk_scale, next_pow2(T), next_pow2(S), **flags,
+                          **_stream_flags("fwd", window, k, v))
         return o, lse
 
     group = Hq // Hkv
@@ -649,42 +789,63 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward attention from the forward's ``o`` and ``lse``: ``(dq, dk, dv)``, contiguous, shaped like
     ``q``, ``k``, ``v``."""
-    scale = _check_attention_inputs(q, k, v, causal, window, softmax_scale)
-    check_tensor("do", do, ndim=4)
-    check_tensor("o", o, ndim=4)
-    check_tensor("lse", lse, dtypes=(torch.float32,), ndim=3)
-    check_same_device(q=q, do=do, o=o, lse=lse)
-    check_same_dtype(q=q, do=do, o=o)
-    if do.shape != q.shape or o.shape != q.shape:
-        raise ValueError(f"do and o must have the shape of q {tuple(q.shape)}, got do {tuple(do.shape)} "
-                         f"and o {tuple(o.shape)}")
-    B, T, Hq, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    if lse.shape != (B, Hq, T):
-        raise ValueError(f"lse must have shape {(B, Hq, T)} [B, Hq, T], got {tuple(lse.shape)}")
-    q, k, v, do = (_last_dim_contiguous(t) for t in (q, k, v, do))
-    o, lse = o.contiguous(), lse.contiguous()
-    flags = _kernel_flags(q, causal, window)
-    shift, win, qk_scale = S - T, window or 0, scale * _LOG2E
+    bwd = _Backward(do, q, k, v, o, lse, causal, window, softmax_scale)
+    dk, dv = bwd.dkdv()
+    return bwd.dq(), dk, dv
 
-    delta = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
-    _flash_attention_bwd_preprocess_kernel[(triton.cdiv(T, _PREPROCESS_BLOCK_M), B * Hq)](
-        o, do, lse, delta, lse2, *_strides(do), T, Hq, HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"],
-        BLOCK_M=_PREPROCESS_BLOCK_M, num_warps=1 if interpreting() else 4)
 
-    dq = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, S, Hkv, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, S, Hkv, D), dtype=v.dtype, device=v.device)
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    buckets = (next_pow2(T), next_pow2(S))
-    _dkdv_kernel[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse2, delta, dk, dv, *strides, T, S, Hq, Hkv, Hq // Hkv,
-        shift, win, qk_scale, scale, *buckets, **flags)
-    _dq_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)](
-        q, k, v, do, lse2, delta, dq, *strides, T, S, Hq, Hq // Hkv,
-        shift, win, qk_scale, scale, *buckets, **flags)
-    return dq, dk, dv
+class _Backward:
+    """The backward's inputs, checked, with ``delta = rowsum(dO * O)`` and the base-2 lse from the
+    preprocess kernel; :meth:`dkdv` and :meth:`dq` launch the two gradient kernels (separately, so
+    that scripts/tune_attention.py can time each)."""
+
+    def __init__(self, do, q, k, v, o, lse, causal, window, softmax_scale):
+        scale = _check_attention_inputs(q, k, v, causal, window, softmax_scale)
+        check_tensor("do", do, ndim=4)
+        check_tensor("o", o, ndim=4)
+        check_tensor("lse", lse, dtypes=(torch.float32,), ndim=3)
+        check_same_device(q=q, do=do, o=o, lse=lse)
+        check_same_dtype(q=q, do=do, o=o)
+        if do.shape != q.shape or o.shape != q.shape:
+            raise ValueError(f"do and o must have the shape of q {tuple(q.shape)}, got do {tuple(do.shape)} "
+                             f"and o {tuple(o.shape)}")
+        B, T, Hq, D = q.shape
+        S, Hkv = k.shape[1], k.shape[2]
+        if lse.shape != (B, Hq, T):
+            raise ValueError(f"lse must have shape {(B, Hq, T)} [B, Hq, T], got {tuple(lse.shape)}")
+        q, k, v, do = (_last_dim_contiguous(t) for t in (q, k, v, do))
+        o, lse = o.contiguous(), lse.contiguous()
+        self.q, self.k, self.v, self.do, self.window = q, k, v, do, window
+        self.flags = _kernel_flags(q, causal, window)
+        # rows padded to 16 bytes, so that each (b, h) row can be a tensor descriptor
+        pitch = triton.cdiv(T, 4) * 4
+        self.delta = torch.empty((B, Hq, pitch), dtype=torch.float32, device=q.device)
+        self.lse2 = torch.empty((B, Hq, pitch), dtype=torch.float32, device=q.device)
+        _flash_attention_bwd_preprocess_kernel[(triton.cdiv(T, _PREPROCESS_BLOCK_M), B * Hq)](
+            o, do, lse, self.delta, self.lse2, *_strides(do), T, Hq, pitch, HEAD_DIM=D,
+            BLOCK_D=self.flags["BLOCK_D"], BLOCK_M=_PREPROCESS_BLOCK_M, num_warps=1 if interpreting() else 4)
+        # the arguments both gradient kernels share, from the strides on
+        self.common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), T, S, Hq, pitch)
+        self.scales = (S - T, window or 0, scale * _LOG2E, scale, next_pow2(T), next_pow2(S))
+
+    def dkdv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, do = self.q, self.k, self.v, self.do
+        B, S, Hkv, _ = k.shape
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        _dkdv_kernel[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)](
+            q, k, v, do, self.lse2, self.delta, dk, dv, *self.common, Hkv, q.shape[2] // Hkv, *self.scales,
+            **self.flags, **_stream_flags("dkdv", self.window, q, do))
+        return dk, dv
+
+    def dq(self) -> torch.Tensor:
+        q, k, v, do = self.q, self.k, self.v, self.do
+        B, T, Hq, D = q.shape
+        dq = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+        _dq_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)](
+            q, k, v, do, self.lse2, self.delta, dq, *self.common, Hq // k.shape[2], *self.scales,
+            **self.flags, **_stream_flags("dq", self.window, k, v))
+        return dq
 
 
 # ----------------------------------------------------------------------------- autograd + functional

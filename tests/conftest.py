@@ -3,6 +3,8 @@
 Without a CUDA device the kernels run through Triton's interpreter on CPU tensors
 (``tritonllm.kernels`` sets ``TRITON_INTERPRET=1``). The interpreter cannot do bfloat16
 ``tl.dot`` (triton issue 11584), so bfloat16 is checked only on the GPU.
+Autotuned kernels run one pinned config each (``TRITONLLM_NO_AUTOTUNE=1``, unless the environment
+says otherwise), so the GPU suite compiles each kernel variant once instead of once per config.
 """
 
 import os
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TRITONLLM_NO_AUTOTUNE", "1")
 
 import tritonllm.kernels  # noqa: E402,F401  (sets TRITON_INTERPRET before any kernel compiles)
 

@@ -6,6 +6,7 @@ poisoned with NaN by ``torch.use_deterministic_algorithms`` (``fill_uninitialize
 element a kernel never writes fails the check.
 """
 
+import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 
 from _checks import DTYPES, assert_close, dtype_id, non_contiguous, randn
 from tritonllm.kernels.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
+
+fa = importlib.import_module("tritonllm.kernels.flash_attention")  # the module (the package exports the function)
 
 
 @pytest.fixture(autouse=True)
@@ -135,6 +138,21 @@ def test_flash_attention_strided_inputs(layout, dtype):
     _check_fwd_bwd(Case(layout, 2, 4, 2, 33, 33, 32), dtype, layout=layout, strided_grad=True)
 
 
+@pytest.mark.parametrize("tma, one_loop", [(False, True), (True, False), (False, False)],
+                         ids=["pointers-one-loop", "tma-three-loops", "pointers-three-loops"])
+@pytest.mark.parametrize("case", [
+    Case("gqa2:1-causal-T70-S100", 1, 4, 2, 70, 100, 32),
+    Case("mha-window20-T100", 1, 2, 2, 100, 100, 32, window=20),
+    Case("D96-full-T40", 1, 2, 1, 40, 40, 96, causal=False),
+], ids=lambda c: c.name)
+def test_flash_attention_knobs(case, tma, one_loop, monkeypatch):
+    """The other settings of the TMA and ONE_LOOP knobs (the defaults, both on, are covered above):
+    float16, since fp32 never takes the tensor-descriptor path."""
+    monkeypatch.setattr(fa, "TMA", dict.fromkeys(fa.TMA, tma))
+    monkeypatch.setattr(fa, "ONE_LOOP", {name: dict.fromkeys(kinds, one_loop) for name, kinds in fa.ONE_LOOP.items()})
+    _check_fwd_bwd(case, torch.float16)
+
+
 @pytest.mark.parametrize("split_kv", [0, 1, 3], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("case", [
     Case("gqa2:1-causal-T40-S100", 1, 4, 2, 40, 100, 32),
@@ -208,7 +226,8 @@ def test_flash_attention_bwd_bad_lse():
 
 
 # ----------------------------------------------------------------------------- GPU only (bf16, large)
-# Kept few: each (head dim, mask kind, dtype) autotunes, i.e. compiles every config, on first use.
+# Kept few: each (head dim, mask kind, dtype) compiles its kernels on first use (one pinned config
+# each under tests/conftest.py's TRITONLLM_NO_AUTOTUNE=1, every config when autotuning).
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
