@@ -30,6 +30,7 @@ from .linear import linear, linear_swiglu  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 # attention
 from .flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd  # noqa: E402
+from .split_heads import split_heads  # noqa: E402
 # mixture of experts
 from .moe_router import MoERouting, moe_router  # noqa: E402
 from .moe_permute import MoEPlan, moe_combine, moe_gather, moe_sort  # noqa: E402
@@ -40,7 +41,7 @@ __all__ = [
     "interpreting",
     "rms_norm", "swiglu", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_", "clip_grads_",
     "linear", "linear_swiglu", "linear_cross_entropy",
-    "flash_attention", "flash_attention_fwd", "flash_attention_bwd",
+    "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "split_heads",
     "MoERouting", "moe_router", "MoEPlan", "moe_sort", "moe_gather", "moe_combine",
     "grouped_linear", "grouped_linear_swiglu", "moe",
 ]

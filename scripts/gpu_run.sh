@@ -17,12 +17,12 @@ stages=${*:-tests bench}
 for stage in $stages; do
     case $stage in
         tests)
-            timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -n 8 --dist loadfile ${TESTS:-tests} -p no:cacheprovider \
-                --junitxml="$OUT/tests.xml" 2>&1 | tail -60 | tee "$OUT/tests.log" ;;
+            timeout -s INT -k 30 ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=line -n 8 --dist loadfile ${TESTS:-tests} -p no:cacheprovider \
+                --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed|/tests/.*Error" "$OUT/tests.log" | head -60 ;;
         bench|bench=*)
             ops=${stage#bench}; ops=${ops#=}
             timeout ${BENCH_TIMEOUT:-540} python3 -m tritonllm.bench kernels ${ops:+--ops $ops} ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^--" | tail -${TAIL:-80} ;;
         train)
-            python3 -m tritonllm.bench train +model=void125m bench.out="$OUT" 2>&1 | tee "$OUT/train.log" ;;
+            timeout ${TRAIN_TIMEOUT:-400} python3 -m tritonllm.bench train +model=${MODEL:-void125m} --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
     esac
 done

@@ -33,6 +33,7 @@ from tritonllm.kernels.flash_attention import flash_attention
 from tritonllm.kernels.linear import linear
 from tritonllm.kernels.linear_cross_entropy import linear_cross_entropy
 from tritonllm.kernels.rope import rope, rope_cos_sin
+from tritonllm.kernels.split_heads import split_heads
 from tritonllm.models.config import ModelConfig
 from tritonllm.nn import Embedding, Linear, LinearSwiGLU, RMSNorm
 
@@ -80,13 +81,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache | None = None):
         B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        Hq, Hkv = self.n_heads, self.n_kv_heads
+        qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
         pos = 0 if cache is None else cache.pos
-        q = rope(q, cos, sin, position_offset=pos)
-        k = rope(k, cos, sin, position_offset=pos)
+        if self.q_norm is None:  # q and k are adjacent heads: one RoPE launch rotates both
+            qk, v = split_heads(qkv, (Hq + Hkv, Hkv))
+            q, k = split_heads(rope(qk, cos, sin, position_offset=pos), (Hq, Hkv))
+        else:
+            q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
+            q = rope(self.q_norm(q), cos, sin, position_offset=pos)
+            k = rope(self.k_norm(k), cos, sin, position_offset=pos)
         if cache is not None:
             k, v = cache.append(self.layer_idx, k, v)
         y = flash_attention(q, k, v, causal=True, window=self.window)
@@ -145,7 +149,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std)
+        # ids come from a tokenizer or a loader that rejects out-of-vocabulary batches: no per-step sync
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, validate=False)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, init_std=cfg.init_std)

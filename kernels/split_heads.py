@@ -1,0 +1,97 @@
+"""Split a packed ``[B, T, H, D]`` projection into head groups without copying; Triton backward.
+
+Forward: ``split_heads(x, sizes)`` returns views ``x[:, :, o_i:o_i + sizes[i]]`` (no kernel, no copy),
+so q, k and v of a packed qkv projection reach RoPE and attention in place.
+
+Backward: the gradients of the views ``g_i [B, T, sizes[i], D]`` are packed into one
+``dx [B, T, sum(sizes), D]`` by a Triton kernel (autograd's own split backward would launch a
+PyTorch concatenation): ``dx[:, :, o_i:o_i + sizes[i]] = g_i``; a view whose gradient is None gets
+zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_tensor, next_pow2
+
+#: elements of one [rows, head, D] tile a program copies (16 KiB of bf16)
+_TILE = 8192
+
+
+@triton.jit
+def _pack_heads_kernel(
+    g_ptr,  # [B, T, Hg, D] gradient of one view (any strides, last dim contiguous)
+    dx_ptr,  # [B*T, H, D] packed gradient, contiguous
+    BT, T,  # rows B*T, sequence length
+    stride_gb, stride_gt, stride_gh,  # strides of g
+    H_OFF, HG, H,  # first head of the view in dx, heads of the view, heads of dx
+    D: tl.constexpr,  # head dim
+    BLOCK_R: tl.constexpr,  # rows per program
+    BLOCK_H: tl.constexpr,  # next_pow2(HG)
+    BLOCK_D: tl.constexpr,  # next_pow2(D)
+    ZERO: tl.constexpr,  # write zeros (the view got no gradient)
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (r < BT)[:, None, None] & (h < HG)[None, :, None] & (d < D)[None, None, :]
+    r64 = r.to(tl.int64)
+    dst = dx_ptr + (r64 * H * D)[:, None, None] + ((H_OFF + h) * D)[None, :, None] + d[None, None, :]
+    if ZERO:
+        tl.store(dst, tl.zeros([BLOCK_R, BLOCK_H, BLOCK_D], dx_ptr.dtype.element_ty), mask=mask)
+    else:
+        src = (g_ptr + ((r64 // T) * stride_gb + (r64 % T) * stride_gt)[:, None, None]
+               + (h.to(tl.int64) * stride_gh)[None, :, None] + d[None, None, :])
+        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+def pack_heads(grads: list, sizes: list[int], shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``shape = [B, T, sum(sizes), D]`` holding ``grads[i]`` at its head range (zeros where None)."""
+    B, T, H, D = shape
+    dx = torch.empty((B, T, H, D), dtype=dtype, device=device)
+    offset = 0
+    for g, hg in zip(grads, sizes):
+        if g is not None and g.stride(-1) != 1:
+            g = g.contiguous()
+        block_h, block_d = next_pow2(hg), next_pow2(D)
+        block_r = max(1, _TILE // (block_h * block_d))
+        src = g if g is not None else dx
+        _pack_heads_kernel[(triton.cdiv(B * T, block_r),)](
+            src, dx, B * T, T, src.stride(0), src.stride(1), src.stride(2), offset, hg, H,
+            D=D, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d, ZERO=g is None, num_warps=4)
+        offset += hg
+    return dx
+
+
+class SplitHeadsFunction(torch.autograd.Function):
+    """Views of head groups forward; one Triton pack kernel per group backward."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.sizes, ctx.shape, ctx.dtype, ctx.device = sizes, x.shape, x.dtype, x.device
+        outs, offset = [], 0
+        for hg in sizes:
+            outs.append(x[:, :, offset:offset + hg])
+            offset += hg
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return pack_heads(list(grads), ctx.sizes, ctx.shape, ctx.dtype, ctx.device), None
+
+
+def split_heads(x: torch.Tensor, sizes) -> tuple[torch.Tensor, ...]:
+    """Split ``x [B, T, H, D]`` along the head axis into groups of ``sizes`` heads (``sum(sizes) == H``).
+
+    Returns views (no copy); the backward packs the groups' gradients with a Triton kernel.
+    """
+    check_tensor("x", x, ndim=4)
+    sizes = [int(s) for s in sizes]
+    if any(s <= 0 for s in sizes) or sum(sizes) != x.shape[2]:
+        raise ValueError(f"sizes must be positive and sum to the {x.shape[2]} heads of x, got {sizes}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"x must be contiguous in its last dimension, got strides {x.stride()}")
+    return SplitHeadsFunction.apply(x, tuple(sizes))
