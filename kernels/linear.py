@@ -7,21 +7,23 @@ linear, backward:  dx = dy W,   dW = dy^T x,   db = sum_m dy[m, :],   dr = dy
 
 linear_swiglu, with w13 [2F, K] = [W1; W3] (gate rows [0, F), up rows [F, 2F)):
   forward:   g = x W1^T,  u = x W3^T,  h = silu(g) * u,  silu(g) = g * sigmoid(g)
-             (one GEMM with two accumulators: the gate and up tiles of the same output columns)
-  backward:  recompute g and u with the same GEMM; with s = sigmoid(g)
-             dg = dh * u * s * (1 + g * (1 - s)),   du = dh * silu(g)
-             written as dgu = [dg, du] [M, 2F] by the GEMM's epilogue; then
-             dx = dgu w13,   dw13 = dgu^T x
+             (one GEMM with two accumulators, the gate and up tiles of the same output columns; its
+             epilogue writes h and, when a gradient is needed, gu = [g, u] [M, 2F] for the backward)
+  backward:  with s = sigmoid(g): dg = dh * u * s * (1 + g * (1 - s)),   du = dh * silu(g)
+             dgu = [dg, du] by kernels.swiglu's packed backward, then dx = dgu w13, dw13 = dgu^T x
+             (the FLOPs and bytes of the unfused cuBLAS GEMM + swiglu pair's backward)
 
 The GEMM (``gemm``): one persistent kernel computes C = A @ B for A [M, K] and B [K, N] of any
 strides, so x W^T, dy W and dy^T x are the same kernel with different strides (no transposed
 copies). Output tiles are visited in grouped-M order (GROUP_M row tiles sweep the column tiles
 before moving on, so the B tiles they share stay in L2) by min(#SMs, #tiles) programs. Constexpr
-switches pick the epilogue (bias, residual, accumulate-into-C, SwiGLU forward/backward) and the
-operand loads: on Hopper with Triton's tensor descriptors (TMA, ``tl.make_tensor_descriptor``)
-when both operands have a unit stride and 16-byte aligned strides, else masked pointer loads (also
-the path of the CPU interpreter). Edges are masked (pointer path) or zero-filled by TMA, never
-rejected.
+switches pick the epilogue (bias, residual, accumulate-into-C, SwiGLU) and the operand loads: on
+Hopper with Triton's tensor descriptors (TMA, ``tl.make_tensor_descriptor``) when both operands
+have a unit stride and 16-byte aligned strides, else masked pointer loads (also the path of the CPU
+interpreter). Edges are masked (pointer path) or zero-filled / clipped by TMA, never rejected.
+A problem with too few output tiles to fill the GPU and a long K (the LM head's dx = dlogits W of
+one chunk of tokens) is split along K: SPLIT_K programs per tile write fp32 partial tiles that one
+more kernel sums in a fixed order (deterministic).
 
 Precision: fp32 accumulation for every dtype. float32 inputs use TF32 tensor cores on the GPU
 (about 3e-4 relative error, like ``torch.backends.cuda.matmul.allow_tf32 = True``);
@@ -38,14 +40,27 @@ import triton
 import triton.language as tl
 
 from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2, num_sms
+from .swiglu import swiglu_bwd
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
-PLAIN, SWIGLU_FWD, SWIGLU_BWD = 0, 1, 2
+PLAIN, SWIGLU_FWD = 0, 1
 
-# Tuning knobs for the GPU (unmeasured starting points from Triton's persistent-matmul tutorial).
-#: flatten the persistent tile loop into the K loop (``tl.range(flatten=...)``): lets the
-#: pipeliner overlap one tile's epilogue with the next tile's loads; try True on Hopper.
-FLATTEN = False
+# Tuning knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/NOTES.md, issue 3).
+#: flatten the persistent tile loop into the K loop (``tl.range(flatten=...)``): the pipeliner
+#: then loads the next tile's first K blocks during this tile's last ones and its epilogue.
+#: On with TMA_STORE: measured on an H200 (scripts/tune_linear.py, stage A) the pair was the best or
+#: within 2% of the best knob set for every forward and dx GEMM at the void125m shapes, e.g.
+#: 16384x768x32000 forward 1.07x cuBLAS against 0.97x with both off.
+FLATTEN = True
+#: warp-specialize the persistent loop (``tl.range(warp_specialize=...)``, TMA operands only): a
+#: producer warp issues the TMA loads while the MMA warps compute and store. Overrides FLATTEN;
+#: its configs run 4 warps (see :func:`_config`).
+WARP_SPECIALIZE = False
+#: write C (and the SwiGLU gate/up pre-activations) through tensor descriptors (asynchronous TMA
+#: stores) where the outputs allow it, instead of masked pointer stores from registers.
+TMA_STORE = True
+#: with TMA_STORE, store each tile as two [BLOCK_M, BLOCK_N / 2] halves (half the staging memory).
+EPILOGUE_SUBTILE = False
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
@@ -55,8 +70,16 @@ GPU_CONFIGS = [
     (128, 128, 32, 4, 4),
     (64, 128, 64, 4, 4),
 ]
-#: shared memory a config may use for its pipelined operand tiles (H100/H200: 227 KiB per block)
+#: shared memory a config may use for its pipelined operand tiles and store staging (H100/H200:
+#: 227 KiB per block)
 SMEM_LIMIT = 220 * 1024
+#: split-K: each split keeps at least this much of K (its fp32 partial tile, 4 BLOCK_M BLOCK_N
+#: bytes written and read once, stays small next to its 2 BLOCK_M BLOCK_N K_split FLOPs) ...
+SPLIT_K_MIN_K = 2048
+#: ... at most this many splits ...
+SPLIT_K_MAX = 8
+#: ... and the fewest splits whose programs fill the GPU within this fraction of the best fill.
+SPLIT_K_FILL_SLACK = 0.05
 
 
 @triton.jit
@@ -71,34 +94,71 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _store_tile(desc, base, stride_m, stride_n, tile, m0, n0, M, N,
+                USE_DESC: tl.constexpr, SUBTILE: tl.constexpr):
+    """Store the fp32 ``tile`` [BM, BN] at rows m0.., columns n0.. of an [M, N] output, in the
+    output's dtype: through the tensor descriptor ``desc`` (USE_DESC; as two [BM, BN/2] halves when
+    SUBTILE; TMA clips the edges) or through masked pointers from ``base`` (strides in elements)."""
+    BM: tl.constexpr = tile.shape[0]
+    BN: tl.constexpr = tile.shape[1]
+    if USE_DESC:
+        if SUBTILE:
+            left, right = tl.split(tl.permute(tl.reshape(tile, (BM, 2, BN // 2)), (0, 2, 1)))
+            desc.store([m0, n0], left.to(desc.dtype))
+            desc.store([m0, n0 + BN // 2], right.to(desc.dtype))
+        else:
+            desc.store([m0, n0], tile.to(desc.dtype))
+    else:
+        rm = tl.arange(0, BM)
+        rn = tl.arange(0, BN)
+        # int64 only for the tile origin; offsets inside a tile are int32 (fewer registers)
+        ptrs = (base + m0.to(tl.int64) * stride_m + n0.to(tl.int64) * stride_n) + (
+            rm[:, None] * stride_m + rn[None, :] * stride_n)
+        mask = (m0 + rm < M)[:, None] & (n0 + rn < N)[None, :]
+        tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _matmul_kernel(
     a_ptr,  # A [M, K], strides (stride_am, stride_ak)
-    b_ptr,  # B [K, N] (gated epilogues: [K, 2N], gate columns [0, N), up columns [N, 2N))
-    c_ptr,  # C [M, N] output (SWIGLU_BWD: [M, 2N], dgate then dup); also read when ACCUMULATE
+    b_ptr,  # B [K, N] (SWIGLU_FWD: [K, 2N], gate columns [0, N), up columns [N, 2N))
+    c_ptr,  # C [M, N] output, read too when ACCUMULATE; SPLIT_K > 1: fp32 partials [SPLIT_K, M, N]
+    gu_ptr,  # [M, 2N] out (STORE_GU): gate then up pre-activations, strides (stride_gm, 1)
     bias_ptr,  # [N] bias added to every row (HAS_BIAS)
-    e_ptr,  # [M, N] epilogue input: the residual (HAS_RESIDUAL) or dh (SWIGLU_BWD)
+    e_ptr,  # [M, N] residual added to C (HAS_RESIDUAL)
     M, N, K,  # problem size (N: output columns of one accumulator)
     stride_am, stride_ak,  # element strides of A
     stride_bk, stride_bn,  # element strides of B
-    stride_cm, stride_cn,  # element strides of C
-    stride_em, stride_en,  # element strides of the epilogue input
-    EPILOGUE: tl.constexpr,  # PLAIN, SWIGLU_FWD or SWIGLU_BWD
+    stride_cs, stride_cm, stride_cn,  # element strides of C (stride_cs: between split-K partials)
+    stride_gm,  # row stride of gu
+    stride_em, stride_en,  # element strides of the residual
+    EPILOGUE: tl.constexpr,  # PLAIN or SWIGLU_FWD
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # C += A @ B (beta = 1) instead of C = A @ B
+    STORE_GU: tl.constexpr,  # SWIGLU_FWD: also write the pre-activations to gu
     USE_TMA: tl.constexpr,  # load A and B through tensor descriptors
     A_K_CONTIGUOUS: tl.constexpr,  # stride_ak == 1 (else stride_am == 1); TMA path only
     B_N_CONTIGUOUS: tl.constexpr,  # stride_bn == 1 (else stride_bk == 1); TMA path only
+    TMA_STORE: tl.constexpr,  # store C and gu through tensor descriptors (unit column stride)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "tf32" or "ieee" (fp32 inputs only)
+    SPLIT_K: tl.constexpr,  # programs per output tile, each over 1/SPLIT_K of K (PLAIN, no epilogue inputs)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr,  # module knob FLATTEN (off under warp specialization)
+    WARP_SPECIALIZE: tl.constexpr,  # module knob WARP_SPECIALIZE (TMA path only)
+    EPILOGUE_SUBTILE: tl.constexpr,  # module knob EPILOGUE_SUBTILE (TMA_STORE only)
 ):
     GATED: tl.constexpr = EPILOGUE != 0
+    WS: tl.constexpr = WARP_SPECIALIZE and USE_TMA
+    FLAT: tl.constexpr = FLATTEN and not WS
+    SUBTILE: tl.constexpr = EPILOGUE_SUBTILE and TMA_STORE
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    # every split runs the same number of K blocks (a uniform inner loop for FLATTEN and warp
+    # specialization); blocks past K are zero-filled by TMA or masked
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     if USE_TMA:
         if A_K_CONTIGUOUS:
             a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
@@ -113,26 +173,44 @@ def _matmul_kernel(
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_b, K], strides=[stride_bn, 1],
                                                block_shape=[BLOCK_N, BLOCK_K])
+    STORE_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    if TMA_STORE:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_M, STORE_N])
+        if STORE_GU:
+            g_desc = tl.make_tensor_descriptor(gu_ptr, shape=[M, N], strides=[stride_gm, 1],
+                                               block_shape=[BLOCK_M, STORE_N])
+            u_desc = tl.make_tensor_descriptor(gu_ptr + N, shape=[M, N], strides=[stride_gm, 1],
+                                               block_shape=[BLOCK_M, STORE_N])
+    else:
+        c_desc = c_ptr
+        g_desc = gu_ptr
+        u_desc = gu_ptr
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        # int64 only for the tile origins; offsets inside a tile are int32 (fewer registers)
+    # the epilogue recomputes its tile from this counter, one step behind the loop variable: no
+    # value flows from a tile's prologue to its epilogue, so FLATTEN can overlap the two
+    unit_c = tl.program_id(0) - tl.num_programs(0)
+    for unit in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=FLAT,
+                         warp_specialize=WS):
+        pid_m, pid_n = _tile_coords(unit % num_tiles, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        mask_m = m0 + rm < M
-        mask_n = n0 + rn < N
+        k_first = (unit // num_tiles) * k_steps
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if not USE_TMA:
-            a_ptrs = (a_ptr + m0.to(tl.int64) * stride_am) + (rm[:, None] * stride_am + offs_k[None, :] * stride_ak)
-            b_tile = b_ptr + n0.to(tl.int64) * stride_bn
+            mask_m = m0 + rm < M
+            mask_n = n0 + rn < N
+            a_ptrs = (a_ptr + m0.to(tl.int64) * stride_am + (k_first * BLOCK_K).to(tl.int64) * stride_ak) + (
+                rm[:, None] * stride_am + offs_k[None, :] * stride_ak)
+            b_tile = b_ptr + n0.to(tl.int64) * stride_bn + (k_first * BLOCK_K).to(tl.int64) * stride_bk
             b_ptrs = b_tile + (offs_k[:, None] * stride_bk + rn[None, :] * stride_bn)
             if GATED:
                 b_up_ptrs = (b_tile + N * stride_bn) + (offs_k[:, None] * stride_bk + rn[None, :] * stride_bn)
-        for ki in range(k_tiles):
-            k0 = ki * BLOCK_K
+        for ki in range(k_steps):
+            k0 = (k_first + ki) * BLOCK_K
             if USE_TMA:
                 if A_K_CONTIGUOUS:
                     a = a_desc.load([m0, k0])
@@ -163,63 +241,109 @@ def _matmul_kernel(
                     b_up_ptrs += BLOCK_K * stride_bk
 
         # epilogue: fp32 math on the accumulators, one cast at the store
-        mask = mask_m[:, None] & mask_n[None, :]
-        c_tile = c_ptr + m0.to(tl.int64) * stride_cm + n0.to(tl.int64) * stride_cn
-        c_ptrs = c_tile + (rm[:, None] * stride_cm + rn[None, :] * stride_cn)
-        e_ptrs = (e_ptr + m0.to(tl.int64) * stride_em + n0.to(tl.int64) * stride_en) + (
-            rm[:, None] * stride_em + rn[None, :] * stride_en)
+        unit_c += tl.num_programs(0)
+        pid_mc, pid_nc = _tile_coords(unit_c % num_tiles, num_pid_m, num_pid_n, GROUP_M)
+        mc = pid_mc * BLOCK_M
+        nc = pid_nc * BLOCK_N
         if EPILOGUE == 0:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + n0 + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if HAS_RESIDUAL:
-                acc += tl.load(e_ptrs, mask=mask, other=0.0).to(tl.float32)
-            if ACCUMULATE:
-                acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-        elif EPILOGUE == 1:
-            h = acc * tl.sigmoid(acc) * acc_up
-            tl.store(c_ptrs, h.to(c_ptr.dtype.element_ty), mask=mask)
+            if HAS_BIAS or HAS_RESIDUAL or ACCUMULATE:
+                mask_nc = nc + rn < N
+                mask = (mc + rm < M)[:, None] & mask_nc[None, :]
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + nc + rn, mask=mask_nc, other=0.0).to(tl.float32)[None, :]
+                if HAS_RESIDUAL:
+                    e_ptrs = (e_ptr + mc.to(tl.int64) * stride_em + nc.to(tl.int64) * stride_en) + (
+                        rm[:, None] * stride_em + rn[None, :] * stride_en)
+                    acc += tl.load(e_ptrs, mask=mask, other=0.0).to(tl.float32)
+                if ACCUMULATE:
+                    if TMA_STORE and not SUBTILE:
+                        acc += c_desc.load([mc, nc]).to(tl.float32)
+                    else:
+                        c_old = (c_ptr + mc.to(tl.int64) * stride_cm + nc.to(tl.int64) * stride_cn) + (
+                            rm[:, None] * stride_cm + rn[None, :] * stride_cn)
+                        acc += tl.load(c_old, mask=mask, other=0.0).to(tl.float32)
+            c_split = c_ptr + (unit_c // num_tiles).to(tl.int64) * stride_cs
+            _store_tile(c_desc, c_split, stride_cm, stride_cn, acc, mc, nc, M, N, TMA_STORE, SUBTILE)
         else:
-            dh = tl.load(e_ptrs, mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(acc)
-            dgate = dh * acc_up * sig * (1.0 + acc * (1.0 - sig))
-            dup = dh * acc * sig
-            tl.store(c_ptrs, dgate.to(c_ptr.dtype.element_ty), mask=mask)
-            tl.store(c_ptrs + N * stride_cn, dup.to(c_ptr.dtype.element_ty), mask=mask)
+            if STORE_GU:
+                _store_tile(g_desc, gu_ptr, stride_gm, 1, acc, mc, nc, M, N, TMA_STORE, SUBTILE)
+                _store_tile(u_desc, gu_ptr + N, stride_gm, 1, acc_up, mc, nc, M, N, TMA_STORE, SUBTILE)
+            h = acc * tl.sigmoid(acc) * acc_up
+            _store_tile(c_desc, c_ptr, stride_cm, stride_cn, h, mc, nc, M, N, TMA_STORE, SUBTILE)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    p_ptr,  # [S, M, N] fp32 split-K partials, contiguous
+    c_ptr,  # [M, N] out: the sum over S in fixed order, strides (stride_cm, stride_cn)
+    M, N, S,
+    stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(S):
+        acc += tl.load(p_ptr + s * M.to(tl.int64) * N + offs, mask=mask, other=0.0)
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _config_smem(cfg: triton.Config, args: dict) -> int:
+    """Shared memory of a config's pipelined operand tiles plus its TMA-store staging tile, one
+    for all of a tile's stores (bytes; matches the offline sm_90a compile of the 128x256 and gated
+    128x128 configs)."""
+    kw = cfg.kwargs
+    elem = args["a_ptr"].element_size()
+    b_tiles = 2 if args["EPILOGUE"] != PLAIN else 1
+    pipeline = cfg.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] + kw["BLOCK_N"] * b_tiles) * elem
+    staging = kw["BLOCK_M"] * kw["BLOCK_N"] * args["c_ptr"].element_size() // (
+        2 if kw.get("EPILOGUE_SUBTILE", False) else 1)
+    return pipeline + (staging if args.get("TMA_STORE", False) else 0)
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs whose pipelined operand tiles overflow shared memory, or (gated epilogues,
-    two accumulators) whose accumulators would spill registers."""
+    """Drop configs that overflow shared memory (:func:`_config_smem` over SMEM_LIMIT) or (gated
+    epilogues, two accumulators) whose accumulators would spill registers. Also used by
+    kernels.grouped_linear (no TMA_STORE / STORE_GU arguments there)."""
     args = {**named_args, **kwargs}
-    elem = args["a_ptr"].element_size()
     gated = args["EPILOGUE"] != PLAIN
-
-    def smem(cfg):
-        kw = cfg.kwargs
-        return cfg.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] + kw["BLOCK_N"] * (2 if gated else 1)) * elem
-
-    keep = [c for c in configs if smem(c) <= SMEM_LIMIT and not (gated and c.kwargs["BLOCK_N"] > 128)]
-    return keep or [min(configs, key=smem)]
+    keep = [c for c in configs if _config_smem(c, args) <= SMEM_LIMIT and not (gated and c.kwargs["BLOCK_N"] > 128)]
+    return keep or [min(configs, key=lambda c: _config_smem(c, args))]
 
 
+def _config(bm, bn, bk, stages, warps, flatten=None, warp_specialize=None, subtile=None) -> triton.Config:
+    """A GEMM launch config; the knobs default to the module constants. Warp-specialized configs
+    run 4 warps: Triton partitions the loop on Hopper only then (offline sm_90a compile)."""
+    ws = WARP_SPECIALIZE if warp_specialize is None else warp_specialize
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+                          "FLATTEN": FLATTEN if flatten is None else flatten, "WARP_SPECIALIZE": ws,
+                          "EPILOGUE_SUBTILE": EPILOGUE_SUBTILE if subtile is None else subtile},
+                         num_stages=stages, num_warps=4 if ws else warps)
+
+
+_AUTOTUNE_KEY = ["M", "N", "K", "EPILOGUE", "ACCUMULATE", "STORE_GU", "USE_TMA", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS",
+                 "TMA_STORE", "PRECISION", "SPLIT_K"]
 _matmul_kernel_tuned = triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLATTEN": FLATTEN},
-                      num_stages=stages, num_warps=warps)
-        for bm, bn, bk, stages, warps in GPU_CONFIGS
-    ],
-    key=["M", "N", "K", "EPILOGUE", "ACCUMULATE", "USE_TMA", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS", "PRECISION"],
+    configs=[_config(*cfg) for cfg in GPU_CONFIGS],
+    key=_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_configs},
     restore_value=["c_ptr"],  # ACCUMULATE reads C: every timed config must start from the same C
 )(_matmul_kernel)
+
+#: launch parameters (config kwargs, num_warps, num_stages) per problem, filled from the
+#: autotuner's choice on a problem's first launch; later launches skip the autotuner's per-call
+#: argument scan (host time: the bench host spends ~3x a desktop's time per Python call)
+_LAUNCH_CONFIGS: dict[tuple, dict] = {}
 
 
 def _interpreter_config(M: int, N: int, K: int) -> dict:
     """One fixed config under the interpreter: few programs, big numpy blocks, no autotuning."""
     clamp = lambda n, hi: min(max(next_pow2(n), 16), hi)  # noqa: E731
     return {"BLOCK_M": clamp(M, 128), "BLOCK_N": clamp(N, 256), "BLOCK_K": clamp(K, 256), "GROUP_M": 8,
-            "FLATTEN": False}
+            "FLATTEN": False, "WARP_SPECIALIZE": False, "EPILOGUE_SUBTILE": False}
 
 
 def _tma_operand(t: torch.Tensor) -> bool | None:
@@ -239,54 +363,117 @@ def _tma_supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+#: tensor-descriptor scratch per (device, stream), grown on demand: kernels on one stream run in
+#: order, so one buffer serves them all (no allocation per launch)
+_TMA_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
 def _tma_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, device="cuda", dtype=torch.int8)
+    key = (torch.cuda.current_device(), stream)
+    buf = _TMA_SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        buf = _TMA_SCRATCH[key] = torch.empty(max(size, 1 << 16), device="cuda", dtype=torch.int8)
+    return buf
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tensor | None = None,
-         epilogue_input: torch.Tensor | None = None, epilogue: int = PLAIN, accumulate: bool = False,
-         allow_tf32: bool = True, use_tma: bool | None = None) -> torch.Tensor:
-    """``c = a @ b`` (+ epilogue) in place; the building block of every linear op (no input checks).
+def split_fill(M: int, N: int, splits: int, sms: int) -> float:
+    """Busy fraction of the SMs over the waves of an M x N product's 128x128 tiles split ``splits`` ways."""
+    units = triton.cdiv(M, 128) * triton.cdiv(N, 128) * splits
+    return units / (triton.cdiv(units, sms) * sms)
 
-    a [M, K] and b [K, N] may have any strides (pass ``w.t()`` for x W^T). Gated epilogues take
-    b [K, 2N] (gate columns, then up columns); ``SWIGLU_BWD`` writes c [M, 2N] = [dgate, dup]
-    from dh = ``epilogue_input`` [M, N]. ``PLAIN`` adds ``bias`` [N] and ``epilogue_input`` (a
-    residual [M, N]) when given, and the old value of c when ``accumulate``. ``use_tma`` forces
-    the tensor-descriptor path (True) or the pointer path (False); None picks TMA where it can.
-    """
+
+def split_k_for(M: int, N: int, K: int, sms: int) -> int:
+    """Splits along K for a product with too few output tiles to fill ``sms`` SMs (tiles counted
+    at 128x128): the fewest splits whose fill (:func:`split_fill`) is within SPLIT_K_FILL_SLACK of
+    the best, each split keeping at least SPLIT_K_MIN_K of K. 1 when the tiles already fill the GPU."""
+    most = min(SPLIT_K_MAX, K // SPLIT_K_MIN_K)
+    if triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sms or most < 2:
+        return 1
+    fills = [split_fill(M, N, s, sms) for s in range(1, most + 1)]
+    return next(s for s, f in enumerate(fills, 1) if f >= max(fills) - SPLIT_K_FILL_SLACK)
+
+
+def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k):
+    """The kernel arguments, grid and launch-cache key of :func:`gemm` (C = the fp32 partials
+    when split along K)."""
     M, K = a.shape
-    N = c.shape[1] // 2 if epilogue == SWIGLU_BWD else c.shape[1]
-    if M == 0 or N == 0:
-        return c
+    N = c.shape[1]
     a_k, b_n = _tma_operand(a), _tma_operand(b)
     can_tma = K > 0 and a_k is not None and b_n is not None
     if use_tma is None:
         use_tma = can_tma and _tma_supported(a.device)
     elif use_tma and not can_tma:
         raise ValueError("use_tma=True needs operands with a unit stride and 16-byte aligned strides")
-    if use_tma and not interpreting():
-        triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
-    e = epilogue_input
+    simple = epilogue == PLAIN and bias is None and residual is None and not accumulate
+    if split_k is None:
+        split_k = split_k_for(M, N, K, num_sms()) if simple else 1
+    elif split_k > 1 and not simple:
+        raise ValueError("split_k > 1 needs the PLAIN epilogue without bias, residual or accumulate")
+    out = c if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=c.device)
+    store_gu = epilogue == SWIGLU_FWD and gu is not None
+    tma_store = (TMA_STORE and bool(use_tma) and split_k == 1 and _tma_operand(c) is True
+                 and (not store_gu or (_tma_operand(gu) is True and (N * gu.element_size()) % 16 == 0)))
     precision = "ieee" if (a.dtype == torch.float32 and not allow_tf32) else "tf32"
     args = dict(
-        a_ptr=a, b_ptr=b, c_ptr=c, bias_ptr=c if bias is None else bias, e_ptr=c if e is None else e,
+        a_ptr=a, b_ptr=b, c_ptr=out, gu_ptr=c if gu is None else gu, bias_ptr=c if bias is None else bias,
+        e_ptr=c if residual is None else residual,
         M=M, N=N, K=K,
         stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
-        stride_cm=c.stride(0), stride_cn=c.stride(1),
-        stride_em=0 if e is None else e.stride(0), stride_en=0 if e is None else e.stride(1),
-        EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_RESIDUAL=epilogue == PLAIN and e is not None,
-        ACCUMULATE=accumulate, USE_TMA=bool(use_tma), A_K_CONTIGUOUS=bool(a_k), B_N_CONTIGUOUS=bool(b_n),
-        PRECISION=precision,
+        stride_cs=M * N if split_k > 1 else 0, stride_cm=out.stride(-2), stride_cn=out.stride(-1),
+        stride_gm=0 if gu is None else gu.stride(0),
+        stride_em=0 if residual is None else residual.stride(0),
+        stride_en=0 if residual is None else residual.stride(1),
+        EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACCUMULATE=accumulate,
+        STORE_GU=store_gu, USE_TMA=bool(use_tma), A_K_CONTIGUOUS=bool(a_k), B_N_CONTIGUOUS=bool(b_n),
+        TMA_STORE=tma_store, PRECISION=precision, SPLIT_K=split_k,
     )
     sms = num_sms()
 
     def grid(meta):
-        return (min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (min(sms, split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
+    key = (M, N, K, epilogue, bias is not None, residual is not None, accumulate, store_gu, bool(use_tma), a_k, b_n,
+           tma_store, precision, split_k, a.dtype, c.dtype)
+    return args, grid, key
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None, gu: torch.Tensor | None = None, epilogue: int = PLAIN,
+         accumulate: bool = False, allow_tf32: bool = True, use_tma: bool | None = None,
+         split_k: int | None = None, config: triton.Config | None = None) -> torch.Tensor:
+    """``c = a @ b`` (+ epilogue) in place; the building block of every linear op (no input checks).
+
+    a [M, K] and b [K, N] may have any strides (pass ``w.t()`` for x W^T). ``PLAIN`` adds ``bias``
+    [N] and ``residual`` [M, N] when given, and the old value of c when ``accumulate``.
+    ``SWIGLU_FWD`` takes b [K, 2N] (gate columns, then up columns), writes c [M, N] = silu(gate) * up
+    and, when ``gu`` [M, 2N] (unit column stride) is given, the pre-activations [gate, up] into it.
+    ``use_tma`` forces the tensor-descriptor path (True) or the pointer path (False); None picks
+    TMA where it can. ``split_k`` splits K over that many programs per output tile (PLAIN with no
+    bias, residual or accumulate; fp32 partials summed in a fixed order); None picks it
+    (:func:`split_k_for`). ``config`` launches that config instead of the autotuner's choice
+    (scripts/tune_linear.py).
+    """
+    if c.shape[0] == 0 or c.shape[1] == 0:
+        return c
+    args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k)
+    if args["USE_TMA"] and not interpreting():
+        triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
     if interpreting():
-        _matmul_kernel[grid](**args, **_interpreter_config(M, N, K))
+        _matmul_kernel[grid](**args, **_interpreter_config(*key[:3]))
+    elif config is not None:
+        _matmul_kernel[grid](**args, **config.all_kwargs())
     else:
-        _matmul_kernel_tuned[grid](**args)
+        meta = _LAUNCH_CONFIGS.get(key)
+        if meta is None:
+            _matmul_kernel_tuned[grid](**args)
+            _LAUNCH_CONFIGS[key] = _matmul_kernel_tuned.best_config.all_kwargs()
+        else:
+            _matmul_kernel[grid](**args, **meta)
+    if args["SPLIT_K"] > 1:
+        M, N = c.shape
+        block_m, block_n = (32, 128) if not interpreting() else (64, 64)
+        _sum_splits_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+            args["c_ptr"], c, M, N, args["SPLIT_K"], c.stride(0), c.stride(1), BLOCK_M=block_m, BLOCK_N=block_n)
     return c
 
 
@@ -372,7 +559,7 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             raise ValueError(f"residual must have the output's shape {out_shape}, got {tuple(residual.shape)}")
     x2 = as_matrix(x, K)
     y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
-    gemm(x2, weight.t(), y, bias=bias, epilogue_input=None if residual is None else as_matrix(residual, N),
+    gemm(x2, weight.t(), y, bias=bias, residual=None if residual is None else as_matrix(residual, N),
          allow_tf32=allow_tf32)
     return y.view(out_shape)
 
@@ -423,26 +610,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return LinearFunction.apply(x, weight, bias, residual, allow_tf32)
 
 
-def linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor, allow_tf32: bool = True) -> torch.Tensor:
-    """h = silu(x W1^T) * (x W3^T) for w13 = [W1; W3] [2F, K]; h [..., F] in x's dtype."""
+def linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor, allow_tf32: bool = True, store_gu: bool = False):
+    """h = silu(x W1^T) * (x W3^T) for w13 = [W1; W3] [2F, K]: (h [..., F], gu) in x's dtype, gu the
+    pre-activations [rows, 2F] when ``store_gu`` (for the backward), else None."""
     check_linear_inputs(x, w13, "w13")
     if w13.shape[0] % 2:
         raise ValueError(f"w13 must stack gate and up rows [2F, K]; got an odd first dimension {w13.shape[0]}")
-    F, K = w13.shape[0] // 2, w13.shape[1]
-    x2 = as_matrix(x, K)
-    h = torch.empty((x2.shape[0], F), dtype=x.dtype, device=x.device)
-    gemm(x2, w13.t(), h, epilogue=SWIGLU_FWD, allow_tf32=allow_tf32)
-    return h.view(tuple(x.shape[:-1]) + (F,))
-
-
-def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, need_dx: bool = True,
-                      need_dw: bool = True, allow_tf32: bool = True):
-    """(dx, dw13): recompute gate/up, form dgu = [dgate, dup] in the GEMM epilogue, then
-    dx = dgu w13 and dw13 = dgu^T x."""
     two_f, K = w13.shape
     x2 = as_matrix(x, K)
-    dgu = torch.empty((x2.shape[0], two_f), dtype=x.dtype, device=x.device)
-    gemm(x2, w13.t(), dgu, epilogue=SWIGLU_BWD, epilogue_input=as_matrix(dh, two_f // 2), allow_tf32=allow_tf32)
+    h = torch.empty((x2.shape[0], two_f // 2), dtype=x.dtype, device=x.device)
+    gu = torch.empty((x2.shape[0], two_f), dtype=x.dtype, device=x.device) if store_gu else None
+    gemm(x2, w13.t(), h, gu=gu, epilogue=SWIGLU_FWD, allow_tf32=allow_tf32)
+    return h.view(tuple(x.shape[:-1]) + (two_f // 2,)), gu
+
+
+def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: torch.Tensor,
+                      need_dx: bool = True, need_dw: bool = True, allow_tf32: bool = True):
+    """(dx, dw13) from the forward's pre-activations gu [rows, 2F]: dgu = [dgate, dup] by
+    kernels.swiglu's packed backward, then dx = dgu w13 and dw13 = dgu^T x."""
+    two_f, K = w13.shape
+    x2 = as_matrix(x, K)
+    dgu = swiglu_bwd(as_matrix(dh, two_f // 2), gu)
     dx = dw = None
     if need_dx:
         dx = gemm(dgu, w13, torch.empty((x2.shape[0], K), dtype=x.dtype, device=x.device),
@@ -455,15 +643,15 @@ def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, need
 class LinearSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, allow_tf32):
-        h = linear_swiglu_fwd(x, w13, allow_tf32)
-        ctx.save_for_backward(x, w13)
+        h, gu = linear_swiglu_fwd(x, w13, allow_tf32, store_gu=True)
+        ctx.save_for_backward(x, w13, gu)
         ctx.allow_tf32 = allow_tf32
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w13 = ctx.saved_tensors
-        dx, dw = linear_swiglu_bwd(dh, x, w13, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.allow_tf32)
+        x, w13, gu = ctx.saved_tensors
+        dx, dw = linear_swiglu_bwd(dh, x, w13, gu, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.allow_tf32)
         return dx, dw, None
 
 
@@ -471,7 +659,10 @@ def linear_swiglu(x: torch.Tensor, w13: torch.Tensor, *, allow_tf32: bool = True
     """SwiGLU MLP input projection ``silu(x @ W1.T) * (x @ W3.T)`` in one GEMM.
 
     x [..., K]; w13 [2F, K] stacks the gate weight W1 (rows [0, F)) over the up weight W3
-    (rows [F, 2F)). Returns h [..., F] in x's dtype; the [..., 2F] gate/up activations are never
-    written. Backward recomputes them (one more GEMM) instead of storing them.
+    (rows [F, 2F)). Returns h [..., F] in x's dtype. When a gradient is needed the GEMM's epilogue
+    also writes the [..., 2F] gate/up pre-activations (saved for the backward, as the unfused
+    GEMM + swiglu pair saves its GEMM output); under no_grad only h is written.
     """
-    return LinearSwiGLUFunction.apply(x, w13, allow_tf32)
+    if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad):
+        return LinearSwiGLUFunction.apply(x, w13, allow_tf32)
+    return linear_swiglu_fwd(x, w13, allow_tf32)[0]

@@ -12,41 +12,70 @@ with target t, label smoothing ls and z-loss weight zl (same definitions as ``cr
 
 Forward, one chunk of C tokens at a time (C = ``chunk_size``), through one [C, V] buffer:
   1. buf = x_c W^T                       Triton GEMM (kernels.linear.gemm), logits in x's dtype
-  2. one program per row: online softmax over V (running max and sum, fp32), the row's loss,
-     then a second sweep of the row (an L2 hit) overwriting buf with dloss/dz (unscaled);
-  3. dx_c = buf W                        GEMM into the rows of dx
-  4. dW  (+)= buf^T x_c                  GEMM accumulating into an fp32 [V, H] buffer (beta = 1
-                                         after the first chunk: fixed chunk order, deterministic)
+  2. one program per row: softmax statistics over V (the whole row in registers when V fits, else
+     an online max/sum over blocks), the row's loss, then dloss/dz (unscaled) written over buf;
+  3. dx_c = buf W                        GEMM into the rows of dx (split along V when C gives too
+                                         few output tiles to fill the GPU)
+  4. dW  (+)= buf^T x_c                  GEMM accumulating into dW (beta = 1 after the first chunk:
+                                         fixed chunk order, deterministic), in W's dtype like
+                                         Liger-Kernel, or in fp32 with ``DW_FP32``
   then one program reduces the row losses in a fixed order and stores the scale of the gradients
   (1 / #valid rows for ``mean``, 1 for ``sum``).
-Backward only scales the stored gradients by dloss * scale (one elementwise Triton kernel), as
-Liger-Kernel does. With ``reduction="none"`` the per-row upstream gradients are not known in the
-forward, so the forward computes only the losses and the backward reruns the chunk loop with each
-row of dloss/dz multiplied by its upstream gradient.
+Backward only scales the stored gradients by dloss * scale (one elementwise Triton kernel per
+tensor), as Liger-Kernel does; with ``GRAD_IN_PLACE`` in place, so the returned gradients are the
+forward's buffers (a second backward through a retained graph rescales them again, by the ratio
+of the new factor to the old). With ``reduction="none"`` the per-row upstream gradients are not
+known in the forward, so the forward computes only the losses and the backward reruns the chunk
+loop with each row of dloss/dz multiplied by its upstream gradient.
 
-Memory beyond inputs and gradients: the [C, V] logits buffer (bounded by ``chunk_size`` whatever
-the token count) and the fp32 [V, H] dW accumulator.
+Memory beyond inputs and gradients: the [C, V] logits buffer, the dx split partials (fp32
+[splits, C, H]) and, with ``DW_FP32``, an fp32 [V, H] dW accumulator. The default C keeps the
+buffer and partials within Liger-Kernel's logits chunk (next_pow2(T / ceil(V / H)) rows of V).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting, next_pow2
-from .linear import as_matrix, check_linear_inputs, gemm
+from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting, next_pow2, num_sms
+from .linear import as_matrix, check_linear_inputs, gemm, split_fill, split_k_for
 
 REDUCTIONS = ("mean", "sum", "none")
 
-# Knobs for the GPU, not measured yet.
-#: default tokens per chunk: big enough that the fp32 dW read-modify-write per chunk (8 V H bytes)
-#: is small next to the chunk's three GEMMs (6 C V H FLOPs); the buffer is C x V in x's dtype.
-DEFAULT_CHUNK = 2048
-#: columns per step of the row kernel, and its warps.
+# Knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/NOTES.md, issue 3).
+#: tokens per chunk when ``chunk_size`` is None. None: the most (a multiple of 64) whose logits
+#: buffer plus dx split partials fit Liger-Kernel's logits chunk (:func:`default_chunk`); an int
+#: fixes it (the dW read-modify-write, 4 V H bytes per chunk in bf16, shrinks as it grows).
+#: 2048: measured on an H200 at 16384x768x32000 fwd+bwd, 6.17 ms (1.02x Liger, peak 0.23 GB) against
+#: 8.43 ms (0.75x, peak 0.106 GB, Liger's memory) for the memory-matched size: speed is chosen.
+DEFAULT_CHUNK: int | None = 2048
+#: default_chunk: the least share of the SMs the dx GEMM's split programs may fill when memory caps
+#: the number of splits
+MIN_DX_FILL = 0.75
+#: accumulate dW over the chunks in an fp32 [V, H] buffer (one rounding at the end, 2 V H bytes
+#: more memory) instead of in W's dtype (one rounding per chunk, as Liger-Kernel does)
+DW_FP32 = False
+#: backward scales the stored gradients in place and returns them (no second copy of dx and dW
+#: alive during the backward) instead of writing scaled copies
+GRAD_IN_PLACE = True
+#: rows of at most this many logits (rounded up to a power of two) are held in registers by the
+#: row kernel: one read and one write of the row instead of two reads and a write
+ROW_SINGLE_PASS_MAX_V = 32768
+#: columns per step of the row kernel for longer rows, and its warps.
 ROW_BLOCK_V, ROW_NUM_WARPS = 8192, 16
 #: elements per program of the gradient-scaling kernel.
 SCALE_BLOCK = 4096
+
+
+@triton.jit
+def _dlogits(z, cols, V, t, lse, coef, scale, label_smoothing):
+    """dloss/dz of logits ``z`` (fp32) at columns ``cols`` of a row with target t, times ``scale``."""
+    g = tl.exp(z - lse) * coef - label_smoothing / V - tl.where(cols == t, 1.0 - label_smoothing, 0.0)
+    return g * scale
 
 
 @triton.jit
@@ -64,6 +93,7 @@ def _linear_cross_entropy_fwd_kernel(
     HAS_GRAD: tl.constexpr,
     STORE_Z: tl.constexpr,
     HAS_ROW_GRAD: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,  # BLOCK_V >= V: the row is read once and held in registers
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -72,18 +102,26 @@ def _linear_cross_entropy_fwd_kernel(
     valid = t != ignore_index
     offs = tl.arange(0, BLOCK_V)
 
-    # sweep 1: online softmax statistics and the sum of the logits (label smoothing)
-    m = tl.full([], float("-inf"), tl.float32)  # running max
-    s = tl.zeros([], tl.float32)  # running sum of exp(z - m)
-    z_sum = tl.zeros([], tl.float32)  # running sum of z (label smoothing)
-    for start in range(0, V, BLOCK_V):
-        cols = start + offs
-        z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-        m = m_new
+    # softmax statistics (max, sum of exp(z - max)) and the sum of the logits (label smoothing)
+    z_sum = tl.zeros([], tl.float32)
+    if SINGLE_PASS:
+        # held in the logits' dtype (half the registers of fp32), converted where used
+        z_row = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+        m = tl.max(z_row, axis=0).to(tl.float32)
+        s = tl.sum(tl.exp(z_row.to(tl.float32) - m), axis=0)
         if HAS_SMOOTHING:
-            z_sum += tl.sum(tl.where(cols < V, z, 0.0), axis=0)
+            z_sum = tl.sum(tl.where(offs < V, z_row.to(tl.float32), 0.0), axis=0)
+    else:
+        m = tl.full([], float("-inf"), tl.float32)  # running max
+        s = tl.zeros([], tl.float32)  # running sum of exp(z - m)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+            if HAS_SMOOTHING:
+                z_sum += tl.sum(tl.where(cols < V, z, 0.0), axis=0)
     lse = m + tl.log(s)
     in_range = valid & (t >= 0) & (t < V)
     z_t = tl.load(row_ptr + tl.where(in_range, t, 0), mask=in_range, other=0.0).to(tl.float32)
@@ -93,17 +131,21 @@ def _linear_cross_entropy_fwd_kernel(
     if STORE_Z:
         tl.store(z_ptr + row, tl.where(valid, z_term, 0.0))
 
-    # sweep 2: dloss/dz in place (zeros for ignored rows), scaled by the row's upstream gradient
+    # dloss/dz in place (zeros for ignored rows), scaled by the row's upstream gradient
     if HAS_GRAD:
         scale = tl.where(valid, 1.0, 0.0)
         if HAS_ROW_GRAD:
             scale = scale * tl.load(row_grad_ptr + row * stride_g).to(tl.float32)
         coef = 1.0 + 2.0 * z_loss * lse
-        for start in range(0, V, BLOCK_V):
-            cols = start + offs
-            z = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
-            g = tl.exp(z - lse) * coef - label_smoothing / V - tl.where(cols == t, 1.0 - label_smoothing, 0.0)
-            tl.store(row_ptr + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=cols < V)
+        if SINGLE_PASS:
+            g = _dlogits(z_row.to(tl.float32), offs, V, t, lse, coef, scale, label_smoothing)
+            tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=offs < V)
+        else:
+            for start in range(0, V, BLOCK_V):
+                cols = start + offs
+                z = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+                g = _dlogits(z, cols, V, t, lse, coef, scale, label_smoothing)
+                tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
 
 
 @triton.jit
@@ -141,15 +183,25 @@ def _linear_cross_entropy_reduce_kernel(
 @triton.jit
 def _linear_cross_entropy_bwd_kernel(
     src_ptr,  # [n] stored gradient (contiguous)
-    dst_ptr,  # [n] out: src * dloss * scale, in dst's dtype (contiguous)
+    dst_ptr,  # [n] out: src * dloss * scale (/ prev), in dst's dtype (contiguous; may be src itself)
     n,
     dloss_ptr,  # [1] upstream gradient of the loss
     scale_ptr,  # [1] fp32 reduction scale (1 / #valid rows for mean, else 1)
+    prev_ptr,  # [1] fp32 factor an earlier backward already applied to src in place (HAS_PREV)
+    factor_ptr,  # [1] fp32 out: dloss * scale, the factor now applied (STORE_FACTOR, program 0)
+    HAS_PREV: tl.constexpr,
+    STORE_FACTOR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     factor = tl.load(dloss_ptr).to(tl.float32) * tl.load(scale_ptr)
+    if STORE_FACTOR:
+        if pid == 0:
+            tl.store(factor_ptr, factor)
+    if HAS_PREV:
+        factor = factor / tl.load(prev_ptr)
     src = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(dst_ptr + offs, (src * factor).to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -174,19 +226,44 @@ def _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduct
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def default_chunk(T: int, H: int, V: int, elem: int, sms: int) -> tuple[int, int]:
+    """(tokens per chunk, splits of the dx GEMM) when no chunk size is given (``DEFAULT_CHUNK``
+    None): the most tokens, in multiples of 64, whose [C, V] logits buffer plus the dx GEMM's fp32
+    split partials [splits, C, H] fit Liger-Kernel's logits chunk, next_pow2(T / ceil(V / H)) rows
+    of V (the same extra memory), with splits up to :func:`split_k_for`'s choice and filling at
+    least MIN_DX_FILL of the GPU (or exactly that choice). At least 64 tokens, at most T."""
+    budget = next_pow2(triton.cdiv(T, triton.cdiv(V, H))) * V * elem
+    for chunk in range(max(64, budget // (V * elem) // 64 * 64), 63, -64):
+        want = split_k_for(chunk, H, V, sms)
+        room = (budget - chunk * V * elem) // (chunk * H * 4)
+        splits = 1 if want == 1 else min(want, room)
+        if splits >= 1 and (splits == want or split_fill(chunk, H, splits, sms) >= MIN_DX_FILL):
+            return min(chunk, T), splits
+    return min(64, T), split_k_for(64, H, V, sms)
+
+
 def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, allow_tf32,
                 need_dx, need_dw, store_z, row_grad=None):
     """Per-row losses (and z terms) of all T rows; with need_dx / need_dw also dx [T, H] (x's
-    dtype) and the fp32 dW [V, H] of sum_i g_i loss_i (g_i = row_grad[i], else 1)."""
+    dtype) and dW [V, H] (fp32 with DW_FP32, else W's dtype) of sum_i g_i loss_i (g_i = row_grad[i],
+    else 1)."""
     T, H = x2.shape
     V = weight.shape[0]
     dev = x2.device
+    dx_splits = None  # split_k_for's choice
+    if chunk is None and DEFAULT_CHUNK is None:
+        chunk, dx_splits = default_chunk(T, H, V, x2.element_size(), num_sms())
+    elif chunk is None:
+        chunk = DEFAULT_CHUNK
     loss_rows = torch.empty(T, dtype=torch.float32, device=dev)
     z_rows = torch.empty(T, dtype=torch.float32, device=dev) if store_z else None
     dx = torch.empty((T, H), dtype=x2.dtype, device=dev) if need_dx else None
-    dw = (torch.zeros if T == 0 else torch.empty)((V, H), dtype=torch.float32, device=dev) if need_dw else None
+    dw_dtype = torch.float32 if DW_FP32 else weight.dtype
+    dw = (torch.zeros if T == 0 else torch.empty)((V, H), dtype=dw_dtype, device=dev) if need_dw else None
     buf = torch.empty((min(chunk, T), V), dtype=x2.dtype, device=dev)
-    block_v = min(next_pow2(V), 1024 if interpreting() else ROW_BLOCK_V)
+    single = next_pow2(V) <= (1024 if interpreting() else ROW_SINGLE_PASS_MAX_V)
+    block_v = next_pow2(V) if single else min(next_pow2(V), 1024 if interpreting() else ROW_BLOCK_V)
     for i, s in enumerate(range(0, T, chunk)):
         e = min(s + chunk, T)
         logits = gemm(x2[s:e], weight.t(), buf[: e - s], allow_tf32=allow_tf32)
@@ -196,22 +273,26 @@ def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, all
             loss_rows if row_grad is None else row_grad[s:e], 0 if row_grad is None else row_grad.stride(0),
             V, ignore_index, float(label_smoothing), float(z_loss),
             HAS_SMOOTHING=label_smoothing > 0, HAS_GRAD=need_dx or need_dw, STORE_Z=store_z,
-            HAS_ROW_GRAD=row_grad is not None,
+            HAS_ROW_GRAD=row_grad is not None, SINGLE_PASS=single,
             BLOCK_V=block_v, num_warps=ROW_NUM_WARPS if not interpreting() else 1,
         )
         if need_dx:
-            gemm(logits, weight, dx[s:e], allow_tf32=allow_tf32)
+            gemm(logits, weight, dx[s:e], allow_tf32=allow_tf32, split_k=dx_splits)
         if need_dw:
             gemm(logits.t(), x2[s:e], dw, accumulate=i > 0, allow_tf32=allow_tf32)
     return loss_rows, z_rows, dx, dw
 
 
-def _scaled(src: torch.Tensor, dtype: torch.dtype, dloss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """src * dloss * scale in ``dtype`` (a new tensor; the stored gradient stays intact)."""
-    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+def _scaled(src: torch.Tensor, dtype: torch.dtype, dloss: torch.Tensor, scale: torch.Tensor, in_place: bool,
+            prev: torch.Tensor | None = None, factor_out: torch.Tensor | None = None) -> torch.Tensor:
+    """src * dloss * scale (/ prev) in ``dtype``: over src itself when ``in_place`` (same dtype),
+    else in a new tensor; ``factor_out`` [1] receives dloss * scale."""
+    out = src if in_place else torch.empty(src.shape, dtype=dtype, device=src.device)
     n = src.numel()
     if n:
-        _linear_cross_entropy_bwd_kernel[(triton.cdiv(n, SCALE_BLOCK),)](src, out, n, dloss, scale, BLOCK=SCALE_BLOCK)
+        _linear_cross_entropy_bwd_kernel[(triton.cdiv(n, SCALE_BLOCK),)](
+            src, out, n, dloss, scale, scale if prev is None else prev, scale if factor_out is None else factor_out,
+            HAS_PREV=prev is not None, STORE_FACTOR=factor_out is not None, BLOCK=SCALE_BLOCK)
     return out
 
 
@@ -220,18 +301,17 @@ def linear_cross_entropy_fwd(x, weight, target, ignore_index=-100, label_smoothi
     """Loss, z-loss term and, for ``mean``/``sum``, the gradients of the loss (unscaled by dloss).
 
     Returns ``(loss, z, dx, dw, scale)``: loss and z are 0-dim fp32 (``mean``/``sum``) or per-row
-    [...] fp32 (``none``); dx [T, H] in x's dtype and dw [V, H] fp32 (None unless requested, and
-    always None for ``none``); scale is the fp32 [1] factor the gradients still need (1 / #valid
-    rows for ``mean``, else 1).
+    [...] fp32 (``none``); dx [T, H] in x's dtype and dw [V, H] (fp32 with DW_FP32, else W's
+    dtype; None unless requested, and always None for ``none``); scale is the fp32 [1] factor the
+    gradients still need (1 / #valid rows for ``mean``, else 1).
     """
     _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size)
     H = weight.shape[1]
     x2 = as_matrix(x, H)
     t = target.reshape(-1)
-    chunk = chunk_size or DEFAULT_CHUNK
     none = reduction == "none"
-    loss_rows, z_rows, dx, dw = _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, allow_tf32,
-                                            need_dx and not none, need_dw and not none, store_z=True)
+    loss_rows, z_rows, dx, dw = _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk_size,
+                                            allow_tf32, need_dx and not none, need_dw and not none, store_z=True)
     if none:
         return loss_rows.view(target.shape), z_rows.view(target.shape), None, None, None
     loss, z = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2))
@@ -241,23 +321,33 @@ def linear_cross_entropy_fwd(x, weight, target, ignore_index=-100, label_smoothi
     return loss, z, dx, dw, scale
 
 
-def linear_cross_entropy_bwd(dloss, saved, weight_dtype, x_shape, ignore_index, label_smoothing, z_loss,
-                             chunk_size, reduction, need_dx, need_dw, allow_tf32):
-    """(dx, dW) from the forward's stored gradients (``mean``/``sum``: saved = (dx, dw, scale)) or,
-    for ``none``, by rerunning the chunk loop with per-row upstream gradients (saved = (x, W, target))."""
-    if reduction != "none":
-        dx, dw, scale = saved
-        return (_scaled(dx, dx.dtype, dloss, scale).view(x_shape) if need_dx else None,
-                _scaled(dw, weight_dtype, dloss, scale) if need_dw else None)
-    x, weight, target = saved
+def scale_stored_grads(dloss, dx, dw, scale, weight_dtype, in_place, applied=None):
+    """(dx, dW, applied) for the upstream gradient ``dloss`` from the forward's gradients dx, dw
+    (either may be None) and reduction ``scale``: each is multiplied by dloss * scale, in place
+    when ``in_place`` and its dtype is the output's (dx always; dw unless accumulated in fp32 for a
+    lower-precision weight), else into a new tensor. ``applied`` ([1] fp32) is the factor an
+    earlier call already applied in place (None: none), divided out here; the returned one is the
+    factor for the next call (None unless in place). No PyTorch math: one Triton launch per tensor."""
+    dw_in_place = in_place and dw is not None and dw.dtype == weight_dtype
+    factor = torch.empty(1, dtype=torch.float32, device=scale.device) if in_place else None
+    if dx is not None:
+        dx = _scaled(dx, dx.dtype, dloss, scale, in_place, applied if in_place else None, factor)
+    if dw is not None:
+        dw = _scaled(dw, weight_dtype, dloss, scale, dw_in_place, applied if dw_in_place else None,
+                     factor if dx is None else None)
+    return dx, dw, factor
+
+
+def linear_cross_entropy_bwd(dloss, x, weight, target, ignore_index, label_smoothing, z_loss, chunk_size,
+                             need_dx, need_dw, allow_tf32):
+    """(dx, dW) of ``reduction="none"``: the chunk loop again, each row of dloss/dz times its
+    upstream gradient ``dloss[i]``."""
     x2 = as_matrix(x, weight.shape[1])
-    _, _, dx, dw = _chunk_loop(x2, weight, target.reshape(-1), ignore_index, label_smoothing, z_loss,
-                               chunk_size or DEFAULT_CHUNK, allow_tf32, need_dx, need_dw, store_z=False,
-                               row_grad=dloss.reshape(-1))
-    if dw is not None and weight_dtype != torch.float32:
-        one = torch.ones(1, dtype=torch.float32, device=dw.device)
-        dw = _scaled(dw, weight_dtype, one, one)
-    return None if dx is None else dx.view(x_shape), dw
+    _, _, dx, dw = _chunk_loop(x2, weight, target.reshape(-1), ignore_index, label_smoothing, z_loss, chunk_size,
+                               allow_tf32, need_dx, need_dw, store_z=False, row_grad=dloss.reshape(-1))
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    return None if dx is None else dx.view(x.shape), dw
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -267,12 +357,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, z, dx, dw, scale = linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss,
                                                           reduction, chunk_size, need_dx, need_dw, allow_tf32)
+        ctx.reduction = reduction
         if reduction == "none":
             ctx.save_for_backward(x, weight, target)
+            ctx.args = (ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32)
         else:
             ctx.save_for_backward(dx, dw, scale)
-        ctx.args = (weight.dtype, x.shape, ignore_index, label_smoothing, z_loss, chunk_size, reduction,
-                    need_dx, need_dw, allow_tf32)
+            ctx.x_shape, ctx.weight_dtype, ctx.in_place, ctx.applied = x.shape, weight.dtype, GRAD_IN_PLACE, None
         if return_z_loss:
             ctx.mark_non_differentiable(z)
             return loss, z
@@ -280,7 +371,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, *unused):
-        dx, dw = linear_cross_entropy_bwd(dloss, ctx.saved_tensors, *ctx.args)
+        if ctx.reduction == "none":
+            dx, dw = linear_cross_entropy_bwd(dloss, *ctx.saved_tensors, *ctx.args)
+        else:
+            dx, dw, scale = ctx.saved_tensors
+            dx, dw, ctx.applied = scale_stored_grads(dloss, dx, dw, scale, ctx.weight_dtype, ctx.in_place, ctx.applied)
+            dx = None if dx is None else dx.view(ctx.x_shape)
         return dx, dw, None, None, None, None, None, None, None, None
 
 
@@ -294,10 +390,12 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     reduction)``: loss_i = lse - (1 - ls) z_t - ls/V sum_j z_j + z_loss lse^2 per non-ignored row,
     reduced by ``mean`` (over non-ignored rows; 0 when all are ignored), ``sum`` or ``none``
     (per-row fp32 losses, 0 on ignored rows). Tokens go through in chunks of ``chunk_size``
-    (default ``DEFAULT_CHUNK``): extra memory is one [chunk_size, V] buffer plus an fp32 [V, H] dW
-    accumulator. For ``mean``/``sum`` the gradients are computed in the forward and backward only
-    scales them. Returns the fp32 loss, or ``(loss, z_loss_term)`` when ``return_z_loss`` (the
-    z-loss part of the loss, reduced the same way, for logging; not differentiable).
+    (default: :func:`default_chunk`, Liger-Kernel's extra memory): extra memory is one
+    [chunk_size, V] buffer (plus the dx GEMM's split partials). For ``mean``/``sum`` the gradients
+    are computed in the forward and backward only scales them (in place by default: the returned
+    gradients are buffers of the forward). Returns the fp32 loss, or ``(loss, z_loss_term)`` when
+    ``return_z_loss`` (the z-loss part of the loss, reduced the same way, for logging; not
+    differentiable).
     """
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if not needs_grad:

@@ -152,35 +152,57 @@ def _cols(r, c, dtype):
 LAYOUTS = [("A_rows-B_rows", _rows, _rows), ("A_cols-B_cols", _cols, _cols), ("A_rows-B_cols", _rows, _cols)]
 
 
+@pytest.mark.parametrize("tma_store", [False, True, "subtile"], ids=lambda s: f"tma_store={s}")
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l[0])
-def test_gemm_descriptor_path_matches_pointer_path(layout):
+def test_gemm_descriptor_path_matches_pointer_path(layout, tma_store, monkeypatch):
     """Both operand-load paths of the GEMM (tensor descriptors / masked pointers) on ragged tiles,
-    with accumulate (beta = 1) and the gated epilogues. The interpreter emulates descriptors."""
+    with accumulate (beta = 1), the SwiGLU epilogue writing gate/up, and split-K; the descriptor
+    path also with TMA stores (whole tiles or halves). The interpreter emulates descriptors."""
     if ON_GPU and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need sm90+")
+    monkeypatch.setattr(linear_module, "TMA_STORE", bool(tma_store))
+    monkeypatch.setattr(linear_module, "EPILOGUE_SUBTILE", tma_store == "subtile")
     _, make_a, make_b = layout
     dtype = torch.float16
     M, K, N = 72, 40, 24
     a, b = make_a(M, K, dtype), make_b(K, N, dtype)
     b2 = make_b(K, 2 * N, dtype)
     c0 = randn(M, N, dtype=torch.float32)
-    dh = randn(M, N, dtype=dtype)
     outs = {}
     for use_tma in (True, False):
         plain = linear_module.gemm(a, b, c0.clone(), accumulate=True, use_tma=use_tma)
-        fwd = linear_module.gemm(a, b2, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE)),
-                                 epilogue=linear_module.SWIGLU_FWD, use_tma=use_tma)
-        bwd = linear_module.gemm(a, b2, poison_(torch.empty(M, 2 * N, dtype=dtype, device=DEVICE)),
-                                 epilogue=linear_module.SWIGLU_BWD, epilogue_input=dh, use_tma=use_tma)
-        outs[use_tma] = (plain, fwd, bwd)
+        gu = poison_(torch.empty(M, 2 * N, dtype=dtype, device=DEVICE))
+        h = linear_module.gemm(a, b2, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE)), gu=gu,
+                               epilogue=linear_module.SWIGLU_FWD, use_tma=use_tma)
+        split = linear_module.gemm(a, b, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE)), use_tma=use_tma,
+                                   split_k=3)
+        outs[use_tma] = (plain, h, gu, split)
     a64, b64, b264 = a.double(), b.double(), b2.double()
     g, u = (a64 @ b264).chunk(2, dim=-1)
-    s = torch.sigmoid(g)
-    refs = (c0.double() + a64 @ b64, g * s * u,
-            torch.cat([dh.double() * u * s * (1 + g * (1 - s)), dh.double() * g * s], dim=-1))
-    for name, tma, ptr, ref in zip(("accumulate", "swiglu_fwd", "swiglu_bwd"), outs[True], outs[False], refs):
+    refs = (c0.double() + a64 @ b64, g * torch.sigmoid(g) * u, a64 @ b264, a64 @ b64)
+    for name, tma, ptr, ref in zip(("accumulate", "swiglu_h", "swiglu_gu", "split_k"), outs[True], outs[False], refs):
         assert_close(name + "[tma]", tma, ref, atol=2e-3)
         assert_close(name + "[pointer]", ptr, ref, atol=2e-3)
+
+
+@pytest.mark.parametrize("M,N,K,splits", [(1, 17, 40, 2), (5, 100, 123, 4), (33, 8, 1000, 7)])
+def test_gemm_split_k(M, N, K, splits, poisoned_empty):
+    """Split-K on ragged sizes (some splits past the end of K): fp32 partials summed in order."""
+    a = randn(M, K)
+    b = randn(N, K).t()
+    c = linear_module.gemm(a, b, torch.empty(M, N, device=DEVICE), split_k=splits, allow_tf32=False)
+    assert_close("c", c, a.double() @ b.double(), atol=1e-5)
+
+
+def test_split_k_heuristic(monkeypatch):
+    """Few output tiles and a long K split; a product that fills the GPU, or a short K, does not."""
+    for knob, value in (("SPLIT_K_MIN_K", 2048), ("SPLIT_K_MAX", 8), ("SPLIT_K_FILL_SLACK", 0.05)):
+        monkeypatch.setattr(linear_module, knob, value)
+    split_k_for = linear_module.split_k_for
+    assert split_k_for(384, 768, 32000, 132) == 7  # 18 tiles of 128x128: 126 programs
+    assert split_k_for(2048, 768, 32000, 132) == 4  # 96 tiles: 384 programs fill 3 waves of 132
+    assert split_k_for(16384, 768, 32000, 132) == 1
+    assert split_k_for(384, 768, 3000, 132) == 1
 
 
 def test_gemm_descriptor_path_rejects_unaligned_strides():

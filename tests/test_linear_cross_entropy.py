@@ -144,6 +144,33 @@ def test_no_grad_and_repeated_backward():
         assert torch.equal(a, b)
 
 
+KNOB_CASES = [(dtype, False, True) for dtype in DTYPES] + [(torch.float32, True, True), (torch.float32, False, False)]
+
+
+@pytest.mark.parametrize("dtype,dw_fp32,in_place", KNOB_CASES,
+                         ids=[f"{dtype_id(d)}-dw_fp32={f}-in_place={i}" for d, f, i in KNOB_CASES])
+def test_long_vocabulary_knobs_and_rescaled_backward(dtype, dw_fp32, in_place, monkeypatch):
+    """A vocabulary over the interpreter's single-pass row limit (blocked two-sweep row kernel) and
+    over two split-K minimums (the dx GEMM splits along V); dW accumulated in W's dtype or fp32,
+    gradients scaled in place or copied; a retained graph's second backward with another dloss."""
+    lce = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
+    monkeypatch.setattr(lce, "DW_FP32", dw_fp32)
+    monkeypatch.setattr(lce, "GRAD_IN_PLACE", in_place)
+    x = randn(8, 16, dtype=dtype, requires_grad=True)
+    w = randn(4100, 16, dtype=dtype, scale=0.25, requires_grad=True)
+    t = targets((8,), 4100)
+    check(x, w, t, dtype, label_smoothing=0.1)
+    loss = linear_cross_entropy(x, w, t)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = reference(x64, w64, t)[0]
+    for dloss in (2.0, -0.5):
+        got = [g.clone() for g in torch.autograd.grad(loss, [x, w], torch.tensor(dloss, device=DEVICE),
+                                                      retain_graph=True)]
+        want = torch.autograd.grad(ref, [x64, w64], torch.tensor(dloss, dtype=torch.float64), retain_graph=True)
+        for name, g, r in zip(("dx", "dW"), got, want):
+            assert_close(name, g, r, dtype=dtype)
+
+
 def _meta(*shape):
     return torch.empty(*shape, device="meta")
 

@@ -1,0 +1,505 @@
+"""Side-by-side GPU timings of the GEMM family's tuning knobs (issue 3; predictions in docs/perf/NOTES.md).
+
+Usage, on one GPU (aims at < 120 s on an H200, compiles included; sections that would start past
+TUNE_BUDGET_S=110 seconds are skipped and say so):
+
+    python scripts/tune_linear.py                   # every section
+    python scripts/tune_linear.py gemm host lce     # some of: gemm host linear swiglu lce configs
+
+Sections, in this order:
+  gemm     stage A: every knob set (FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, WARP_SPECIALIZE) on two
+           reference configs for the GEMMs of linear at 16384x768x2304, 16384x768x32000 and
+           16384x2048x768 (fwd, dx, dW; dW also unsplit where split_k_for splits it along K),
+           linear_swiglu's fused forward (16384x768x2x2048, against cuBLAS + Triton swiglu) and
+           the LM head's chunk GEMMs (dx split along V, dW accumulated): each cell is
+           cuBLAS ms / ours ms (> 1: ours faster) for the better reference config.
+  host     host time per call at a tiny shape (GPU idle): F.linear vs ours with the launch-config
+           cache vs through triton.autotune's dispatch, fwd and fwd+bwd.
+  linear   fwd / bwd / fwd+bwd at 16384x2048x768 and 16384x768x2304 timed as the benchmark does,
+           the sum of fwd and bwd, and the GPU kernel time of fwd+bwd (torch.profiler): the rest
+           of fwd+bwd is the GPU waiting on the host.
+  swiglu   linear_swiglu 16384x768x(2x2048) fwd / bwd / fwd+bwd against cuBLAS + Triton swiglu.
+  lce      linear_cross_entropy 16384x768x32000 fwd+bwd ms and peak memory for sets of
+           DEFAULT_CHUNK / DW_FP32 / GRAD_IN_PLACE, against Liger-Kernel and eager PyTorch.
+  configs  stage B: every candidate config with each problem's best knob set.
+The e2e sections (host .. lce) autotune over the two best configs of the best knob set of stage
+A (or the GPU_CONFIGS when stage A did not run). Every variant's output is compared with the
+default variant's (first config, knobs off, itself checked against cuBLAS; for lce the module's
+current knob values): a mismatch prints BAD instead of a time. Full numbers go to
+$OUT/tune_linear.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from tritonllm.bench.harness import _pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
+from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu, swiglu
+
+L = importlib.import_module("tritonllm.kernels.linear")
+LCE = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
+
+T0 = time.time()
+BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "110"))
+DT = torch.bfloat16
+RESULTS: dict = {}
+
+#: knob sets: (name, FLATTEN, WARP_SPECIALIZE, EPILOGUE_SUBTILE, TMA_STORE); warp-specialized
+#: configs run 4 warps (linear._config)
+KNOBS = [("base", False, False, False, False), ("flat", True, False, False, False),
+         ("tmaS", False, False, False, True), ("flat+tmaS", True, False, False, True),
+         ("flat+tmaS+sub", True, False, True, True), ("ws+tmaS", False, True, False, True)]
+#: stage A reference configs (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
+REFERENCE = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8)]
+#: stage B candidates: the current GPU_CONFIGS and a few more
+CANDIDATES = list(dict.fromkeys([tuple(c) for c in L.GPU_CONFIGS] + [
+    (128, 256, 128, 2, 8), (128, 128, 128, 3, 8), (256, 128, 64, 3, 8), (64, 256, 64, 4, 4)]))
+
+
+def left() -> float:
+    return BUDGET_S - (time.time() - T0)
+
+
+def bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median"))
+
+
+def rel_err(got, ref) -> float:
+    got, ref = got.float(), ref.float()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(DT)
+
+
+# ----------------------------------------------------------------------------------------- gemm
+class Problem:
+    """One GEMM call as the ops make it: ``gemm(a, b, c, **kw)`` with fresh c (or c0 for
+    accumulate), and the cuBLAS (or unfused) equivalent."""
+
+    def __init__(self, name, a, b, c_shape, c_dtype=DT, cublas=None, c0=None, **kw):
+        self.name, self.a, self.b, self.kw, self.cublas, self.c0 = name, a, b, kw, cublas, c0
+        self.c_shape, self.c_dtype = c_shape, c_dtype
+        self.flops = 2.0 * a.shape[0] * a.shape[1] * c_shape[1]
+
+    def new_out(self):
+        c = self.c0.clone() if self.c0 is not None else torch.empty(self.c_shape, dtype=self.c_dtype, device="cuda")
+        gu = torch.empty(c.shape[0], 2 * c.shape[1], dtype=DT, device="cuda") if self.kw.get("epilogue") else None
+        return c, gu
+
+    def call(self, c, gu, config):
+        return L.gemm(self.a, self.b, c, gu=gu, config=config, **self.kw)
+
+
+def problems():
+    out = []
+    for M, K, N in [(16384, 768, 2304), (16384, 768, 32000), (16384, 2048, 768)]:
+        x, w, dy = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, N)
+        s = f"{M}x{K}x{N}"
+        out += [Problem(f"{s} fwd", x, w.t(), (M, N), cublas=lambda x=x, w=w: F.linear(x, w)),
+                Problem(f"{s} dx", dy, w, (M, K), cublas=lambda dy=dy, w=w: torch.mm(dy, w)),
+                Problem(f"{s} dW", dy.t(), x, (N, K), cublas=lambda dy=dy, x=x: torch.mm(dy.t(), x))]
+        splits = L.split_k_for(N, K, M, L.num_sms())
+        if splits > 1:  # the same dW without the split along K (SPLIT_K_MAX = 1)
+            out.append(Problem(f"{s} dW split1 ({splits})", dy.t(), x, (N, K), split_k=1,
+                               cublas=lambda dy=dy, x=x: torch.mm(dy.t(), x)))
+    x, w13 = randn(16384, 768), randn(4096, 768, scale=768 ** -0.5)
+    out.append(Problem("swiglu 16384x768x2x2048 fwd", x, w13.t(), (16384, 2048), epilogue=L.SWIGLU_FWD,
+                       cublas=lambda: swiglu(F.linear(x, w13))))
+    w = randn(32000, 768, scale=768 ** -0.5)
+    for C, S in [(384, 6), (2048, 4)]:
+        g = randn(C, 32000, scale=1e-3)
+        out.append(Problem(f"lce dx C{C} split{S}", g, w, (C, 768), split_k=S, cublas=lambda g=g: torch.mm(g, w)))
+    xc, g = randn(384, 768), randn(384, 32000, scale=1e-3)
+    dw0, dw_cublas = randn(32000, 768, scale=1e-2), randn(32000, 768, scale=1e-2)
+    out.append(Problem("lce dW C384 acc bf16", g.t(), xc, (32000, 768), c0=dw0, accumulate=True,
+                       cublas=lambda: dw_cublas.addmm_(g.t(), xc)))
+    out.append(Problem("lce dW C2048 acc fp32", randn(2048, 32000, scale=1e-3).t(), randn(2048, 768), (32000, 768),
+                       c0=dw0.float(), accumulate=True))
+    return out
+
+
+def variant(cfg, knob):
+    """(triton.Config, TMA_STORE) of a config tuple under a knob set."""
+    name, flat, ws, sub, tma_store = knob
+    return L._config(*cfg, flatten=flat, warp_specialize=ws, subtile=sub), tma_store
+
+
+def plan(prob, config, tma_store):
+    """gemm's kernel arguments and grid for ``prob`` under a variant (sets linear.TMA_STORE)."""
+    L.TMA_STORE = tma_store
+    c, gu = prob.new_out()
+    return L._gemm_plan(prob.a, prob.b, c, None, None, gu, prob.kw.get("epilogue", L.PLAIN),
+                        prob.kw.get("accumulate", False), True, None, prob.kw.get("split_k"))[:2]
+
+
+def valid(prob, cfg, knob):
+    """The variant fits shared memory and, for the gated epilogue, has BLOCK_N <= 128 (linear's pruning)."""
+    config, tma_store = variant(cfg, knob)
+    args, _ = plan(prob, config, tma_store)
+    gated_too_wide = prob.kw.get("epilogue") and config.kwargs["BLOCK_N"] > 128
+    return L._config_smem(config, args) <= L.SMEM_LIMIT and not gated_too_wide
+
+
+def _msg(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1][:100] if text else ''}"
+
+
+def precompile(jobs):
+    """Compile (problem, cfg, knob) variants in parallel (triton.AsyncCompileMode, Triton >= 3.4;
+    sequentially without it); returns {(problem name, cfg, knob name): error} for those that failed."""
+    failed, futures = {}, []
+    pool = ThreadPoolExecutor(max(1, os.cpu_count() or 2))
+    mode = getattr(triton, "AsyncCompileMode", None)
+    ctx = None
+    if mode is not None:
+        try:
+            ctx = mode(pool, ignore_errors=True)
+        except TypeError:  # older signature
+            ctx = mode(pool)
+        ctx.__enter__()
+    try:
+        for prob, cfg, knob in jobs:
+            config, tma_store = variant(cfg, knob)
+            args, grid = plan(prob, config, tma_store)
+            try:
+                futures.append(((prob.name, cfg, knob[0]),
+                                L._matmul_kernel.warmup(**args, **config.all_kwargs(), grid=grid)))
+            except Exception as e:  # noqa: BLE001  (a variant that cannot compile is reported, not fatal)
+                failed[(prob.name, cfg, knob[0])] = _msg(e)
+    finally:
+        for key, fut in futures:  # finalize the compiled ones into the kernel cache, record the rest
+            pending = getattr(fut, "future", None)
+            if pending is None:
+                continue
+            error = pending.exception()
+            if error is None:
+                fut.result()
+            else:
+                failed[key] = _msg(error)
+        if ctx is not None:
+            try:
+                ctx.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001  (failures are recorded above)
+                pass
+        pool.shutdown()
+    return failed
+
+
+def time_variants(prob, jobs, failed, reference):
+    """{(cfg, knob name): ms or an error string} for ``jobs`` of ``prob``; outputs checked against
+    ``reference`` (the default variant's outputs, set from the first job when None)."""
+    res = {}
+    for cfg, knob in jobs:
+        key = (prob.name, cfg, knob[0])
+        if key in failed:
+            res[(cfg, knob[0])] = "compile: " + failed[key]
+            continue
+        config, tma_store = variant(cfg, knob)
+        L.TMA_STORE = tma_store
+        try:
+            c, gu = prob.new_out()
+            prob.call(c, gu, config)
+            outs = (c,) if gu is None else (c, gu)
+            if reference is None:
+                reference = outs
+            err = max(rel_err(o, r) for o, r in zip(outs, reference))
+            if err > 2e-2:
+                res[(cfg, knob[0])] = f"BAD err {err:.1e}"
+                continue
+            c, gu = prob.new_out()
+            res[(cfg, knob[0])] = bench(lambda: prob.call(c, gu, config))
+        except Exception as e:  # noqa: BLE001
+            res[(cfg, knob[0])] = "run: " + _msg(e)
+        torch.cuda.synchronize()
+    return res, reference
+
+
+def fmt(v, base):
+    """A cell: cuBLAS ms / ours ms, or ours ms when there is no cuBLAS equivalent (base None)."""
+    if not isinstance(v, float):
+        return "   BAD" if "BAD" in v else "   ERR"
+    return f"{v:6.3f}ms" if base is None else f"{base / v:6.2f}"
+
+
+def section_gemm(state):
+    probs = problems()
+    state["problems"] = probs
+    jobs = [(p, cfg, k) for p in probs for k in KNOBS for cfg in REFERENCE if valid(p, cfg, k)]
+    jobs += [(p, (128, 128, 64, 3, 8), k) for p in probs for k in KNOBS if p.kw.get("epilogue")]
+    t = time.time()
+    failed = precompile(jobs)
+    print(f"stage A: {len(jobs)} variants compiled in {time.time() - t:.0f} s ({len(failed)} failed)", flush=True)
+    table, refs, cublas = {}, {}, {}
+    for p in probs:
+        if left() < 5:
+            print(f"  {p.name}: skipped (time budget)")
+            table[p.name], refs[p.name], cublas[p.name] = {}, None, None
+            continue
+        pj = [(cfg, k) for q, cfg, k in jobs if q is p]
+        default = [(cfg, k) for cfg, k in pj if k[0] == "base"][:1]
+        res, refs[p.name] = time_variants(p, default, failed, None)
+        more, _ = time_variants(p, [j for j in pj if j not in default], failed, refs[p.name])
+        res.update(more)
+        cublas[p.name] = bench(p.cublas) if p.cublas is not None else None
+        table[p.name] = res
+    state.update(stage_a=table, refs=refs, cublas=cublas, failed=failed)
+    for p in probs:  # the default variant against cuBLAS (h for swiglu; accumulate problems skipped)
+        if p.cublas is not None and refs[p.name] is not None and not p.kw.get("accumulate"):
+            err = rel_err(refs[p.name][0], p.cublas())
+            if err > 2e-2:
+                print(f"  BAD: {p.name} default variant vs cuBLAS rel err {err:.1e}")
+    print("\n== gemm stage A: cuBLAS ms / ours ms (best of the reference configs; swiglu: vs cuBLAS + "
+          "Triton swiglu; BAD = output mismatch, ERR = compile/run error)")
+    print(f"{'problem':<28}{'cuBLAS ms':>10}" + "".join(f"{k[0]:>14}" for k in KNOBS) + "   best")
+    best_knob = {}
+    for p in probs:
+        base = cublas[p.name]
+        row, best = [], (float("inf"), None)
+        for k in KNOBS:
+            vals = [v for (cfg, kn), v in table[p.name].items() if kn == k[0]]
+            times = [v for v in vals if isinstance(v, float)]
+            cell = min(times) if times else (vals[0] if vals else "-")
+            row.append(fmt(cell, base) if vals else "     -")
+            if times and min(times) < best[0]:
+                best = (min(times), k)
+        best_knob[p.name] = best[1]
+        ms = f"{cublas[p.name]:10.4f}" if cublas[p.name] else f"{'-':>10}"
+        print(f"{p.name:<28}{ms}" + "".join(f"{c:>14}" for c in row) + f"   {best[1][0] if best[1] else '-'}"
+              + (f" {best[0]:.4f} ms" if best[1] else ""))
+    state["best_knob"] = best_knob
+    errs = {f"{k[0]} {k[1]} {k[2]}": v for k, v in failed.items()}
+    for name, res in table.items():
+        errs.update({f"{name} {cfg} {kn}": v for (cfg, kn), v in res.items() if not isinstance(v, float)})
+    for k, v in list(errs.items())[:8]:
+        print(f"  {k}: {v}")
+    if len(errs) > 8:
+        print(f"  ... {len(errs) - 8} more errors in tune_linear.json")
+    RESULTS["gemm_stage_a"] = {name: {f"{cfg} {kn}": v for (cfg, kn), v in res.items()} for name, res in table.items()}
+    RESULTS["cublas_ms"] = cublas
+    # e2e sections autotune over the two best configs of the knob set best on most linear problems
+    linear_probs = [p.name for p in probs if p.name[0].isdigit()]
+    votes = {}
+    for name in linear_probs:
+        if best_knob[name]:
+            votes[best_knob[name][0]] = votes.get(best_knob[name][0], 0) + 1
+    if votes:
+        kname = max(votes, key=votes.get)
+        knob = next(k for k in KNOBS if k[0] == kname)
+        score = {}
+        for name in linear_probs:
+            for (cfg, kn), v in table[name].items():
+                if kn == kname and isinstance(v, float):
+                    score.setdefault(cfg, []).append(v / min(x for x in table[name].values() if isinstance(x, float)))
+        cfgs = sorted(score, key=lambda c: sum(score[c]) / len(score[c]))[:2]
+        state["e2e"] = (knob, cfgs)
+
+
+def use_e2e_configs(state):
+    """Point linear's autotuner at the e2e configs (stage A's choice, else GPU_CONFIGS, knobs off)."""
+    knob, cfgs = state.get("e2e", (KNOBS[0], [tuple(c) for c in L.GPU_CONFIGS]))
+    configs = [variant(c, knob)[0] for c in cfgs]
+    L.TMA_STORE = knob[4]
+    L._matmul_kernel_tuned.configs = configs
+    L._matmul_kernel_tuned.cache.clear()
+    L._LAUNCH_CONFIGS.clear()
+    print(f"\n(e2e: knobs {knob[0]}, configs {cfgs})")
+
+
+# ------------------------------------------------------------------------------------ sections
+def host_us(fn, n=200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+class _NoCache(dict):
+    def get(self, key, default=None):
+        return None
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def section_host(state):
+    x, w = randn(64, 768).requires_grad_(), randn(768, 768, scale=0.03).requires_grad_()
+    rows = {}
+    for name, impl in [("F.linear", F.linear), ("ours", linear)]:
+        for kind in ("fwd", "fwd+bwd"):
+            rows[f"{name} {kind}"] = host_us(_pass_fn(impl, (x, w), kind))
+    cache = L._LAUNCH_CONFIGS
+    L._LAUNCH_CONFIGS = _NoCache()
+    try:
+        for kind in ("fwd", "fwd+bwd"):
+            rows[f"ours via autotuner {kind}"] = host_us(_pass_fn(linear, (x, w), kind))
+    finally:
+        L._LAUNCH_CONFIGS = cache
+    print("\n== host us per call at 64x768x768 (GPU idle; the bench host is slow)")
+    for k, v in rows.items():
+        print(f"  {k:<32}{v:8.1f}")
+    RESULTS["host_us"] = rows
+
+
+def section_linear(state):
+    print("\n== linear as benchmarked: ms (cuBLAS ms); fwd+bwd GPU kernel time from torch.profiler")
+    out = {}
+    for M, K, N in [(16384, 2048, 768), (16384, 768, 2304)]:
+        x, w = randn(M, K).requires_grad_(), randn(N, K, scale=K ** -0.5).requires_grad_()
+        err = rel_err(linear(x, w), F.linear(x, w))
+        row = {}
+        for kind in ("fwd", "bwd", "fwd+bwd"):
+            row[kind] = (time_ms(_pass_fn(linear, (x, w), kind)), time_ms(_pass_fn(F.linear, (x, w), kind)))
+        busy = sum(kernel_times_us(_pass_fn(linear, (x, w), "fwd+bwd")).values()) / 1e3
+        s = f"{M}x{K}x{N}"
+        print(f"  {s:<18}" + "  ".join(f"{k} {a:.4f} ({b:.4f}) {b / a:.2f}x" for k, (a, b) in row.items())
+              + f"  fwd+bwd - fwd - bwd {row['fwd+bwd'][0] - row['fwd'][0] - row['bwd'][0]:+.4f}"
+              + f"  kernels {busy:.4f} ms  err {err:.1e}")
+        out[s] = {"ms": row, "fwd+bwd_kernels_ms": busy, "err_vs_cublas": err}
+    RESULTS["linear"] = out
+
+
+def section_swiglu(state):
+    x, w13 = randn(16384, 768).requires_grad_(), randn(4096, 768, scale=768 ** -0.5).requires_grad_()
+
+    def unfused(x, w13):
+        return swiglu(F.linear(x, w13))
+
+    err = rel_err(linear_swiglu(x, w13), unfused(x, w13))
+    row = {k: (time_ms(_pass_fn(linear_swiglu, (x, w13), k)), time_ms(_pass_fn(unfused, (x, w13), k)))
+           for k in ("fwd", "bwd", "fwd+bwd")}
+    print("\n== linear_swiglu 16384x768x(2x2048): ms (cuBLAS + Triton swiglu ms), target fwd+bwd >= 1.15x")
+    print("  " + "  ".join(f"{k} {a:.4f} ({b:.4f}) {b / a:.2f}x" for k, (a, b) in row.items()) + f"  err {err:.1e}")
+    RESULTS["swiglu"] = {"ms": row, "err": err}
+
+
+def section_lce(state):
+    T, H, V = 16384, 768, 32000
+    x, w = randn(T, H).requires_grad_(), randn(V, H, scale=H ** -0.5).requires_grad_()
+    t = torch.randint(0, V, (T,), device="cuda")
+    inputs = (x, w, t)
+
+    def eager(x, w, t):
+        return F.cross_entropy(F.linear(x, w).float(), t)
+
+    impls = {}
+    defaults = (LCE.DEFAULT_CHUNK, LCE.DW_FP32, LCE.GRAD_IN_PLACE)
+    sets = dict.fromkeys([defaults, (None, False, True), (2048, False, True), (2048, True, False)])
+    knob_sets = [(f"chunk={c or 'auto'} dW={'fp32' if f else 'W dtype'} {'in-place' if i else 'copy'}", c, f, i)
+                 for c, f, i in sets]
+
+    def ours_with(chunk, fp32, in_place):
+        def run(x, w, t):
+            LCE.DEFAULT_CHUNK, LCE.DW_FP32, LCE.GRAD_IN_PLACE = chunk, fp32, in_place
+            return linear_cross_entropy(x, w, t)
+        return run
+
+    for name, *knobs in knob_sets:
+        impls[name] = ours_with(*knobs)
+    impls["eager"] = eager
+    if liger_available():
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        impls["liger"] = lambda x, w, t: LigerFusedLinearCrossEntropyLoss()(w, x, t)
+    print(f"\n== linear_cross_entropy {T}x{H}x{V} fwd+bwd (auto chunk = {LCE.default_chunk(T, H, V, 2, L.num_sms())}"
+          " (tokens, dx splits)); target >= 1.2x liger at <= liger's peak memory")
+    ref, rows = None, {}
+    for name, impl in impls.items():
+        if left() < 8:
+            print(f"  {name}: skipped (time budget)")
+            continue
+        try:
+            loss = impl(*inputs)
+            grads = [g.clone() for g in torch.autograd.grad(loss, [x, w])]
+            outs = (loss.float(), *grads)
+            ref = ref or outs
+            err = max(rel_err(o, r) for o, r in zip(outs, ref))
+            fn = _pass_fn(impl, inputs, "fwd+bwd")
+            rows[name] = {"ms": time_ms(fn), "peak_gb": peak_memory_gb(fn), "err_vs_first": err}
+            flag = "  BAD" if err > 3e-2 else ""
+            print(f"  {name:<32}{rows[name]['ms']:8.3f} ms  peak {rows[name]['peak_gb']:.4f} GB  err {err:.1e}{flag}")
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name}: {type(e).__name__}: {str(e)[:150]}")
+        torch.cuda.empty_cache()
+    LCE.DEFAULT_CHUNK, LCE.DW_FP32, LCE.GRAD_IN_PLACE = defaults
+    if "liger" in rows:
+        for name in (n for n, *_ in knob_sets if n in rows):
+            print(f"  {name:<32}{rows['liger']['ms'] / rows[name]['ms']:.2f}x liger, memory "
+                  f"{rows[name]['peak_gb'] / rows['liger']['peak_gb']:.2f}x liger's")
+    RESULTS["lce"] = rows
+
+
+def section_configs(state):
+    probs = [p for p in state.get("problems", []) if state["best_knob"].get(p.name)]
+    jobs = [(p, cfg, state["best_knob"][p.name]) for p in probs for cfg in CANDIDATES
+            if valid(p, cfg, state["best_knob"][p.name])]
+    jobs = [(p, cfg, k) for p, cfg, k in jobs if (cfg, k[0]) not in state["stage_a"][p.name]]
+    t = time.time()
+    failed = precompile(jobs)
+    print(f"\n== gemm stage B ({len(jobs)} more variants compiled in {time.time() - t:.0f} s): cuBLAS ms / ours ms "
+          "per config, each problem with its best knob set")
+    print(f"{'problem':<28}{'knobs':<14}" + "".join(f"{'x'.join(map(str, c[:3]))}/{c[3]}/{c[4]:<3}"[:16].rjust(16)
+                                                  for c in CANDIDATES))
+    out = {}
+    for p in probs:
+        if left() < 3:
+            print(f"  {p.name}: skipped (time budget)")
+            continue
+        k = state["best_knob"][p.name]
+        timed, _ = time_variants(p, [(cfg, k) for q, cfg, _ in jobs if q is p], failed, state["refs"][p.name])
+        res = {cfg: v for (cfg, kn), v in {**state["stage_a"][p.name], **timed}.items() if kn == k[0]}
+        base = state["cublas"][p.name]
+        print(f"{p.name:<28}{k[0]:<14}" + "".join(f"{fmt(res[c], base) if c in res else '     -':>16}"
+                                                  for c in CANDIDATES))
+        out[p.name] = {str(c): v for c, v in res.items()}
+    RESULTS["gemm_stage_b"] = out
+
+
+SECTIONS = {"gemm": section_gemm, "host": section_host, "linear": section_linear, "swiglu": section_swiglu,
+            "lce": section_lce, "configs": section_configs}
+
+
+def main(argv):
+    names = argv or list(SECTIONS)
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    state: dict = {}
+    for name in names:
+        if name == "configs" and "stage_a" not in state:
+            print("\n== configs: needs the gemm section first; skipped")
+            continue
+        if left() < 5:
+            print(f"\n== {name}: skipped (time budget, {time.time() - T0:.0f} s used)")
+            continue
+        if name in ("host", "linear", "swiglu", "lce") and not state.get("e2e_set"):
+            use_e2e_configs(state)
+            state["e2e_set"] = True
+        SECTIONS[name](state)
+        sys.stdout.flush()
+    print(f"\ntotal {time.time() - T0:.0f} s")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "tune_linear.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
