@@ -21,6 +21,11 @@ import tritonllm.kernels  # noqa: E402,F401  (sets TRITON_INTERPRET before any k
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+if ON_GPU:
+    # tritonllm's float32 GEMMs use TF32 tensor cores by default (allow_tf32=True); PyTorch's own
+    # float32 result, the yardstick of the tolerance rule, is computed the same way.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def pytest_collection_modifyitems(config, items):

@@ -118,7 +118,9 @@ def test_rope_decode_matches_prefill():
     x = randn(1, 16, 2, 64)
     full = rope(x, cos, sin)
     for p in (0, 7, 15):
-        assert torch.equal(rope(x[:, p:p + 1], cos, sin, position_offset=p), full[:, p:p + 1])
+        # equal up to fp32 rounding: on the GPU the two launch shapes may contract multiply-adds differently
+        torch.testing.assert_close(rope(x[:, p:p + 1], cos, sin, position_offset=p), full[:, p:p + 1],
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_rope_strided_gradient(poisoned_empty):

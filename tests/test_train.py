@@ -13,6 +13,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+from _checks import DEVICE
 
 from tritonllm import checkpoint as ckpt_mod
 from tritonllm.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: void_tiny shrunk for the interpreter, on text files, four steps, checkpoint after step 2
 TINY = ["+model=void_tiny", "model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2",
-        "model.d_ff=128", "model.max_seq_len=64", "data=text", "data.vocab_size=512", "device=cpu",
+        "model.d_ff=128", "model.max_seq_len=64", "data=text", "data.vocab_size=512", f"device={DEVICE}",
         "trainer.batch_size=2", "trainer.seq_len=32", "trainer.max_steps=4", "trainer.eval_interval=2",
         "trainer.eval_batches=1", "trainer.log_interval=1", "trainer.ckpt_interval=2", "trainer.keep_last=5",
         "trainer.progress=false", "optim.lr=2e-2", "sched.warmup_steps=1"]
