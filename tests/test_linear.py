@@ -32,13 +32,6 @@ def torch_tf32(dtype):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every ``torch.empty`` returns NaN-filled memory: an output element never written fails."""
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
-
-
 def check(fn, ref_fn, inputs, names):
     """``fn(*inputs)`` and its gradients vs ``ref_fn`` in float64 and in the inputs' dtype."""
     dtype = inputs[0].dtype

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from _checks import DEVICE, DTYPES, assert_close, dtype_id, poison_, randn
+from _checks import DEVICE, DTYPES, assert_close, dtype_id, randn
 from tritonllm.kernels import rope, rope_cos_sin
 
 # the module, not the function of the same name that tritonllm.kernels exports
@@ -19,14 +19,6 @@ SHAPES = [(1, 1, 1, 2), (2, 5, 3, 64), (1, 17, 4, 128), (1, 123, 2, 32), (3, 7, 
 
 def shape_id(shape):
     return "B{}_T{}_H{}_D{}".format(*shape)
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """``torch.empty``/``empty_like`` return NaN-filled memory: an output element never written fails."""
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
 
 
 def tables(rows, half):
