@@ -304,14 +304,34 @@ def _config_smem(cfg: triton.Config, args: dict) -> int:
     return pipeline + (staging if args.get("TMA_STORE", False) else 0)
 
 
+def _shrink_to_fit(cfg: triton.Config, args: dict) -> triton.Config:
+    """``cfg`` with fewer pipeline stages, then a shorter BLOCK_K, then smaller output tiles, until
+    :func:`_config_smem` fits SMEM_LIMIT (float32 operands with two gated B tiles outgrow every
+    tuned config)."""
+    kw, stages = dict(cfg.kwargs), cfg.num_stages
+    while _config_smem(triton.Config(kw, num_stages=stages), args) > SMEM_LIMIT:
+        if stages > 2:
+            stages -= 1
+        elif kw["BLOCK_K"] > 16:
+            kw["BLOCK_K"] //= 2
+        elif kw["BLOCK_N"] >= kw["BLOCK_M"] and kw["BLOCK_N"] > 16:
+            kw["BLOCK_N"] //= 2
+        elif kw["BLOCK_M"] > 16:
+            kw["BLOCK_M"] //= 2
+        else:
+            break
+    return triton.Config(kw, num_stages=stages, num_warps=cfg.num_warps)
+
+
 def _prune_configs(configs, named_args, **kwargs):
     """Drop configs that overflow shared memory (:func:`_config_smem` over SMEM_LIMIT) or (gated
-    epilogues, two accumulators) whose accumulators would spill registers. Also used by
+    epilogues, two accumulators) whose accumulators would spill registers; when none is left, the
+    smallest one shrunk until it fits (:func:`_shrink_to_fit`). Also used by
     kernels.grouped_linear (no TMA_STORE / STORE_GU arguments there)."""
     args = {**named_args, **kwargs}
     gated = args["EPILOGUE"] != PLAIN
     keep = [c for c in configs if _config_smem(c, args) <= SMEM_LIMIT and not (gated and c.kwargs["BLOCK_N"] > 128)]
-    return keep or [min(configs, key=lambda c: _config_smem(c, args))]
+    return keep or [_shrink_to_fit(min(configs, key=lambda c: _config_smem(c, args)), args)]
 
 
 def _config(bm, bn, bk, stages, warps, flatten=None, warp_specialize=None, subtile=None) -> triton.Config:

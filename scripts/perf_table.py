@@ -22,6 +22,8 @@ def kernel_rows(doc: dict) -> list[str]:
         if "peak_mem_gb" in r:
             mem = ", ".join(f"{k} {v:.3f}" for k, v in r.get("baselines_peak_mem_gb", {}).items())
             rate += f"; peak {r['peak_mem_gb']:.3f} GB (baselines: {mem})"
+        if "share" in r:
+            rate += "; " + ", ".join(f"{g} {v:.0%} of {r['gpu_ms']:.3f} GPU ms" for g, v in r["share"].items())
         best = f"{r['speedup_vs_best']:.2f}" if "speedup_vs_best" in r else "-"
         out.append(f"| {r['op']} | {r['shape']} | {r['pass']} | {r['ms']:.3f} | {rate} | {base} | {best} |")
     return out

@@ -423,7 +423,7 @@ def test_moe_layer_large_bf16(shape):
 @pytest.mark.slow
 def test_train_void_moe_tiny_loss_falls(tmp_path):
     """``python -m tritonllm.train +model=void_moe_tiny`` (shrunk for the interpreter, on text files
-    written here): a few steps lower the loss; the MoE stats reach the model."""
+    written here): a few steps lower the loss; every train record logs the router's losses and load."""
     import json
     import os
 
@@ -446,5 +446,11 @@ def test_train_void_moe_tiny_loss_falls(tmp_path):
         cfg = compose("train", overrides=overrides)
     train(cfg)
     with open(tmp_path / "run" / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+        records = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    losses = [r["loss"] for r in records]
     assert len(losses) == 5 and losses[-1] < losses[0] - 0.3, losses
+    for r in records:
+        # aux = E sum_i f_i P_i >= 1 (equality when balanced), z >= 0, load >= 1 (balanced: 1)
+        assert r["moe_aux"] >= 1 - 1e-4 and r["moe_z"] >= 0 and 1 <= r["moe_max_load"] <= 4, r
+        expected = cfg.model.moe_aux_loss_coef * r["moe_aux"] + cfg.model.moe_z_loss_coef * r["moe_z"]
+        assert abs(r["aux"] - expected) <= 1e-5 * max(1.0, expected), r

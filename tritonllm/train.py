@@ -16,6 +16,10 @@ excluded) and ``MFU = model.flops_per_token(seq_len) * tokens/s / trainer.peak_f
 ``flops_per_token = 6 N_active + 12 n_layers n_heads head_dim seq_len`` and ``peak_flops``
 989e12 (H100/H200 dense bf16) by default.
 
+Each ``kind: train`` record of ``metrics.jsonl`` (and W&B) also holds the loss parts of the step's
+last micro-batch: ``z_loss``, ``aux`` (the MoE auxiliary losses as added to the loss) and, for
+MoE models, ``moe_aux``, ``moe_z`` (unscaled, mean over layers) and ``moe_max_load``.
+
 Checkpoints (``tritonllm.checkpoint``) every ``ckpt_interval`` steps and at the end, the last
 ``keep_last`` kept. ``trainer.resume=auto`` continues from the newest checkpoint in ``ckpt_dir``,
 else (outside multirun) the newest one of the earlier runs of the same name
@@ -241,7 +245,9 @@ def train(cfg) -> float:
                     group["lr"] = lr
                 batches = [train_loader.next_batch() for _ in range(tr.grad_accum)]
                 loss, norm = forward_backward(model, params, batches, tr.grad_clip, device)
-                loss_val, norm_val = torch.stack([loss, norm.float()]).tolist()
+                # one host sync per step: the loss, the norm and the last micro-batch's loss parts
+                parts = {k: v for k, v in model.last_losses.items() if k != "ce"}
+                loss_val, norm_val, *part_vals = torch.stack([loss, norm.float(), *parts.values()]).tolist()
                 if guard.check(step, loss_val, norm_val):
                     optimizer.step()
                 else:
@@ -257,7 +263,7 @@ def train(cfg) -> float:
                 if step % tr.log_interval == 0 or step == tr.max_steps:
                     record = {"kind": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val,
                               "tokens": tokens_seen, "tokens_per_s": tok_s,
-                              "mfu": flops_per_token * tok_s / tr.peak_flops}
+                              "mfu": flops_per_token * tok_s / tr.peak_flops, **dict(zip(parts, part_vals))}
                     if device.type == "cuda":
                         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                     run_log.log(record)

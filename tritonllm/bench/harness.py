@@ -33,7 +33,9 @@ class Case:
     or FLOPs done, for GB/s or TFLOP/s. ``passes`` lists what to time; pass ``step`` calls the
     implementation once per repetition with no autograd (optimizers). ``ours_inputs``, when set,
     maps the inputs to the ones ours is called with, for an op whose natural layout differs from
-    the baselines' (rope rotates q and k as one packed view).
+    the baselines' (rope rotates q and k as one packed view). ``kernel_shares`` names groups of
+    our kernels (a predicate on the kernel name); each row then gets ``gpu_ms`` (all our kernels'
+    GPU time per call, from the profiler) and ``share`` (each group's fraction of it).
     """
 
     op: str
@@ -48,6 +50,7 @@ class Case:
     #: also record the peak memory of ``fwd+bwd`` (``peak_mem_gb``, ``baselines_peak_mem_gb``)
     measure_memory: bool = False
     ours_inputs: Callable[[tuple], tuple] | None = None
+    kernel_shares: dict[str, Callable[[str], bool]] = field(default_factory=dict)
 
 
 def liger_available() -> bool:
@@ -165,8 +168,15 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
         if kind in case.flops:
             row["TFLOP/s"] = round(case.flops[kind] / (ms * 1e-3) / 1e12, 1)
         row["baselines_ms"] = base
-        if profile:
-            row["kernels_us"] = kernel_times_us(fn)
+        if profile or case.kernel_shares:
+            kernels = kernel_times_us(fn)
+            total = sum(kernels.values())
+            if profile:
+                row["kernels_us"] = kernels
+            if case.kernel_shares and total > 0:
+                row["gpu_ms"] = round(total / 1e3, 4)
+                row["share"] = {g: round(sum(us for k, us in kernels.items() if pick(k)) / total, 3)
+                                for g, pick in case.kernel_shares.items()}
         if measure:
             row["peak_mem_gb"] = mem
             row["baselines_peak_mem_gb"] = base_mem

@@ -11,6 +11,10 @@ per-expert shapes: expect graph breaks and recompiles), and ``liger`` (Liger-Ker
 ``LigerFusedMoEFunction`` grouped-GEMM experts behind the same PyTorch routing) when importable.
 FLOPs: forward ``2 T k (3 H F) + 2 T H E`` (expert GEMMs + router), backward 2x forward.
 
+The ``moe`` rows also split our kernels' GPU time (profiler): ``share.routing`` is the fraction
+spent outside the expert GEMMs and their SwiGLU (router linear, ``moe_router``, sort, gather,
+combine and their backward kernels), the share of the layer's work that routing costs.
+
 ``moe_routing``: router linear + ``moe_router`` + ``moe_sort`` + ``moe_gather`` + ``moe_combine``
 with identity experts, i.e. the layer minus its expert GEMMs, to check that routing and
 permutation stay under 10% of the layer's time. Baselines: the same in PyTorch (softmax/topk,
@@ -117,12 +121,18 @@ def _torch_routing_only(k):
     return routing
 
 
+def _is_routing_kernel(name: str) -> bool:
+    """Every kernel of the layer but the expert GEMMs (kernels.grouped_linear) and their SwiGLU."""
+    return "grouped_linear" not in name and "swiglu" not in name
+
+
 def cases(size: str, dtype: torch.dtype):
     elt = torch.finfo(dtype).bits // 8
     for T, E, k, H, F_ in SHAPES.get(size, []):
         fwd = 2.0 * T * k * 3 * H * F_ + 2.0 * T * H * E
         yield Case("moe", _shape(T, E, k, H, F_), dtype, _make_inputs(T, E, H, F_, dtype), ours=_ours(k),
-                   baselines=_moe_baselines(k), flops={"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd})
+                   baselines=_moe_baselines(k), flops={"fwd": fwd, "bwd": 2 * fwd, "fwd+bwd": 3 * fwd},
+                   kernel_shares={"routing": _is_routing_kernel})
         yield Case("moe_routing", _shape(T, E, k, H, F_), dtype, _make_inputs(T, E, H, F_, dtype, experts=False),
                    ours=_ours_routing(k),
                    baselines={"torch": _torch_routing_only(k), "torch.compile": compiled(_torch_routing_only(k))},

@@ -191,7 +191,10 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
         """``idx [B, T]`` int64 -> logits ``[B, T, V]``, or with ``targets [B, T]`` the scalar training
         loss: mean cross-entropy (fused with the LM head, logits never stored) + z-loss + the MLPs'
-        ``aux_loss``. Sets ``self.last_losses = {"ce", "z_loss", "aux"}`` (detached 0-d tensors)."""
+        ``aux_loss``. Sets ``self.last_losses`` (detached 0-d tensors, no host synchronisation):
+        ``ce``, ``z_loss``, ``aux`` (the MLPs' scaled auxiliary losses summed) and, for MoE models,
+        ``moe_aux`` and ``moe_z`` (the unscaled router losses averaged over the layers) and
+        ``moe_max_load`` (the busiest expert's load over a balanced one's, worst layer)."""
         h = self.hidden(idx, cache)
         if targets is None:
             return linear(h, self.head_weight)
@@ -201,11 +204,18 @@ class Transformer(nn.Module):
         # the MLPs' auxiliary losses summed into the training loss.
         ce = loss.detach() - z_loss if self.cfg.z_loss_coef else loss.detach()
         aux = torch.zeros((), device=loss.device)
+        stats = []
         for m in self.modules():
             if getattr(m, "aux_loss", None) is not None:
                 loss = loss + m.aux_loss
                 aux = aux + m.aux_loss.detach()
+            if getattr(m, "stats", None):
+                stats.append(m.stats)
         self.last_losses = {"ce": ce, "z_loss": z_loss.detach(), "aux": aux}
+        if stats:
+            per_layer = {k: torch.stack([s[k].float() for s in stats]) for k in stats[0]}
+            self.last_losses.update(moe_aux=per_layer["moe_aux"].mean(), moe_z=per_layer["moe_z"].mean(),
+                                    moe_max_load=per_layer["moe_max_load"].max())
         return loss
 
     def num_params(self, exclude_embedding: bool = False) -> int:
