@@ -8,19 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, non_contiguous, poison_, randn
+from _checks import DEVICE, DTYPES, ON_GPU, TF32_ATOL, assert_close, dtype_id, non_contiguous, poison_, randn
 from tritonllm.kernels import linear, linear_swiglu
 
 linear_module = importlib.import_module("tritonllm.kernels.linear")
 
-#: fp32 on the GPU runs TF32 dots: the tensor cores drop the 13 low mantissa bits of both
-#: operands (truncation, up to 2^-10 relative each), so a product term is off by up to 2^-9 of
-#: |x||w|; with K = 1 nothing averages out (cuBLAS keeps such tiny products in fp32)
-FP32_GPU_ATOL = 2.0 ** -9
-
-
 def atol_for(dtype):
-    return FP32_GPU_ATOL if (ON_GPU and dtype == torch.float32) else None
+    return TF32_ATOL if (ON_GPU and dtype == torch.float32) else None
 
 
 @contextlib.contextmanager
@@ -266,9 +260,12 @@ def test_configs_fit_shared_memory(epilogue, dtype):
     """Every config the autotuner may launch fits SMEM_LIMIT, float32 with two gated B tiles and a
     TMA-store staging tile included (there every tuned config overflows and one is shrunk)."""
     a = torch.empty(8, 8, dtype=dtype)
-    args = {"a_ptr": a, "c_ptr": a, "EPILOGUE": epilogue, "TMA_STORE": True}
     configs = [linear_module._config(*cfg) for cfg in linear_module.GPU_CONFIGS]
-    kept = linear_module._prune_configs(configs, args)
-    assert kept and all(linear_module._config_smem(c, args) <= linear_module.SMEM_LIMIT for c in kept)
-    if dtype == torch.bfloat16:
-        assert len(kept) > 1
+    for tma_store, residual, accumulate in ((True, False, False), (False, False, False), (True, True, False),
+                                            (True, False, True)):
+        args = {"a_ptr": a, "c_ptr": a, "EPILOGUE": epilogue, "TMA_STORE": tma_store, "HAS_RESIDUAL": residual,
+                "ACCUMULATE": accumulate}
+        kept = linear_module._prune_configs(configs, args)
+        assert kept and all(linear_module._config_smem(c, args) <= linear_module.SMEM_LIMIT for c in kept), args
+        if dtype == torch.bfloat16:
+            assert len(kept) > 1, args

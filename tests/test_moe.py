@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, non_contiguous, randn
+from _checks import DEVICE, DTYPES, ON_GPU, TF32_ATOL, assert_close, dtype_id, non_contiguous, randn
 from tritonllm.kernels import (grouped_linear, grouped_linear_swiglu, moe, moe_combine, moe_gather, moe_router,
                                moe_sort)
 
 
 def gemm_atol(dtype):
-    """tl.dot runs fp32 inputs in TF32 on the GPU (DESIGN.md section 5: about 3e-4 relative)."""
-    return 1e-3 if ON_GPU and dtype == torch.float32 else None
+    """tl.dot runs fp32 inputs in TF32 on the GPU (see _checks.TF32_ATOL)."""
+    return TF32_ATOL if ON_GPU and dtype == torch.float32 else None
 
 
 def offsets_of(counts):
