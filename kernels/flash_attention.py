@@ -14,8 +14,9 @@ Forward, per batch, query head h, query row i, with ``s = softmax_scale`` (defau
     o_i    = sum_j exp(x_ij - lse_i) v_j       (0 for a row that sees no key)
 
 computed FlashAttention-2 style: one program per (query block, batch x query head) streams the
-key/value tiles with an online softmax in base 2 (the resident q tile is pre-multiplied by
-``s * log2(e)`` once, so scores come out of the dot in base 2), fp32 accumulators. Key tiles wholly
+key/value tiles with an online softmax in base 2 (scores scaled by ``s * log2(e)`` inside the
+exponent's FMA, ``exp2(x * s log2(e) - m)``, so the resident q tile stays an unscaled
+shared-memory operand of the tensor-core product), fp32 accumulators. Key tiles wholly
 outside a query block's causal/window range are skipped (the loop bounds are computed per query
 block), tiles wholly inside are processed without masks: either in three loops (masked head,
 mask-free middle, masked tail) or in one loop whose edge tiles take a masking branch (``ONE_LOOP``).
@@ -150,11 +151,11 @@ def _segments(first, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, lo, hi, full_lo, full_hi,
-               offs_n, offs_d, d_ok,
+def _fwd_inner(acc, l_i, m_i, q, qk_scale, first, end, K_src, V_src, stride_ks, stride_vs, lo, hi, full_lo,
+               full_hi, offs_n, offs_d, d_ok,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax (base 2, q pre-scaled) over key tiles lo, lo + BLOCK_N, ... < hi. MASK: 0 none,
-    1 every tile, 2 the tiles outside [full_lo, full_hi) (a branch in the loop); masks apply
+    """Online softmax (base 2: scores times qk_scale = s log2(e)) over key tiles lo, lo + BLOCK_N,
+    ... < hi. MASK: 0 none, 1 every tile, 2 the tiles outside [full_lo, full_hi) (a branch in the loop); masks apply
     [first, end). K_src, V_src: tensor descriptors (USE_TMA, rows past S read as 0) or base pointers."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -172,8 +173,8 @@ def _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs,
         elif MASK == 2:
             if (start_n < full_lo) | (start_n >= full_hi):
                 qk = tl.where((cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None]), qk, _NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if USE_TMA:
@@ -186,10 +187,10 @@ def _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs,
 
 
 @triton.jit
-def _attend(q, first, end, K_src, V_src, stride_ks, stride_vs, offs_n, offs_d, d_ok,
+def _attend(q, qk_scale, first, end, K_src, V_src, stride_ks, stride_vs, offs_n, offs_d, d_ok,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             ONE_LOOP: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``(o, lse)`` of BLOCK_M query rows (q pre-scaled by ``s * log2(e)``) over their key intervals
+    """``(o, lse)`` of BLOCK_M query rows (``qk_scale = s * log2(e)``) over their key intervals
     [first, end): masked edge tiles, mask-free middle; a row with no key gives o = 0, lse = -inf
     (natural log)."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -198,16 +199,19 @@ def _attend(q, first, end, K_src, V_src, stride_ks, stride_vs, offs_n, offs_d, d
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_N)
     if ONE_LOOP:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, lo, hi,
-                                   full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 2, USE_TMA, DOT_PRECISION)
-    else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, lo, full_lo,
-                                   full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA, DOT_PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, full_lo,
-                                   full_hi, full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 0, USE_TMA,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qk_scale, first, end, K_src, V_src, stride_ks, stride_vs,
+                                   lo, hi, full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 2, USE_TMA,
                                    DOT_PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, end, K_src, V_src, stride_ks, stride_vs, full_hi, hi,
-                                   full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA, DOT_PRECISION)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qk_scale, first, end, K_src, V_src, stride_ks, stride_vs,
+                                   lo, full_lo, full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA,
+                                   DOT_PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qk_scale, first, end, K_src, V_src, stride_ks, stride_vs,
+                                   full_lo, full_hi, full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 0, USE_TMA,
+                                   DOT_PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qk_scale, first, end, K_src, V_src, stride_ks, stride_vs,
+                                   full_hi, hi, full_lo, full_hi, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA,
+                                   DOT_PRECISION)
     return _normalize(acc, l_i, m_i)
 
 
@@ -252,7 +256,6 @@ def _flash_attention_fwd_kernel(
 
     q_rows = offs_m.to(tl.int64)[:, None]
     q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
-    q = (q * qk_scale).to(Q.dtype.element_ty)  # scores in base 2 straight from the dot
     K_src = K + b * stride_kb + hk * stride_kh
     V_src = V + b * stride_vb + hk * stride_vh
     if USE_TMA:
@@ -262,7 +265,7 @@ def _flash_attention_fwd_kernel(
                                           block_shape=[BLOCK_N, BLOCK_D])
     # rows past T take the intervals of row T - 1: they are never stored and must not widen the loop
     first, end = _keys_seen(tl.minimum(offs_m, T - 1), S, shift, window, CAUSAL, HAS_WINDOW)
-    out, lse = _attend(q, first, end, K_src, V_src, stride_ks, stride_vs, offs_n, offs_d, d_ok,
+    out, lse = _attend(q, qk_scale, first, end, K_src, V_src, stride_ks, stride_vs, offs_n, offs_d, d_ok,
                        BLOCK_M, BLOCK_N, BLOCK_D, ONE_LOOP, USE_TMA, DOT_PRECISION)
     o_rows = ((b * T + offs_m) * HQ + h)[:, None]
     tl.store(O + o_rows * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty), mask=io_mask)
@@ -301,10 +304,9 @@ def _flash_attention_split_fwd_kernel(
 
     q_rows = (h * stride_qh + t.to(tl.int64) * stride_qt)[:, None]
     q = tl.load(Q + b * stride_qb + q_rows + offs_d[None, :], mask=io_mask, other=0.0)
-    q = (q * qk_scale).to(Q.dtype.element_ty)
     n_lo = key_lo + pid_s * split_size
     first, end = _keys_seen(t, tl.minimum(n_lo + split_size, S), shift, window, CAUSAL, HAS_WINDOW)
-    out, lse = _attend(q, tl.maximum(first, n_lo), end, K + b * stride_kb + hk * stride_kh,
+    out, lse = _attend(q, qk_scale, tl.maximum(first, n_lo), end, K + b * stride_kb + hk * stride_kh,
                        V + b * stride_vb + hk * stride_vh, stride_ks, stride_vs, offs_n, offs_d, d_ok,
                        BLOCK_M, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION)
     part_rows = pid_s.to(tl.int64) * n_rows + (b * HQ + h) * T + t
