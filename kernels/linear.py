@@ -286,7 +286,7 @@ def _sum_splits_kernel(
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(S):
-        acc += tl.load(p_ptr + s * M.to(tl.int64) * N + offs, mask=mask, other=0.0)
+        acc += tl.load(p_ptr + (s * M).to(tl.int64) * N + offs, mask=mask, other=0.0)
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn,
              acc.to(c_ptr.dtype.element_ty), mask=mask)
 

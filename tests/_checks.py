@@ -17,6 +17,12 @@ from conftest import DEVICE, DTYPES, ON_GPU  # noqa: F401  (re-exported for test
 #: (and cuBLAS keeps such tiny products in fp32, so PyTorch's own error is no yardstick)
 TF32_ATOL = 2.0 ** -9
 
+
+def gemm_atol(dtype: torch.dtype, chain: int = 1) -> float | None:
+    """The ``atol`` for results of matrix products: TF32_ATOL for float32 on the GPU, times
+    ``chain`` for products of two GEMM outputs (SwiGLU: 2); None (the dtype's ATOL) otherwise."""
+    return chain * TF32_ATOL if (ON_GPU and dtype == torch.float32) else None
+
 #: absolute slack per dtype, relative to max(1, max|ref|)
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
 

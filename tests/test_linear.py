@@ -8,14 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _checks import DEVICE, DTYPES, ON_GPU, TF32_ATOL, assert_close, dtype_id, non_contiguous, poison_, randn
+from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, gemm_atol, non_contiguous, poison_, randn
 from tritonllm.kernels import linear, linear_swiglu
 
 linear_module = importlib.import_module("tritonllm.kernels.linear")
-
-def atol_for(dtype):
-    return TF32_ATOL if (ON_GPU and dtype == torch.float32) else None
-
 
 @contextlib.contextmanager
 def torch_tf32(dtype):
@@ -28,8 +24,9 @@ def torch_tf32(dtype):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def check(fn, ref_fn, inputs, names):
-    """``fn(*inputs)`` and its gradients vs ``ref_fn`` in float64 and in the inputs' dtype."""
+def check(fn, ref_fn, inputs, names, chain=1):
+    """``fn(*inputs)`` and its gradients vs ``ref_fn`` in float64 and in the inputs' dtype
+    (``chain``: see _checks.gemm_atol)."""
     dtype = inputs[0].dtype
     y = fn(*inputs)
     dy = randn(*y.shape, dtype=y.dtype)
@@ -43,11 +40,11 @@ def check(fn, ref_fn, inputs, names):
         ref_same = torch.autograd.grad(y_same, [t for t in ins_same if t is not None and t.requires_grad], dy)
     ref64 = torch.autograd.grad(y64, [t for t in ins64 if t is not None and t.requires_grad], dy.double())
     assert y.dtype == dtype
-    assert_close("y", y, y64, y_same, atol=atol_for(dtype))
+    assert_close("y", y, y64, y_same, atol=gemm_atol(dtype, chain))
     grad_names = [n for n, t in zip(names, inputs) if t is not None and t.requires_grad]
     for name, t, g, g64, gs in zip(grad_names, wrt, got, ref64, ref_same):
         assert g.shape == t.shape and g.dtype == t.dtype, name
-        assert_close("d" + name, g, g64, gs, atol=atol_for(dtype))
+        assert_close("d" + name, g, g64, gs, atol=gemm_atol(dtype, chain))
 
 
 def ref_linear(x, w, b=None, r=None):
@@ -119,14 +116,14 @@ def test_linear_swiglu(case, dtype, poisoned_empty):
     lead, K, F_ = case
     x = randn(*lead, K, dtype=dtype, requires_grad=True)
     w13 = randn(2 * F_, K, dtype=dtype, scale=K ** -0.5, requires_grad=True)
-    check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"])
+    check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"], chain=2)
 
 
 def test_linear_swiglu_transposed_weight():
     """w13 a .T view of a [K, 2F] tensor: the gate and up tiles are read through strides."""
     x = non_contiguous(randn(33, 17, requires_grad=True))
     w13 = randn(17, 40, requires_grad=True).detach().t().requires_grad_()
-    check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"])
+    check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"], chain=2)
 
 
 # operand layouts for the GEMM paths: (name, A [M, K] maker, B [K, N] maker)
@@ -250,8 +247,8 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
     ptr = linear_module.gemm(a, b, torch.empty(1000, 2056, dtype=dtype, device=DEVICE), use_tma=False)
     with torch_tf32(dtype):
         same = a @ b
-    assert_close("tma", tma, ref, same, atol=atol_for(dtype))
-    assert_close("pointer", ptr, ref, same, atol=atol_for(dtype))
+    assert_close("tma", tma, ref, same, atol=gemm_atol(dtype))
+    assert_close("pointer", ptr, ref, same, atol=gemm_atol(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)

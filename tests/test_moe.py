@@ -10,14 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _checks import DEVICE, DTYPES, ON_GPU, TF32_ATOL, assert_close, dtype_id, non_contiguous, randn
+from _checks import DEVICE, DTYPES, assert_close, dtype_id, gemm_atol, non_contiguous, randn
 from tritonllm.kernels import (grouped_linear, grouped_linear_swiglu, moe, moe_combine, moe_gather, moe_router,
                                moe_sort)
-
-
-def gemm_atol(dtype):
-    """tl.dot runs fp32 inputs in TF32 on the GPU (see _checks.TF32_ATOL)."""
-    return TF32_ATOL if ON_GPU and dtype == torch.float32 else None
 
 
 def offsets_of(counts):
@@ -438,7 +433,7 @@ def test_train_void_moe_tiny_loss_falls(tmp_path):
     overrides = ["+model=void_moe_tiny", "model.d_model=64", "model.n_layers=1", "model.n_heads=2",
                  "model.n_kv_heads=2", "model.d_expert=32", "model.n_experts=4", "model.max_seq_len=32", "data=text",
                  "data.vocab_size=512", f"data.files={tmp_path}/*.txt", f"data.cache_dir={tmp_path}/cache",
-                 "device=cpu", "trainer.batch_size=4", "trainer.seq_len=16", "trainer.max_steps=5",
+                 f"device={DEVICE}", "trainer.batch_size=4", "trainer.seq_len=16", "trainer.max_steps=5",
                  "trainer.eval_interval=5", "trainer.eval_batches=1", "trainer.log_interval=1",
                  "trainer.ckpt_interval=0", "trainer.progress=false", "trainer.sample_tokens=0", "optim.lr=1e-2",
                  "sched.warmup_steps=1", f"out_dir={tmp_path}/run"]
