@@ -52,6 +52,12 @@ def _tile(R, C, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _ptrs(base, stride, row0, col0, rm, rc):
+    """Pointers of the tile at (row0, col0) of a row-major operand with row stride ``stride``."""
+    return base + (row0 * stride + col0) + (rm[:, None] * stride + rc[None, :])
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     G,          # [R, C] gate, last dim contiguous
     U,          # [R, C] up, last dim contiguous
@@ -64,11 +70,10 @@ def _swiglu_fwd_kernel(
     BLOCK_C: tl.constexpr,    # columns per program (power of two)
 ):
     row0, col0, rm, rc, mask = _tile(R, C, BLOCK_M, BLOCK_C)
-    g = tl.load(G + (row0 * stride_g + col0) + (rm[:, None] * stride_g + rc[None, :]), mask=mask).to(tl.float32)
-    u = tl.load(U + (row0 * stride_u + col0) + (rm[:, None] * stride_u + rc[None, :]), mask=mask).to(tl.float32)
+    g = tl.load(_ptrs(G, stride_g, row0, col0, rm, rc), mask=mask).to(tl.float32)
+    u = tl.load(_ptrs(U, stride_u, row0, col0, rm, rc), mask=mask).to(tl.float32)
     y = g * tl.sigmoid(g) * u
-    tl.store(Y + (row0 * stride_y + col0) + (rm[:, None] * stride_y + rc[None, :]), y.to(Y.dtype.element_ty),
-             mask=mask)
+    tl.store(_ptrs(Y, stride_y, row0, col0, rm, rc), y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -88,17 +93,14 @@ def _swiglu_bwd_kernel(
     BLOCK_C: tl.constexpr,    # columns per program (power of two)
 ):
     row0, col0, rm, rc, mask = _tile(R, C, BLOCK_M, BLOCK_C)
-    g = tl.load(G + (row0 * stride_g + col0) + (rm[:, None] * stride_g + rc[None, :]), mask=mask).to(tl.float32)
-    u = tl.load(U + (row0 * stride_u + col0) + (rm[:, None] * stride_u + rc[None, :]), mask=mask).to(tl.float32)
-    dy = tl.load(DY + (row0 * stride_dy + col0) + (rm[:, None] * stride_dy + rc[None, :]),
-                 mask=mask).to(tl.float32)
+    g = tl.load(_ptrs(G, stride_g, row0, col0, rm, rc), mask=mask).to(tl.float32)
+    u = tl.load(_ptrs(U, stride_u, row0, col0, rm, rc), mask=mask).to(tl.float32)
+    dy = tl.load(_ptrs(DY, stride_dy, row0, col0, rm, rc), mask=mask).to(tl.float32)
     s = tl.sigmoid(g)
     dg = dy * u * s * (1.0 + g * (1.0 - s))
     du = dy * g * s
-    tl.store(DG + (row0 * stride_dg + col0) + (rm[:, None] * stride_dg + rc[None, :]), dg.to(DG.dtype.element_ty),
-             mask=mask)
-    tl.store(DU + (row0 * stride_du + col0) + (rm[:, None] * stride_du + rc[None, :]), du.to(DU.dtype.element_ty),
-             mask=mask)
+    tl.store(_ptrs(DG, stride_dg, row0, col0, rm, rc), dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(_ptrs(DU, stride_du, row0, col0, rm, rc), du.to(DU.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=256)
