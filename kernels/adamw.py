@@ -11,6 +11,14 @@ in fp32, with ``m``, ``v`` fp32. ``w`` is the parameter, or for a bf16/fp16 para
 copy the fp32 master, rounded to the parameter's dtype (round to nearest even) and stored into the
 parameter by the same kernel.
 
+Everything that changes from step to step can live on the device, so that a CUDA graph can replay
+the step: each parameter's step count ``s`` is a 0-d fp32 device tensor (as in
+``torch.optim.AdamW(capturable=True)``), read by the kernel and incremented after the update by a
+second small kernel; the learning rate is a Python float or a 0-d fp32 device tensor; an optional
+int32 flag ``found_inf`` (non-zero: skip) leaves weights, moments and step counts untouched. The
+bias corrections ``1 - b^s = 1 - 2^(s log2 b)`` are computed per program in fp64 (``log2 b`` passed
+as an fp32 pair hi + lo, so it is exact to fp64 rounding), then rounded to fp32.
+
 Gradient clipping: ``norm = sqrt(sum_i sum g_i^2)`` over every gradient, then every gradient is
 scaled in place by ``min(1, max_norm / (norm + eps))`` (as ``torch.nn.utils.clip_grad_norm_``).
 The scale stays on the device: no host synchronisation.
@@ -29,6 +37,8 @@ Sums of squares are per-chunk partials reduced by one program in a fixed order: 
 
 from __future__ import annotations
 
+import math
+import struct
 from collections import OrderedDict
 
 import torch
@@ -98,36 +108,66 @@ def _adamw_update(p_base, g_base, m_base, v_base, w_base, offs, mask, decay, bet
 
 @triton.jit
 def _adamw_kernel(
-    table_ptr,      # int64 [T, 7]: addresses of param, grad, exp_avg, exp_avg_sq, master (or param), numel, first chunk
+    table_ptr,      # int64 [T, 8]: addresses of param, grad, exp_avg, exp_avg_sq, master (or param), step; numel, first chunk
     map_ptr,        # int32 [chunks]: table row of each chunk
-    decay,          # 1 - lr * weight_decay
+    lr_ptr,         # 0-d fp32 learning rate (read when LR_ON_DEVICE)
+    skip_ptr,       # 0-d int32: non-zero skips the update (read when HAS_SKIP)
+    lr,             # the learning rate when not LR_ON_DEVICE
+    weight_decay,
     beta1c,         # 1 - beta1
     beta2,
     beta2c,         # 1 - beta2
-    step_size,      # lr / (1 - beta1^step)
-    bc2_sqrt,       # sqrt(1 - beta2^step)
+    log2_b1_hi, log2_b1_lo,  # log2(beta1) = hi + lo (fp32 pair, fp64 exact)
+    log2_b2_hi, log2_b2_lo,  # log2(beta2) = hi + lo
     eps,
     P_DTYPE: tl.constexpr,      # parameter dtype
     G_DTYPE: tl.constexpr,      # gradient dtype
     HAS_MASTER: tl.constexpr,   # column 4 is an fp32 master copy
+    LR_ON_DEVICE: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
     ALIGNED: tl.constexpr,      # every address is 16-byte aligned
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row, start, n = _chunk(table_ptr, map_ptr, 7, CHUNK)
-    p_base = _base(row, 0, start, P_DTYPE)
-    g_base = _base(row, 1, start, G_DTYPE)
-    m_base = _base(row, 2, start, tl.float32)
-    v_base = _base(row, 3, start, tl.float32)
-    w_base = _base(row, 4, start, tl.float32) if HAS_MASTER else p_base
-    for off in range(0, n, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        if off + BLOCK <= n:  # full step: no mask, so loads and stores can be vectorized
-            _adamw_update(p_base, g_base, m_base, v_base, w_base, offs, None, decay, beta1c, beta2, beta2c,
-                          step_size, bc2_sqrt, eps, P_DTYPE, HAS_MASTER, ALIGNED)
-        else:
-            _adamw_update(p_base, g_base, m_base, v_base, w_base, offs, offs < n, decay, beta1c, beta2, beta2c,
-                          step_size, bc2_sqrt, eps, P_DTYPE, HAS_MASTER, ALIGNED)
+    skip = tl.load(skip_ptr) != 0 if HAS_SKIP else False
+    if not skip:
+        row, start, n = _chunk(table_ptr, map_ptr, 8, CHUNK)
+        if LR_ON_DEVICE:
+            lr = tl.load(lr_ptr)
+        # this update's step number and the bias corrections, in fp64
+        s = tl.load(_base(row, 5, 0, tl.float32)).to(tl.float64) + 1.0
+        bc1 = 1.0 - tl.exp2(s * (tl.cast(log2_b1_hi, tl.float64) + tl.cast(log2_b1_lo, tl.float64)))
+        bc2 = 1.0 - tl.exp2(s * (tl.cast(log2_b2_hi, tl.float64) + tl.cast(log2_b2_lo, tl.float64)))
+        lr64 = tl.cast(lr, tl.float64)
+        decay = (1.0 - lr64 * tl.cast(weight_decay, tl.float64)).to(tl.float32)
+        step_size = (lr64 / bc1).to(tl.float32)
+        bc2_sqrt = tl.sqrt_rn(bc2.to(tl.float32))
+        p_base = _base(row, 0, start, P_DTYPE)
+        g_base = _base(row, 1, start, G_DTYPE)
+        m_base = _base(row, 2, start, tl.float32)
+        v_base = _base(row, 3, start, tl.float32)
+        w_base = _base(row, 4, start, tl.float32) if HAS_MASTER else p_base
+        for off in range(0, n, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            if off + BLOCK <= n:  # full step: no mask, so loads and stores can be vectorized
+                _adamw_update(p_base, g_base, m_base, v_base, w_base, offs, None, decay, beta1c, beta2, beta2c,
+                              step_size, bc2_sqrt, eps, P_DTYPE, HAS_MASTER, ALIGNED)
+            else:
+                _adamw_update(p_base, g_base, m_base, v_base, w_base, offs, offs < n, decay, beta1c, beta2, beta2c,
+                              step_size, bc2_sqrt, eps, P_DTYPE, HAS_MASTER, ALIGNED)
+
+
+@triton.jit
+def _adamw_count_kernel(
+    table_ptr,      # int64 [T, 8] as for _adamw_kernel (column 5: the step count's address)
+    skip_ptr,       # 0-d int32: non-zero leaves the counts (read when HAS_SKIP)
+    HAS_SKIP: tl.constexpr,
+):
+    """Step count of the tensor of row ``pid`` += 1 (after its update; one program per tensor)."""
+    skip = tl.load(skip_ptr) != 0 if HAS_SKIP else False
+    if not skip:
+        ptr = tl.load(table_ptr + tl.program_id(0).to(tl.int64) * 8 + 5).to(tl.pointer_type(tl.float32))
+        tl.store(ptr, tl.load(ptr) + 1.0)
 
 
 @triton.jit
@@ -159,8 +199,11 @@ def _clip_coef_kernel(
     n,
     norm_ptr,       # out: 0-d fp32 global L2 norm
     coef_ptr,       # out: 0-d fp32 min(1, max_norm / (norm + eps))
+    check_ptr,      # 0-d fp32 value that must be finite too, e.g. the loss (read when HAS_FLAG)
+    flag_ptr,       # out: 0-d int32, 1 if the norm or the checked value is not finite, else 0 (when HAS_FLAG)
     max_norm,
     eps,
+    HAS_FLAG: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     acc = tl.zeros([BLOCK], tl.float32)
@@ -170,6 +213,9 @@ def _clip_coef_kernel(
     norm = tl.sqrt_rn(tl.sum(acc, axis=0))
     tl.store(norm_ptr, norm)
     tl.store(coef_ptr, tl.minimum(tl.div_rn(max_norm, norm + eps), 1.0, propagate_nan=tl.PropagateNan.ALL))
+    if HAS_FLAG:
+        total = norm + tl.load(check_ptr)  # finite only if both are (inf + -inf and NaN give NaN)
+        tl.store(flag_ptr, (total - total != 0.0).to(tl.int32))
 
 
 @triton.jit
@@ -197,17 +243,43 @@ def _scale_kernel(
 
 
 _TABLES: OrderedDict = OrderedDict()
+#: tables built while a CUDA graph was being captured: the graph reads them at every replay, so
+#: they are never evicted (a few kB per captured parameter set)
+_KEPT: dict = {}
+_SIDE_STREAMS: dict = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _cached(key, build):
-    hit = _TABLES.get(key)
+    hit = _TABLES.get(key) or _KEPT.get(key)
     if hit is None:
-        hit = _TABLES[key] = build()
-        if len(_TABLES) > _CACHE_SIZE:
-            _TABLES.popitem(last=False)
-    else:
+        if _capturing(key[1]):
+            hit = _KEPT[key] = build()
+        else:
+            hit = _TABLES[key] = build()
+            if len(_TABLES) > _CACHE_SIZE:
+                _TABLES.popitem(last=False)
+    elif key in _TABLES:
         _TABLES.move_to_end(key)
     return hit
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied to ``device``. During a CUDA graph capture (which must use
+    ``capture_error_mode="relaxed"``) the copy runs on a side stream outside the graph and is
+    waited for, so the table is in device memory before the graph's first replay reads it."""
+    if not _capturing(device):
+        return host.to(device, non_blocking=True)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        out = host.to(device)
+    side.synchronize()
+    return out
 
 
 def _sizes() -> dict:
@@ -235,11 +307,22 @@ def _check_rows(names: tuple[str, ...], dtypes: tuple[tuple, ...], lists: tuple[
                 raise ValueError(f"{name}[{i}] must be contiguous")
 
 
-def _launches(names, dtypes, lists, chunk):
+def _check_scalars(name: str, tensors: list, idx: list[int], device: torch.device) -> None:
+    for i in idx:
+        t = tensors[i]
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1 or t.device != device:
+            raise TypeError(f"{name}[{i}] must be a one-element fp32 tensor on {device}, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+                            f"{' on ' + str(t.device) if isinstance(t, torch.Tensor) else ''}")
+
+
+def _launches(names, dtypes, lists, chunk, scalars=None):
     """Split the tensors into buckets and give each its device tables.
 
-    ``lists[c][i]`` is column ``c`` of tensor ``i`` (``lists[0]``: the tensors whose numel counts).
-    Buckets share the dtypes of every column and 16-byte alignment of every address. Yields
+    ``lists[c][i]`` is column ``c`` of tensor ``i`` (``lists[0]``: the tensors whose numel counts);
+    ``scalars``, when given, a list of one 0-d fp32 tensor per row whose address is a last address
+    column (the step counts; not part of the alignment). Buckets share the dtypes of every column
+    and 16-byte alignment of every address. Yields
     ``(column dtypes, aligned, table, chunk map, chunks)``: row ``i`` of the int64 table holds the
     addresses of tensor ``i``'s columns, its numel and its first chunk. Tables are cached by the
     addresses and sizes they encode (so a cached table is valid for as long as it is kept); the
@@ -249,6 +332,8 @@ def _launches(names, dtypes, lists, chunk):
     for i, row in enumerate(zip(*lists)):
         addrs = tuple(t.data_ptr() for t in row)
         key = tuple(t.dtype for t in row) + (not any(a % 16 for a in addrs),)
+        if scalars is not None:
+            addrs += (scalars[i].data_ptr(),)
         bucket = buckets.get(key)
         if bucket is None:
             bucket = buckets[key] = ([], [], [])
@@ -263,44 +348,72 @@ def _launches(names, dtypes, lists, chunk):
             counts = torch.tensor([triton.cdiv(n, chunk) for n in numels], dtype=torch.int64)
             first = (torch.cumsum(counts, 0) - counts).tolist()
             chunk_map = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-            return first, chunk_map.to(device, non_blocking=True), int(counts.sum())
+            return first, _upload(chunk_map, device), int(counts.sum())
 
         def build_table(idx=idx, addrs=addrs, numels=numels, device=device):
             _check_rows(names, dtypes, lists, idx)
+            if scalars is not None:
+                _check_scalars("steps", scalars, idx, device)
             first, chunk_map, n_chunks = _cached(("map", device, chunk, numels), build_map)
             rows = [list(a) + [n, f] for a, n, f in zip(addrs, numels, first)]
-            return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True), chunk_map, n_chunks
+            return _upload(torch.tensor(rows, dtype=torch.int64), device), chunk_map, n_chunks
 
         table, chunk_map, n_chunks = _cached(("table", device, chunk, numels, tuple(addrs)), build_table)
         if n_chunks:
             yield key[:-1], key[-1], table, chunk_map, n_chunks
 
 
-def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, lr: float, betas=(0.9, 0.999),
-                eps: float = 1e-8, weight_decay: float = 0.0, step: int) -> None:
+def _log2_pair(beta: float) -> tuple[float, float]:
+    """``log2(beta)`` as fp32 ``hi + lo`` (``beta`` 0: -inf, so ``beta^s`` is 0)."""
+    if beta == 0.0:
+        return -math.inf, 0.0
+    full = math.log2(beta)
+    hi = struct.unpack("f", struct.pack("f", full))[0]
+    return hi, full - hi
+
+
+def _check_flag(name: str, flag, device: torch.device) -> None:
+    if flag is not None and (not isinstance(flag, torch.Tensor) or flag.dtype != torch.int32 or flag.numel() != 1
+                             or flag.device != device):
+        raise TypeError(f"{name} must be None or a one-element int32 tensor on {device}")
+
+
+def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr, betas=(0.9, 0.999),
+                eps: float = 1e-8, weight_decay: float = 0.0, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step, in place, over lists of tensors: one Triton launch per combination of
-    parameter dtype, gradient dtype, master copy or not, and 16-byte alignment.
+    parameter dtype, gradient dtype, master copy or not, and 16-byte alignment, plus one tiny
+    launch per combination that advances the step counts.
 
     ``params``: fp32/fp16/bf16 tensors; ``grads``: one per parameter, same numel;
     ``exp_avgs``/``exp_avg_sqs``: fp32, same numel; ``masters``: None, or per parameter None or
     an fp32 master copy that is updated instead of the parameter and then rounded into it.
-    ``lr``, ``step`` and the other scalars are runtime arguments: changing them does not
-    recompile. ``step`` (>= 1) is the step number of this update, for bias correction.
+    ``steps``: per parameter a one-element fp32 tensor on the device, the number of updates done
+    so far; this update is number ``steps[i] + 1`` (bias correction) and ``steps[i]`` is then
+    incremented. ``lr``: a float or a one-element fp32 device tensor (read by the kernel: a CUDA
+    graph replays the current value). ``found_inf``: None or a one-element int32 device tensor;
+    non-zero leaves every tensor, the step counts included, untouched. No host synchronisation;
+    changing any scalar does not recompile.
     """
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "masters": masters}
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "masters": masters, "steps": steps}
     for name, lst in lists.items():
         if lst is not None and len(lst) != len(params):
             raise ValueError(f"{name} has {len(lst)} tensors but params has {len(params)}")
-    if not lr >= 0.0:
+    if not params:
+        return
+    device = params[0].device
+    lr_on_device = isinstance(lr, torch.Tensor)
+    if lr_on_device:
+        if lr.dtype != torch.float32 or lr.numel() != 1 or lr.device != device:
+            raise TypeError(f"lr must be a float or a one-element fp32 tensor on {device}")
+    elif not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     beta1, beta2 = betas
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
-    if not step >= 1:
-        raise ValueError(f"step must be >= 1, got {step}")
+    _check_flag("found_inf", found_inf, device)
     sizes = _sizes()
-    scalars = (1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, lr / (1.0 - beta1 ** step),
-               (1.0 - beta2 ** step) ** 0.5, eps)
+    scalars = (0.0 if lr_on_device else float(lr), float(weight_decay), 1.0 - beta1, beta2, 1.0 - beta2,
+               *_log2_pair(beta1), *_log2_pair(beta2), float(eps))
     # column 4 is the tensor the update reads and writes in fp32: the master, else the parameter
     weights = params
     if masters is not None:
@@ -312,26 +425,40 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, lr: float
     names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "masters")
     fp32 = (torch.float32,)
     dtypes = (FLOAT_DTYPES, FLOAT_DTYPES, fp32, fp32, FLOAT_DTYPES)
+    has_skip = found_inf is not None
     for col_dtypes, aligned, table, chunk_map, n_chunks in _launches(
-            names, dtypes, (params, grads, exp_avgs, exp_avg_sqs, weights), sizes["CHUNK"]):
+            names, dtypes, (params, grads, exp_avgs, exp_avg_sqs, weights), sizes["CHUNK"], scalars=steps):
         p_dtype, g_dtype, w_dtype = col_dtypes[0], col_dtypes[1], col_dtypes[4]
-        _adamw_kernel[(n_chunks,)](table, chunk_map, *scalars, P_DTYPE=_TL_DTYPE[p_dtype],
-                                   G_DTYPE=_TL_DTYPE[g_dtype], HAS_MASTER=w_dtype != p_dtype, ALIGNED=aligned,
+        _adamw_kernel[(n_chunks,)](table, chunk_map, lr if lr_on_device else table,
+                                   found_inf if has_skip else table, *scalars, P_DTYPE=_TL_DTYPE[p_dtype],
+                                   G_DTYPE=_TL_DTYPE[g_dtype], HAS_MASTER=w_dtype != p_dtype,
+                                   LR_ON_DEVICE=lr_on_device, HAS_SKIP=has_skip, ALIGNED=aligned,
                                    **sizes, num_warps=NUM_WARPS)
+        _adamw_count_kernel[(table.shape[0],)](table, found_inf if has_skip else table, HAS_SKIP=has_skip,
+                                               num_warps=1)
 
 
-def clip_grads_(grads, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.Tensor | None = None,
+                check: torch.Tensor | None = None) -> torch.Tensor:
     """Scale ``grads`` (a list of fp32/fp16/bf16 tensors on one device) in place so that their
     global L2 norm is at most ``max_norm``: ``g *= min(1, max_norm / (norm + eps))``. Returns the
-    norm before clipping as a 0-d fp32 tensor; nothing waits for the device."""
+    norm before clipping as a 0-d fp32 tensor; nothing waits for the device.
+
+    ``found_inf`` (a one-element int32 device tensor), when given, is set to 1 if the norm or
+    ``check`` (a one-element fp32 device tensor, e.g. the loss; required with ``found_inf``) is not
+    finite, else 0: the flag :func:`adamw_step_` reads to skip a bad step on the device."""
     if not max_norm >= 0.0:
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
     grads = list(grads)
     if not grads:
         return torch.zeros((), dtype=torch.float32)
+    device = grads[0].device
+    _check_flag("found_inf", found_inf, device)
+    if found_inf is not None and (not isinstance(check, torch.Tensor) or check.dtype != torch.float32
+                                  or check.numel() != 1 or check.device != device):
+        raise TypeError(f"check must be a one-element fp32 tensor on {device} when found_inf is given")
     sizes = _sizes()
     launches = list(_launches(("grads",), (FLOAT_DTYPES,), (grads,), sizes["CHUNK"]))
-    device = grads[0].device
     n_partials = sum(launch[-1] for launch in launches)
     partials = torch.empty(max(n_partials, 1), dtype=torch.float32, device=device)
     norm = torch.empty((), dtype=torch.float32, device=device)
@@ -341,7 +468,9 @@ def clip_grads_(grads, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
         _sq_norm_kernel[(n_chunks,)](table, chunk_map, partials[start:], G_DTYPE=_TL_DTYPE[g_dtype],
                                      ALIGNED=aligned, **sizes, num_warps=NUM_WARPS)
         start += n_chunks
-    _clip_coef_kernel[(1,)](partials, n_partials, norm, coef, float(max_norm), float(eps),
+    has_flag = found_inf is not None
+    _clip_coef_kernel[(1,)](partials, n_partials, norm, coef, check if has_flag else norm,
+                            found_inf if has_flag else norm, float(max_norm), float(eps), HAS_FLAG=has_flag,
                             BLOCK=min(next_pow2(n_partials), _REDUCE_BLOCK), num_warps=4)
     for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
         _scale_kernel[(n_chunks,)](table, chunk_map, coef, G_DTYPE=_TL_DTYPE[g_dtype], ALIGNED=aligned,

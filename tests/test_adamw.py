@@ -270,12 +270,21 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="params"):
         AdamW([q]).step()
     m = torch.zeros(4, device=DEVICE)
+    step = [torch.zeros((), device=DEVICE)]
     with pytest.raises(ValueError, match="grads"):
-        adamw_step_([p.detach()], [], [m], [m.clone()], lr=1e-3, step=1)
+        adamw_step_([p.detach()], [], [m], [m.clone()], lr=1e-3, steps=step)
     with pytest.raises(TypeError, match="exp_avgs"):
-        adamw_step_([p.detach()], [p.grad], [m.half()], [m.clone()], lr=1e-3, step=1)
+        adamw_step_([p.detach()], [p.grad], [m.half()], [m.clone()], lr=1e-3, steps=step)
     with pytest.raises(TypeError, match="masters"):
-        adamw_step_([p.detach()], [p.grad], [m], [m.clone()], [m.clone()], lr=1e-3, step=1)
+        adamw_step_([p.detach()], [p.grad], [m], [m.clone()], [m.clone()], lr=1e-3, steps=step)
+    with pytest.raises(TypeError, match="steps"):
+        adamw_step_([p.detach()], [p.grad], [m], [m.clone()], lr=1e-3, steps=[torch.zeros((), dtype=torch.int64)])
+    with pytest.raises(TypeError, match="lr"):
+        adamw_step_([p.detach()], [p.grad], [m], [m.clone()], lr=torch.tensor(1e-3, dtype=torch.float64), steps=step)
+    with pytest.raises(TypeError, match="found_inf"):
+        adamw_step_([p.detach()], [p.grad], [m], [m.clone()], lr=1e-3, steps=step, found_inf=torch.zeros(()))
+    with pytest.raises(TypeError, match="check"):
+        clip_grad_norm_([p], 1.0, found_inf=torch.zeros((), dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="max_norm"):
         clip_grad_norm_([p], -1.0)
 
@@ -296,3 +305,54 @@ def test_gpt2_sized_step():
     for i, (p, s, r) in enumerate(zip(ours, same, ref)):
         assert_close(f"master{i}", opt.state[p]["master"], r, same=s)
         _assert_rounded(f"param{i}", p, opt.state[p]["master"])
+
+
+def test_device_lr_and_found_inf_skip():
+    """lr as a device tensor and a device skip flag (what a CUDA-graphed step uses): a step whose flag
+    is set changes nothing (weights, masters, moments, step counts); the others equal, bit for bit,
+    an optimizer given the same lr as a float that never saw the skipped step."""
+    ours = make_params(torch.bfloat16)
+    twin = [leaf(p.clone()) for p in ours]
+    lr = torch.zeros((), dtype=torch.float32, device=DEVICE)
+    opt = AdamW(grouped(ours), lr=1e-3)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt_twin = AdamW(grouped(twin), lr=1e-3)
+    flag = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    for step in range(5):
+        lr.fill_(1e-2 * (step + 1))
+        grads = [randn(*p.shape, dtype=p.dtype) for p in ours]
+        set_grads((ours, twin), grads)
+        if step == 2:
+            flag.fill_(1)
+            before = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(ours)}
+            weights = [p.detach().clone() for p in ours]
+            opt.step(found_inf=flag)
+            for i, p in enumerate(ours):
+                assert torch.equal(p.detach(), weights[i]), f"param{i} changed in a skipped step"
+                for key, value in opt.state[p].items():
+                    assert torch.equal(value, before[i][key]), f"{key}{i} changed in a skipped step"
+            flag.fill_(0)
+            continue
+        for group in opt_twin.param_groups:
+            group["lr"] = 1e-2 * (step + 1)
+        opt.step(found_inf=flag)
+        opt_twin.step()
+    for i, (p, t) in enumerate(zip(ours, twin)):
+        assert torch.equal(p.detach(), t.detach()), f"param{i}"
+        for key in ("exp_avg", "exp_avg_sq", "master", "step"):
+            assert torch.equal(opt.state[p][key], opt_twin.state[t][key]), f"{key}{i}"
+    assert float(opt.state[ours[0]]["step"]) == 4.0
+    saved = opt.state_dict()
+    assert all(isinstance(g["lr"], float) for g in saved["param_groups"]), "a device lr is saved as a float"
+
+
+@pytest.mark.parametrize("bad", ["finite", "nan-loss", "inf-loss", "inf-grad", "nan-grad"])
+def test_clip_sets_found_inf(bad):
+    params = _grads([torch.float32])
+    if bad.endswith("grad"):
+        params[1].grad.view(-1)[3] = float("inf") if bad == "inf-grad" else float("nan")
+    loss = torch.tensor({"nan-loss": float("nan"), "inf-loss": float("-inf")}.get(bad, 2.5), device=DEVICE)
+    flag = torch.full((), 7, dtype=torch.int32, device=DEVICE)  # stale value: always overwritten
+    clip_grad_norm_(params, 1.0, found_inf=flag, check=loss)
+    assert int(flag) == (0 if bad == "finite" else 1)

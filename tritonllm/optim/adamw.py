@@ -7,9 +7,15 @@ decay, bias correction, fp32 moments). bf16/fp16 parameters get an fp32 master c
 optimizer state (unless ``master_weights=False``): the kernel updates the master and writes it,
 rounded, into the parameter.
 
-State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's shape)
-and, with a master copy, ``master`` (fp32). ``state_dict()`` / ``load_state_dict()`` round-trip
-exactly: the fp32 state is restored in fp32 whatever the parameters' dtype.
+State per parameter: ``step`` (a 0-d fp32 tensor on the parameter's device, as in
+``torch.optim.AdamW(capturable=True)``), ``exp_avg`` and ``exp_avg_sq`` (fp32, the parameter's
+shape) and, with a master copy, ``master`` (fp32). ``state_dict()`` / ``load_state_dict()``
+round-trip exactly: the fp32 state is restored in fp32 whatever the parameters' dtype.
+
+Made to be captured in a CUDA graph (``tritonllm.train.step``): nothing in ``step()`` reads the
+device; a group's ``lr`` may be a 0-d fp32 device tensor (its current value is read by the kernel
+at replay), and ``step(found_inf=flag)`` skips the whole update on the device when the int32
+``flag`` is non-zero (see ``tritonllm.kernels.adamw.clip_grads_``).
 """
 
 from __future__ import annotations
@@ -52,22 +58,25 @@ class AdamW(torch.optim.Optimizer):
         """Create the state a parameter lacks (all of it on its first step; only the master copy
         when the state was loaded from an optimizer without masters)."""
         if "step" not in state:
-            state["step"] = 0
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         if use_master and "master" not in state:
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW update of every parameter that has a gradient; returns ``closure()``'s loss."""
+    def step(self, closure=None, *, found_inf: torch.Tensor | None = None):
+        """One AdamW update of every parameter that has a gradient; returns ``closure()``'s loss.
+
+        ``found_inf``: None or a one-element int32 device tensor; when it holds a non-zero value at
+        the time the kernels run, nothing changes (weights, moments, step counts)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             masters_on = group["master_weights"] is not False
-            by_step: dict[int, list] = {}
+            items = []
             for p in group["params"]:
                 g = p.grad
                 if g is None:
@@ -78,15 +87,22 @@ class AdamW(torch.optim.Optimizer):
                 use_master = masters_on and p.dtype != torch.float32
                 if "step" not in state or (use_master and "master" not in state):
                     self._init_state(p, state, use_master)
-                state["step"] += 1
-                by_step.setdefault(state["step"], []).append((p, g, state, use_master))
-            for step, items in by_step.items():
+                items.append((p, g, state, use_master))
+            if items:
                 adamw_step_([p for p, _, _, _ in items], [g for _, g, _, _ in items],
                             [s["exp_avg"] for _, _, s, _ in items], [s["exp_avg_sq"] for _, _, s, _ in items],
                             [s["master"] if m else None for _, _, s, m in items],
-                            lr=float(group["lr"]), betas=group["betas"], eps=group["eps"],
-                            weight_decay=group["weight_decay"], step=step)
+                            steps=[s["step"] for _, _, s, _ in items], lr=group["lr"], betas=group["betas"],
+                            eps=group["eps"], weight_decay=group["weight_decay"], found_inf=found_inf)
         return loss
+
+    def state_dict(self) -> dict:
+        """As ``torch.optim.Optimizer.state_dict``, with a group's device-tensor ``lr`` saved as a float."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"] = float(group["lr"])
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``state_dict()`` (of this class, or of ``torch.optim.AdamW``: groups get this
@@ -106,17 +122,21 @@ class AdamW(torch.optim.Optimizer):
             if not saved:
                 continue
             state = self.state[p]
-            state["step"] = int(saved["step"])
+            state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32, device=p.device)
             for key in _FP32_STATE:
                 if key in saved:
                     state[key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True).contiguous()
 
 
-def clip_grad_norm_(params, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, eps: float = 1e-6, *, found_inf: torch.Tensor | None = None,
+                    check: torch.Tensor | None = None) -> torch.Tensor:
     """Scale the gradients of ``params`` (a tensor or an iterable of tensors) in place so that
     their global L2 norm is at most ``max_norm``, like ``torch.nn.utils.clip_grad_norm_``:
     ``g *= min(1, max_norm / (norm + eps))``. Returns the total norm before clipping as a 0-d fp32
-    tensor, computed in Triton (fp32, deterministic) without a host synchronisation."""
+    tensor, computed in Triton (fp32, deterministic) without a host synchronisation.
+    ``found_inf`` / ``check``: see :func:`tritonllm.kernels.adamw.clip_grads_` (sets the int32 flag
+    when the norm or ``check``, e.g. the loss, is not finite)."""
     if isinstance(params, torch.Tensor):
         params = [params]
-    return clip_grads_([p.grad for p in params if p.grad is not None], max_norm, eps)
+    return clip_grads_([p.grad for p in params if p.grad is not None], max_norm, eps, found_inf=found_inf,
+                       check=check)
