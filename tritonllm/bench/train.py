@@ -1,60 +1,157 @@
 """``python -m tritonllm.bench train +model=void125m [hydra overrides] [--steps 20 --warmup 5 --out docs/perf]``
 
-Training throughput of tritonllm against plain PyTorch in one process run, on random tokens (the
-data does not change the speed). The config is composed like ``python -m tritonllm.train``'s; the
-batch defaults to B16 x T1024 (``trainer.batch_size`` / ``trainer.seq_len`` override it).
+Training throughput of tritonllm against a strong plain-PyTorch baseline, in one process run, on
+random tokens (the data does not change the speed). The config is composed like
+``python -m tritonllm.train``'s; the batch defaults to B16 x T1024 (``trainer.batch_size`` /
+``trainer.seq_len`` override it).
 
-- tritonllm: the model in bf16 with fp32 master weights in ``tritonllm.optim.AdamW``, the step of
-  :func:`tritonllm.train.forward_backward` (forward, backward, gradient clipping) + AdamW.
-- baseline: :class:`tritonllm.bench.reference_model.ReferenceTransformer` of the same shape
-  (cuBLAS GEMMs, SDPA attention) under ``torch.compile``, fp32 weights with bf16 autocast,
-  ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW(fused=True)``.
+Sides, each timed alone (GPU memory freed between them):
 
-Reported per side: tokens/s (timed steps after warm-up, CUDA-synchronised wall time), MFU =
-``model.flops_per_token(T) * tokens/s / trainer.peak_flops`` and the peak allocated memory. One
-tritonllm step is profiled with ``torch.profiler``: ``triton_share`` is the fraction of GPU kernel
-time (memset/memcpy excluded) spent in tritonllm's own Triton kernels, recognised by name (every
-``@triton.jit`` kernel of ``tritonllm.kernels`` is ``_<name>_kernel``); every other kernel is listed.
-Results go to ``docs/perf/train-<gpu>.json`` (DESIGN.md section 6).
+- **tritonllm**: the model in bf16 with fp32 master weights in ``tritonllm.optim.AdamW``, one
+  optimizer step = :class:`tritonllm.train.step.TrainStep` (forward, backward, clipping to
+  ``trainer.grad_clip``, AdamW, gradients zeroed) with ``cuda_graph=True``: the whole step
+  captured once after the warm-up and replayed (the row's headline figures; ``cuda_graph`` in the
+  row says whether the capture held), and with ``cuda_graph=False`` (the ``eager`` entry).
+- **baselines**: :class:`tritonllm.bench.baseline_model.BaselineTransformer` (the same architecture
+  written for speed: F.rms_norm, SDPA on contiguous ``[B, H, T, D]``, RoPE tables built once,
+  fused cross-entropy; MoE experts through ``torch._grouped_mm``) loaded with tritonllm's initial
+  weights, fp32 parameters under ``torch.autocast("cuda", torch.bfloat16)``; the module (forward +
+  loss) under ``torch.compile`` in each ``--baselines`` mode: ``compile`` (default mode),
+  ``max-autotune`` (``mode="max-autotune-no-cudagraphs"``), ``reduce-overhead`` (CUDA graphs);
+  then ``loss.backward()``, ``clip_grad_norm_(foreach=True)``, ``torch.optim.AdamW(fused=True)``
+  with tritonllm's hyper-parameters and parameter groups, ``zero_grad(set_to_none=True)``.
+  ``speedup`` = the fastest baseline's ``step_ms`` / tritonllm's graphed ``step_ms``.
+
+Per side, after ``--warmup`` untimed steps (>= 3, so that tritonllm's graph is captured):
+
+- ``step_ms`` (wall): ``--steps`` steps issued back to back, host clock from before the first call
+  to after a ``torch.cuda.synchronize()`` behind the last, divided by the steps.
+  ``tokens_per_s = B T / step``; ``mfu = flops_per_token * tokens_per_s / trainer.peak_flops``
+  with tritonllm's ``flops_per_token = 6 N_active + 12 n_layers n_heads head_dim T`` for every side.
+- ``host_ms`` (host enqueue): the mean, over ``--steps`` calls, of the host time of the step call
+  alone (``time.perf_counter`` just before and just after it, nothing synchronised inside that
+  window). Each call is issued behind a GPU spin kernel (``torch.cuda._sleep``) of twice the wall
+  step plus 2 ms, so the GPU is busy for the whole call: a step that does not synchronise
+  returns once its work is enqueued, never waiting for the GPU nor letting it drain. The device
+  is synchronised between calls, outside the timed window, because steps issued back to back
+  with no such gap fill the launch queue of a GPU-bound step within one or two steps, after which
+  a call measures the GPU's pace instead of the host's. A step that synchronises inside (the MoE
+  loop baseline reads expert sizes on the host) waits for the spin as well; such a side is flagged
+  ``host_syncs`` (its ``host_ms`` exceeds the spin) and its ``host_ms`` is an upper bound.
+  ``host_ms`` close to ``step_ms`` and above ``gpu_ms``: the side is host-bound.
+- ``gpu_ms`` (GPU kernel time): ``torch.profiler`` (CUDA activity only) over 3 more steps, the sum
+  of every kernel's self device time, memset and memcpy excluded, per step.
+- ``peak_mem_gb``: ``torch.cuda.max_memory_allocated()`` over the timed steps (peak reset after
+  the warm-up), in GB of 1e9 bytes.
+
+tritonllm's graphed profile also gives ``triton_share``, the fraction of its GPU kernel time spent
+in tritonllm's own Triton kernels, recognised by name (every ``@triton.jit`` kernel of
+``tritonllm.kernels`` is ``_<name>_kernel``); every other kernel is listed (``other_kernels_ms``).
+The host CPU's model (``lscpu``, else ``/proc/cpuinfo``) is printed and recorded, since the host
+figures depend on it. Rows go to ``docs/perf/train-<gpu>.json`` (DESIGN.md section 6).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import re
+import subprocess
 import sys
 import time
+from typing import Callable
 
 import torch
 
 #: Triton kernels of tritonllm.kernels: `_<op>_..._kernel` (a compiled name may carry a suffix)
 OUR_KERNEL = re.compile(r"^_\w*_kernel")
 EXCLUDED = ("Memcpy", "Memset", "memcpy", "memset")
+#: --baselines name -> torch.compile mode
+#: (timed in this order: the slowest to compile last)
+BASELINE_MODES = {"compile": None, "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune-no-cudagraphs"}
+#: the JSON name of each baseline
+BASELINE_NAMES = {"compile": "torch.compile", "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune"}
+PROFILED_STEPS = 3
 
 
-def _time_steps(step, steps: int, warmup: int) -> tuple[float, float]:
-    """Seconds per step (after ``warmup`` untimed steps) and the peak allocated memory in GB."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+# --- host CPU --------------------------------------------------------------------------------------
+
+def parse_cpu_model(lscpu: str | None, cpuinfo: str | None) -> str:
+    """The CPU model name from ``lscpu`` output ("Model name:" line), else from ``/proc/cpuinfo``
+    ("model name" line); "unknown" when neither has one."""
+    for text, pattern in ((lscpu, r"^\s*Model name:\s*(.+?)\s*$"), (cpuinfo, r"^\s*model name\s*:\s*(.+?)\s*$")):
+        match = re.search(pattern, text or "", re.MULTILINE)
+        if match and match.group(1) != "-":
+            return match.group(1)
+    return "unknown"
+
+
+def host_cpu_model() -> str:
+    """This machine's CPU model name and its logical CPU count, e.g. ``"AMD EPYC 9654 96-Core Processor (16 CPUs)"``."""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                               env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        lscpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpuinfo = f.read()
+    except OSError:
+        cpuinfo = None
+    return f"{parse_cpu_model(lscpu, cpuinfo)} ({os.cpu_count()} CPUs)"
+
+
+# --- timing ----------------------------------------------------------------------------------------
+
+def wall_ms(step: Callable[[], object], steps: int, sync: Callable[[], None],
+            clock: Callable[[], float] = time.perf_counter) -> float:
+    """Milliseconds per step of ``steps`` calls issued back to back, up to the ``sync()`` behind the last."""
+    sync()
+    t0 = clock()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps, torch.cuda.max_memory_allocated() / 1e9
+    sync()
+    return (clock() - t0) / steps * 1e3
 
 
-def kernel_times(step) -> tuple[dict[str, float], dict[str, float]]:
-    """GPU time in ms per kernel name of one profiled ``step()``: (ours, others), memset/memcpy excluded."""
+def host_ms(step: Callable[[], object], steps: int, busy: Callable[[], None], sync: Callable[[], None],
+            clock: Callable[[], float] = time.perf_counter) -> float:
+    """Mean host milliseconds of one ``step()`` call: per call, ``sync()`` and ``busy()`` (enqueue GPU
+    work that outlasts the call), then the call alone is timed; the final ``sync()`` is not timed."""
+    total = 0.0
+    for _ in range(steps):
+        sync()
+        busy()
+        t0 = clock()
+        step()
+        total += clock() - t0
+    sync()
+    return total / steps * 1e3
+
+
+def spin_cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def kernel_times(step: Callable[[], object], steps: int = PROFILED_STEPS) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU ms per step of each kernel over ``steps`` profiled calls: (ours, others), memset/memcpy excluded."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     # CUDA activity only: with CPU activity on, record_function ranges such as
     # "Optimizer.step#AdamW.step" also appear on the GPU timeline and would count as kernels.
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(steps):
+            step()
         torch.cuda.synchronize()
     ours, others = {}, {}
     for evt in prof.key_averages():
@@ -62,28 +159,152 @@ def kernel_times(step) -> tuple[dict[str, float], dict[str, float]]:
         if us <= 0 or evt.key.startswith(EXCLUDED) or evt.device_type.name != "CUDA":
             continue
         table = ours if OUR_KERNEL.match(evt.key) else others
-        table[evt.key] = table.get(evt.key, 0.0) + us / 1e3
+        table[evt.key] = table.get(evt.key, 0.0) + us / 1e3 / steps
     return ours, others
 
+
+def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int, peak_flops: float,
+            cycles_per_ms: float) -> tuple[dict, dict[str, float], dict[str, float]]:
+    """Warm up, then time ``step`` (see the module docstring). Returns the side's figures and its
+    kernel times per step (ours, others)."""
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    wall = wall_ms(step, args.steps, torch.cuda.synchronize)
+    peak_mem = torch.cuda.max_memory_allocated() / 1e9
+    spin_ms = 2 * wall + 2
+    host = host_ms(step, args.steps, lambda: torch.cuda._sleep(int(spin_ms * cycles_per_ms)), torch.cuda.synchronize)
+    ours, others = kernel_times(step)
+    tokens_per_s = tokens / (wall / 1e3)
+    figures = {"tokens_per_s": round(tokens_per_s), "mfu": round(flops_per_token * tokens_per_s / peak_flops, 4),
+               "peak_mem_gb": round(peak_mem, 2), "step_ms": round(wall, 3),
+               "gpu_ms": round(sum(ours.values()) + sum(others.values()), 3), "host_ms": round(host, 3)}
+    if host >= spin_ms:
+        figures["host_syncs"] = True
+    return figures, ours, others
+
+
+def free_gpu() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# --- the sides -------------------------------------------------------------------------------------
+
+def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
+    """tritonllm's eager and graphed steps. Returns (graphed figures, eager figures, graphed kernel
+    times (ours, others), whether the graph was captured, flops per token, the initial weights on
+    the CPU)."""
+    from tritonllm.models import build_model
+    from tritonllm.train import build_optimizer
+    from tritonllm.train.step import TrainStep
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg, device=x.device, dtype=torch.bfloat16)
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    optimizer = build_optimizer(model, cfg.optim, master_weights=True)
+    flops_per_token = model.flops_per_token(x.shape[1])
+    print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{x.shape[0]} x T{x.shape[1]} bf16, "
+          f"{flops_per_token * x.numel() / 1e12:.2f} TFLOP per step", flush=True)
+    lr = float(cfg.optim.lr)
+    sides = {}
+    for graph in (False, True):
+        train_step = TrainStep(model, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1, cuda_graph=graph)
+        sides[graph] = measure(lambda: train_step([(x, y)], lr=lr), args, x.numel(), flops_per_token, peak_flops,
+                               cycles_per_ms)
+        captured = train_step.graphed
+        del train_step
+        free_gpu()
+    del model, optimizer
+    free_gpu()
+    (graphed, ours, others), (eager, _, _) = sides[True], sides[False]
+    return graphed, eager, (ours, others), captured, flops_per_token, weights
+
+
+def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args, flops_per_token, peak_flops,
+                  cycles_per_ms) -> dict:
+    """One compiled baseline (``mode`` of torch.compile); its figures."""
+    from tritonllm.bench.baseline_model import BaselineTransformer
+
+    torch._dynamo.reset()
+    with torch.device(x.device):
+        model = BaselineTransformer(model_cfg, experts=experts)
+    model.load_state_dict(weights)
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": float(cfg.optim.weight_decay)},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=float(cfg.optim.lr),
+                                  betas=tuple(cfg.optim.betas), eps=float(cfg.optim.eps), fused=True)
+    compiled = torch.compile(model, mode=mode, dynamic=False)
+    clip = cfg.trainer.grad_clip
+
+    def step():
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(x, y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, float(clip), foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        figures, _, _ = measure(step, args, x.numel(), flops_per_token, peak_flops, cycles_per_ms)
+    finally:
+        del step, compiled, optimizer, model, params, groups
+        torch._dynamo.reset()
+        free_gpu()
+    return figures
+
+
+# --- command line ----------------------------------------------------------------------------------
 
 def _parse(argv: list[str]):
     p = argparse.ArgumentParser(prog="python -m tritonllm.bench train",
                                 description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--steps", type=int, default=20, help="timed steps per side")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, autotuning)")
-    p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps first (compilation, autotuning, tritonllm's graph capture); >= 3")
+    p.add_argument("--baselines", default=",".join(BASELINE_MODES),
+                   help=f"comma-separated torch.compile modes of the baseline, of: {', '.join(BASELINE_MODES)}")
     p.add_argument("--no-baseline", action="store_true", help="time tritonllm only")
-    return p.parse_known_args(argv)
+    p.add_argument("--moe-experts", default="auto", choices=("auto", "grouped_mm", "loop"),
+                   help="the MoE baseline's experts: torch._grouped_mm, a loop over experts, or auto (the default "
+                        "of tritonllm.bench.baseline_model)")
+    p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
+    args, overrides = p.parse_known_args(argv)
+    if args.warmup < 3:
+        p.error(f"--warmup must be >= 3 (two eager warm-up steps, then the graph capture), got {args.warmup}")
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    args.baselines = [] if args.no_baseline else [b for b in args.baselines.split(",") if b]
+    unknown = [b for b in args.baselines if b not in BASELINE_MODES]
+    if unknown:
+        p.error(f"--baselines: unknown {unknown}; choose from {', '.join(BASELINE_MODES)}")
+    return args, overrides
+
+
+HEADER = f"{'side':<28}{'tokens/s':>12}{'MFU':>8}{'step ms':>10}{'GPU ms':>10}{'host ms':>11}{'peak GB':>9}"
+
+
+def _line(name: str, f: dict) -> str:
+    if "error" in f:
+        return f"{name:<28}failed: {f['error']}"
+    return (f"{name:<28}{f['tokens_per_s']:>12,}{f['mfu']:>8.1%}{f['step_ms']:>10.2f}{f['gpu_ms']:>10.2f}"
+            f"{f['host_ms']:>10.2f}{'*' if f.get('host_syncs') else ' '}{f['peak_mem_gb']:>9.2f}")
 
 
 def main(argv: list[str]) -> None:
     from hydra import compose, initialize_config_module
     from omegaconf import open_dict
 
+    from tritonllm.bench.baseline_model import default_expert_impl
     from tritonllm.bench.harness import write_results
     from tritonllm.errors import TritonLLMError
-    from tritonllm.models import build_model
-    from tritonllm.train import build_optimizer, forward_backward, model_config
+    from tritonllm.train import model_config
 
     args, overrides = _parse(argv)
     if not torch.cuda.is_available():
@@ -101,62 +322,44 @@ def main(argv: list[str]) -> None:
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens = torch.randint(0, model_cfg.vocab_size, (B, T + 1), device=device, generator=gen)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    peak = float(cfg.trainer.peak_flops)
+    peak_flops = float(cfg.trainer.peak_flops)
+    host_cpu = host_cpu_model()
+    cycles_per_ms = spin_cycles_per_ms()
+    print(f"{torch.cuda.get_device_name()}, host CPU: {host_cpu}, torch {torch.__version__}", flush=True)
 
-    torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, device=device, dtype=torch.bfloat16)
-    optimizer = build_optimizer(model, cfg.optim, master_weights=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    flops_per_token = model.flops_per_token(T)
-
-    def step():
-        forward_backward(model, params, [(x, y)], cfg.trainer.grad_clip, device)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{B} x T{T} bf16, "
-          f"{flops_per_token * B * T / 1e12:.2f} TFLOP per step", flush=True)
-    sec, mem = _time_steps(step, args.steps, args.warmup)
-    ours_ms, other_ms = kernel_times(step)
+    graphed, eager, (ours_ms, other_ms), captured, flops_per_token, weights = time_tritonllm(
+        model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms)
+    print(HEADER)
+    print(_line(f"tritonllm ({'CUDA graph' if captured else 'graph NOT captured'})", graphed))
+    print(_line("tritonllm (eager)", eager), flush=True)
     total = sum(ours_ms.values()) + sum(other_ms.values())
-    row = {"model": model_cfg.name, "batch": B, "seq_len": T, "tokens_per_s": round(B * T / sec),
-           "mfu": round(flops_per_token * B * T / sec / peak, 4), "peak_mem_gb": round(mem, 2),
-           "step_ms": round(sec * 1e3, 2), "triton_share": round(sum(ours_ms.values()) / total, 4) if total else None,
+    row = {"model": model_cfg.name, "batch": B, "seq_len": T, "nproc": 1, "parallel": "none", "cuda_graph": captured,
+           **graphed, "eager": eager, "baselines": {}, "speedup": None,
+           "triton_share": round(sum(ours_ms.values()) / total, 4) if total else None, "host_cpu": host_cpu,
            "other_kernels_ms": {k: round(v, 3) for k, v in sorted(other_ms.items(), key=lambda kv: -kv[1])}}
-    print(f"tritonllm: {row['tokens_per_s']:,} tokens/s, MFU {row['mfu']:.1%}, peak {mem:.2f} GB, "
-          f"triton_share {row['triton_share']}", flush=True)
+    experts = None
+    if model_cfg.n_experts:
+        experts = default_expert_impl(device) if args.moe_experts == "auto" else args.moe_experts
+        row["baseline_moe_experts"] = experts
+    for b in args.baselines:
+        name = BASELINE_NAMES[b]
+        try:
+            row["baselines"][name] = time_baseline(BASELINE_MODES[b], model_cfg, cfg, weights, x, y, experts, args,
+                                                   flops_per_token, peak_flops, cycles_per_ms)
+        except Exception as e:  # a baseline that fails is reported, not fatal
+            row["baselines"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(_line(f"baseline {name}", row["baselines"][name]), flush=True)
+    timed = {k: v for k, v in row["baselines"].items() if "step_ms" in v}
+    if timed:
+        fastest = min(timed, key=lambda k: timed[k]["step_ms"])
+        row.update(fastest_baseline=fastest, speedup=round(timed[fastest]["step_ms"] / graphed["step_ms"], 3))
+
+    if any(f.get("host_syncs") for f in (graphed, eager, *timed.values())):
+        print("* the step synchronises with the GPU inside: its host ms includes waiting (an upper bound)")
+    print(f"triton_share {row['triton_share']}; host CPU: {host_cpu}")
     for name, ms in row["other_kernels_ms"].items():
         print(f"  non-tritonllm kernel {ms:8.3f} ms  {name}")
-    weights = {k: v.float() for k, v in model.state_dict().items()}
-    del model, optimizer, params
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    if not args.no_baseline:
-        from tritonllm.bench.harness import compiled
-        from tritonllm.bench.reference_model import ReferenceTransformer
-
-        ref = ReferenceTransformer(model_cfg, sdpa=True).to(device)
-        ref.load_state_dict(weights)
-        del weights
-        ref_step_fn = compiled(ref)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=float(cfg.optim.lr), betas=tuple(cfg.optim.betas),
-                                    eps=float(cfg.optim.eps), weight_decay=float(cfg.optim.weight_decay), fused=True)
-        clip = cfg.trainer.grad_clip
-
-        def ref_step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = ref_step_fn(x, y)
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), float(clip), foreach=True)
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-
-        ref_sec, ref_mem = _time_steps(ref_step, args.steps, args.warmup)
-        row.update(baseline_compile_tokens_per_s=round(B * T / ref_sec), baseline_peak_mem_gb=round(ref_mem, 2),
-                   baseline_mfu=round(flops_per_token * B * T / ref_sec / peak, 4), speedup=round(ref_sec / sec, 3))
-        print(f"PyTorch + torch.compile: {row['baseline_compile_tokens_per_s']:,} tokens/s, "
-              f"MFU {row['baseline_mfu']:.1%}, peak {ref_mem:.2f} GB; speedup {row['speedup']:.2f}x", flush=True)
-    path = write_results("train", [row], args.out)
+    if row["speedup"] is not None:
+        print(f"speedup {row['speedup']:.3f}x over the fastest baseline ({row['fastest_baseline']})")
+    path = write_results("train", [row], args.out, extra={"host_cpu": host_cpu})
     print(f"wrote {path}")
