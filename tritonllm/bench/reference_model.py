@@ -1,12 +1,11 @@
-"""The tritonllm Transformer's architecture in plain PyTorch ops: the tests' reference and the
-training benchmark's baseline.
+"""The tritonllm Transformer's architecture in plain PyTorch ops: the tests' reference.
 
 Same parameter names and shapes as ``tritonllm.models.Transformer`` (``load_state_dict`` from it
 works), computed in the dtype of its parameters with ``F.linear``, an explicit softmax attention
 and eager RMSNorm / RoPE / SwiGLU / cross-entropy. No tritonllm kernel is used.
 ``ReferenceTransformer(cfg, sdpa=True)`` runs full causal attention through
-``F.scaled_dot_product_attention`` (FlashAttention-2 / cuDNN on the GPU): the baseline that
-``python -m tritonllm.bench train`` times under ``torch.compile``.
+``F.scaled_dot_product_attention``. Written for clarity, not speed (its RoPE tables are rebuilt
+in every forward): the training benchmark's baseline is ``tritonllm.bench.baseline_model``.
 """
 
 from __future__ import annotations
