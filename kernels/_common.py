@@ -1,17 +1,21 @@
-"""Shared helpers of the kernel modules: input checks, interpreter detection, launch sizes.
+"""Shared helpers of the kernel modules: input checks, interpreter detection, launch sizes, and the
+cached launch path (:class:`Launch`).
 
-Nothing here launches a kernel; every check raises a ValueError or TypeError whose message
-names the offending argument, so a user sees which input is wrong rather than a failure deep
-inside a kernel.
+Every check raises a ValueError or TypeError whose message names the offending argument, so a user
+sees which input is wrong rather than a failure deep inside a kernel. Checks read only tensor
+metadata: they never allocate or synchronise with the device.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 import triton
+
+_log = logging.getLogger("tritonllm.kernels")
 
 #: dtypes every kernel accepts for activations and weights.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,9 +42,13 @@ class _Autotuned:
     """
 
     def __init__(self, fn, configs, key, prune_configs_by=None, **kwargs):
+        if any(c.pre_hook is not None for c in configs):
+            raise ValueError("configs with a pre_hook are not supported: a cached Launch cannot replay it")
         self.fn = fn
         self.autotuner = triton.autotune(configs, key=key, prune_configs_by=prune_configs_by, **kwargs)(fn)
         self.prune = (prune_configs_by or {}).get("early_config_prune")
+        #: problem key -> Launch with the config chosen for it (see :meth:`launch`)
+        self.plans = Plans()
 
     @property
     def configs(self) -> list:
@@ -50,6 +58,7 @@ class _Autotuned:
     def configs(self, configs) -> None:
         self.autotuner.configs = list(configs)
         self.autotuner.cache.clear()
+        self.plans.clear()
 
     def pinned_config(self, *args, **kwargs):
         """The config a launch with these arguments runs while autotuning is off."""
@@ -68,6 +77,164 @@ class _Autotuned:
                 config.pre_hook({**dict(zip(self.fn.arg_names, args)), **kwargs, **config.all_kwargs()})
             return self.fn[grid](*args, **kwargs, **config.all_kwargs())
         return launch
+
+    def chosen_config(self, *args, **kwargs):
+        """The config the last launch with these arguments ran: the autotuner's choice (its
+        ``best_config``) while autotuning, else :meth:`pinned_config`."""
+        return self.autotuner.best_config if autotuning() else self.pinned_config(*args, **kwargs)
+
+    def launch(self, key, grid, *args, **kwargs) -> None:
+        """``self[grid](*args, **kwargs)`` for the problem ``key``, without the autotuner after the
+        first launch: that one tunes (or picks the pinned config) and keeps a :class:`Launch` with
+        the chosen config and the grid resolved for it, which later launches with ``key`` call.
+
+        ``key`` must determine every non-tensor argument, the constexprs and the grid (the shapes,
+        strides and flags they come from); the Launch itself tells tensor dtypes and 16-byte
+        alignment apart. ``args`` are the kernel's runtime arguments, positional, in its order.
+        """
+        plan = self.plans.get(key)
+        if plan is not None:
+            plan(*args)
+            return
+        self[grid](*args, **kwargs)
+        config = self.chosen_config(*args, **kwargs)
+        meta = {**kwargs, **config.all_kwargs()}
+        self.plans.add(key, Launch(self.fn, grid(meta) if callable(grid) else grid, **meta))
+
+
+#: Triton versions whose ``CompiledKernel.run`` takes ``(grid_0, grid_1, grid_2, stream, function,
+#: packed_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, *every_argument)``, as
+#: ``JITFunction.run`` calls it (read in the 3.6 and 3.9 sources).
+DIRECT_LAUNCH_VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
+
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton."""
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def direct_launch() -> bool:
+    """True when :class:`Launch` hands arguments straight to compiled kernels: on a GPU, with a
+    Triton of ``DIRECT_LAUNCH_VERSIONS``, unless ``TRITONLLM_DIRECT_LAUNCH=0``. Otherwise every
+    launch goes through Triton's JIT dispatcher (logged once). Read once per process."""
+    if interpreting():
+        return False
+    if os.environ.get("TRITONLLM_DIRECT_LAUNCH", "1") == "0":
+        _log.info("TRITONLLM_DIRECT_LAUNCH=0: kernels launch through Triton's JIT dispatcher")
+        return False
+    if triton_version() not in DIRECT_LAUNCH_VERSIONS:
+        _log.warning("Triton %s: kernels launch through Triton's JIT dispatcher (the direct launch path "
+                     "is verified on Triton %s)", triton.__version__,
+                     ", ".join(f"{a}.{b}" for a, b in DIRECT_LAUNCH_VERSIONS))
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime():
+    """(current device, current stream, runtime knobs) accessors of the active Triton driver."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime
+
+
+def _hooked(hook) -> bool:
+    """True when a launch hook is installed: a non-empty ``HookChain`` (Triton 3.6+, where the knob
+    is never None and the dispatcher calls the empty chain on every launch), or any other value."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Launch:
+    """One launch of a ``@triton.jit`` kernel with all but its runtime arguments fixed: the grid,
+    the constexprs and the launch options (``num_warps``, ...). ``launch(*args)`` runs
+    ``fn[grid](*args, **kwargs)``.
+
+    Built once per problem (the launchers keep them in dicts keyed by shape, strides, dtype and
+    flags), a Launch skips Triton's per-call dispatch: the first call per device and per tensor
+    specialization (dtype, 16-byte alignment of each tensor argument) goes through the JIT
+    dispatcher, which compiles if needed, and keeps the compiled kernel; later calls pass the
+    arguments to its launcher directly (:func:`direct_launch`), with no argument binding, cache-key
+    string or global-value check. Non-tensor arguments must be the same on every call except for
+    floats and bools, which Triton does not specialize on (the plan's key covers the rest).
+    Under the interpreter, with a launch hook installed (a profiler) or with
+    ``TRITONLLM_DIRECT_LAUNCH=0``, every call uses the dispatcher.
+    """
+
+    __slots__ = ("fn", "grid", "kwargs", "tensors", "tail", "kernels")
+
+    def __init__(self, fn, grid, **kwargs):
+        self.fn = fn
+        grid = tuple(grid)
+        self.grid = grid + (1,) * (3 - len(grid))
+        self.kwargs = kwargs
+        self.tensors = None  # positions of the tensor arguments, from the first call
+        self.tail = self._constexpr_tail(fn, kwargs)
+        self.kernels: dict = {}
+
+    @staticmethod
+    def _constexpr_tail(fn, kwargs):
+        """Values of ``fn``'s constexpr parameters, which must all follow its runtime ones (the
+        arguments a compiled kernel's launcher takes after them); None when they do not, or when
+        one has neither a value in ``kwargs`` nor a default: such a Launch always dispatches."""
+        params = getattr(fn, "params", None)
+        if params is None:
+            return None
+        flags = [p.is_constexpr for p in params]
+        first = flags.index(True) if True in flags else len(flags)
+        if not all(flags[first:]):
+            return None
+        tail = []
+        for p in params[first:]:
+            if p.name in kwargs:
+                tail.append(kwargs[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                return None
+        return tuple(tail)
+
+    def __call__(self, *args):
+        if self.tail is None or not direct_launch():
+            self.fn[self.grid](*args, **self.kwargs)
+            return
+        get_device, get_stream, knobs = _runtime()
+        if _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):  # they want launch metadata
+            self.fn[self.grid](*args, **self.kwargs)
+            return
+        if self.tensors is None:
+            self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        device = get_device()
+        key = (device, *[(args[i].dtype, args[i].data_ptr() % 16 == 0) for i in self.tensors])
+        entry = self.kernels.get(key)
+        if entry is None:
+            kernel = self.fn[self.grid](*args, **self.kwargs)
+            self.kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+            return
+        run, function, metadata = entry
+        g0, g1, g2 = self.grid
+        run(g0, g1, g2, get_stream(device), function, metadata, None, None, None, *args, *self.tail)
+
+
+class Plans(dict):
+    """Launch plans per problem key, emptied when ``limit`` entries are reached, so that a workload
+    of ever new shapes (generation at growing lengths) does not grow it without bound."""
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, plan):
+        if len(self) >= self.limit and key not in self:
+            self.clear()
+        super().__setitem__(key, plan)
+
+    def add(self, key, plan):
+        """Store ``plan`` under ``key`` and return it."""
+        self[key] = plan
+        return plan
 
 
 def autotune(configs, key, prune_configs_by=None, **kwargs):
@@ -98,20 +265,39 @@ def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim=None, min_ndim=None)
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
 
 
+def _differ(tensors: dict, attr: str) -> bool:
+    """True when the non-None tensors' ``attr`` (device or dtype) is not the same for all."""
+    first = None
+    for t in tensors.values():
+        if t is not None:
+            value = getattr(t, attr)
+            if first is None:
+                first = value
+            elif value != first:
+                return True
+    return False
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     """Raise a ValueError naming the tensors when they are not all on one device."""
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{n} on {d}" for n, d in devices.items())
+    if _differ(tensors, "device"):
+        listed = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if t is not None)
         raise ValueError(f"tensors must be on the same device: {listed}")
 
 
 def check_same_dtype(**tensors: torch.Tensor) -> None:
     """Raise a TypeError naming the tensors when their dtypes differ."""
-    dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
-    if len(set(dtypes.values())) > 1:
-        listed = ", ".join(f"{n} is {str(d).replace('torch.', '')}" for n, d in dtypes.items())
+    if _differ(tensors, "dtype"):
+        listed = ", ".join(f"{n} is {str(t.dtype).replace('torch.', '')}" for n, t in tensors.items()
+                           if t is not None)
         raise TypeError(f"tensors must share one dtype: {listed}")
+
+
+def needs_grad(*tensors) -> bool:
+    """True when autograd records: grad mode is on and one of ``tensors`` (None and non-tensors
+    allowed, the input checks come later) requires a gradient. Ops skip their autograd Function
+    otherwise (its node costs host time and saves tensors for nothing)."""
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 def rows_view(x: torch.Tensor, n: int) -> torch.Tensor:
