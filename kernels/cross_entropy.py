@@ -22,11 +22,15 @@ Offsets are int64, so ``N * V`` may exceed 2^31.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting, next_pow2, rows_view
+
+from ._common import (INDEX_DTYPES, Launch, Plans, autotune, check_same_device, check_tensor, interpreting, needs_grad,
+                      next_pow2, rows_view)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -97,10 +101,20 @@ def _cross_entropy_fwd_kernel(
         tl.store(z_ptr + row, z_term)
 
 
-_cross_entropy_fwd_tuned = triton.autotune(
+_cross_entropy_fwd_tuned = autotune(
     configs=[triton.Config({"BLOCK_V": b}, num_warps=w) for b, w in _FWD_CONFIGS],
     key=["V"],
 )(_cross_entropy_fwd_kernel)
+#: launch plans per problem: interpreter forward, reduction, backward (the GPU forward's are in
+#: _cross_entropy_fwd_tuned.plans)
+_FWD_PLANS, _REDUCE_PLANS, _BWD_PLANS = Plans(), Plans(), Plans()
+
+
+@functools.lru_cache(maxsize=None)
+def _err_sink(device: torch.device) -> torch.Tensor:
+    """The out-of-range flag the forward kernel writes when nobody reads it (``validate=False``):
+    one buffer per device, allocated once."""
+    return torch.zeros((), dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -199,11 +213,12 @@ def _check_args(logits, target, ignore_index, label_smoothing, z_loss, reduction
 
 
 def cross_entropy_fwd(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean",
-                      return_z_loss=False):
+                      return_z_loss=False, validate=True):
     """Forward launcher. Returns ``(loss, z, lse, count, x2d, t1d)``: the loss (0-d fp32, or fp32 of
     ``target``'s shape for ``"none"``), the z-loss term reduced the same way (None unless
     ``return_z_loss``), the per-row logsumexp and the non-ignored row count (0-d, None unless
-    ``"mean"``) that the backward needs, and the 2-D logits / 1-D targets the kernels read."""
+    ``"mean"``) that the backward needs, and the 2-D logits / 1-D targets the kernels read.
+    ``validate``: see :func:`cross_entropy`."""
     _check_args(logits, target, ignore_index, label_smoothing, z_loss, reduction)
     V = logits.shape[-1]
     x = rows_view(logits, V)
@@ -213,15 +228,18 @@ def cross_entropy_fwd(logits, target, ignore_index=-100, label_smoothing=0.0, z_
     rows = torch.empty(N, dtype=torch.float32, device=dev)
     lse = torch.empty(N, dtype=torch.float32, device=dev)
     z_rows = torch.empty(N, dtype=torch.float32, device=dev) if return_z_loss else rows
-    err = torch.zeros((), dtype=torch.int32, device=dev)
+    err = torch.zeros((), dtype=torch.int32, device=dev) if validate else _err_sink(dev)
     args = (x, x.stride(0), t, rows, lse, z_rows, err, V, ignore_index, float(label_smoothing), float(z_loss))
     flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_Z=z_loss > 0, STORE_Z=return_z_loss)
     if N > 0:
+        key = (N, V, x.stride(0), ignore_index, *flags.values())
         if interpreting():
-            _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=min(next_pow2(V), _INTERPRET_BLOCK_V))
+            plan = _FWD_PLANS.get(key) or _FWD_PLANS.add(key, Launch(
+                _cross_entropy_fwd_kernel, (N,), **flags, BLOCK_V=min(next_pow2(V), _INTERPRET_BLOCK_V)))
+            plan(*args)
         else:
-            _cross_entropy_fwd_tuned[(N,)](*args, **flags)
-    if err.item():  # the one host synchronisation of the op
+            _cross_entropy_fwd_tuned.launch(key, (N,), *args, **flags)
+    if validate and err.item():  # the one host synchronisation of the op
         raise ValueError(f"target has values outside [0, {V}) that are not ignore_index={ignore_index}")
     if reduction == "none":
         z = z_rows.view(target.shape) if return_z_loss else None
@@ -229,9 +247,11 @@ def cross_entropy_fwd(logits, target, ignore_index=-100, label_smoothing=0.0, z_
     loss = torch.empty((), dtype=torch.float32, device=dev)
     z = torch.empty((), dtype=torch.float32, device=dev)
     count = torch.empty((), dtype=torch.float32, device=dev)
-    _cross_entropy_reduce_kernel[(1,)](rows, z_rows, t, loss, z, count, N, ignore_index,
-                                       MEAN=reduction == "mean", HAS_Z_OUT=return_z_loss,
-                                       BLOCK=min(next_pow2(N), _REDUCE_BLOCK), num_warps=4)
+    key = (N, ignore_index, reduction, return_z_loss)
+    plan = _REDUCE_PLANS.get(key) or _REDUCE_PLANS.add(key, Launch(
+        _cross_entropy_reduce_kernel, (1,), MEAN=reduction == "mean", HAS_Z_OUT=return_z_loss,
+        BLOCK=min(next_pow2(N), _REDUCE_BLOCK), num_warps=4))
+    plan(rows, z_rows, t, loss, z, count, N, ignore_index)
     return loss, (z if return_z_loss else None), lse, (count if reduction == "mean" else None), x, t
 
 
@@ -247,22 +267,24 @@ def cross_entropy_bwd(dloss, x, t, lse, count, ignore_index=-100, label_smoothin
         return dx
     dl = dloss.reshape(-1) if dloss.dim() else dloss
     stride_dl = dl.stride(0) if dl.dim() else 0
-    block = min(next_pow2(V), _INTERPRET_BLOCK_V if interpreting() else _BWD_BLOCK_V)
-    _cross_entropy_bwd_kernel[(N,)](
-        x, x.stride(0), dx, dx.stride(0), t, lse, dl, stride_dl, count if count is not None else lse,
-        V, ignore_index, float(label_smoothing), float(z_loss),
-        MEAN=count is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_Z=z_loss > 0,
-        BLOCK_V=block, num_warps=max(1, min(_BWD_NUM_WARPS, block // 512)),
-    )
+    flags = dict(MEAN=count is not None, HAS_SMOOTHING=label_smoothing > 0, HAS_Z=z_loss > 0)
+    key = (N, V, x.stride(0), dx.stride(0), stride_dl, ignore_index, *flags.values())
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        block = min(next_pow2(V), _INTERPRET_BLOCK_V if interpreting() else _BWD_BLOCK_V)
+        plan = _BWD_PLANS.add(key, Launch(_cross_entropy_bwd_kernel, (N,), **flags, BLOCK_V=block,
+                                          num_warps=max(1, min(_BWD_NUM_WARPS, block // 512))))
+    plan(x, x.stride(0), dx, dx.stride(0), t, lse, dl, stride_dl, count if count is not None else lse,
+         V, ignore_index, float(label_smoothing), float(z_loss))
     return dx
 
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, reduction, return_z_loss,
-                inplace_backward):
+                inplace_backward, validate):
         loss, z, lse, count, x, t = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss,
-                                                      reduction, return_z_loss)
+                                                      reduction, return_z_loss, validate)
         ctx.save_for_backward(x, t, lse, count)
         ctx.args = (ignore_index, label_smoothing, z_loss, inplace_backward)
         ctx.logits_shape = logits.shape
@@ -276,12 +298,12 @@ class CrossEntropyFunction(torch.autograd.Function):
         x, t, lse, count = ctx.saved_tensors
         ignore_index, label_smoothing, z_loss, inplace = ctx.args
         dx = cross_entropy_bwd(dloss, x, t, lse, count, ignore_index, label_smoothing, z_loss, inplace)
-        return dx.reshape(ctx.logits_shape), None, None, None, None, None, None, None
+        return dx.reshape(ctx.logits_shape), None, None, None, None, None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                   label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
-                  return_z_loss: bool = False, inplace_backward: bool = False):
+                  return_z_loss: bool = False, inplace_backward: bool = False, validate: bool = True):
     """Cross-entropy of ``logits`` ``[..., V]`` (fp32/fp16/bf16) against ``target`` ``[...]`` (int32/int64).
 
     ``loss_i = lse_i - (1 - ls) * x_{i,t_i} - ls / V * sum_j x_ij + z_loss * lse_i^2`` computed in
@@ -294,7 +316,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     ``inplace_backward=True`` lets the backward write the gradient over ``logits``' storage, saving
     one ``[N, V]`` buffer; ``logits`` must not be used after the backward. Targets outside
     ``[0, V)`` that are not ``ignore_index`` raise a ValueError: the forward kernel flags them and
-    the host reads the flag (one synchronisation per call).
+    the host reads the flag (one synchronisation per call). ``validate=False`` skips that read (no
+    synchronisation, so the call can be captured in a CUDA graph, as F.cross_entropy checks on the
+    device): such targets then go undetected and their rows add 0 to the loss.
     """
-    return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, z_loss, reduction,
-                                      return_z_loss, inplace_backward)
+    if needs_grad(logits):
+        return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, z_loss, reduction,
+                                          return_z_loss, inplace_backward, validate)
+    loss, z = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss, reduction, return_z_loss,
+                                validate)[:2]  # nothing to differentiate: no autograd node
+    return (loss, z) if return_z_loss else loss

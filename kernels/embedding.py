@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting
+from ._common import INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, interpreting, needs_grad
 
 #: Forward tile (fixed config, no autotune: the autotuner's per-call key building cost host time on
 #: a ~10 us gather): BLOCK_N tokens x BLOCK_D columns per program.
@@ -159,6 +159,10 @@ def _bwd_plan(v: int, d: int, knobs: tuple) -> tuple[int, int, tuple[int, int], 
             key_dtype)
 
 
+#: forward and backward launch plans per problem (sizes, strides, knobs)
+_FWD_PLANS, _BWD_PLANS = Plans(), Plans()
+
+
 def _fwd(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Unchecked forward: ``weight[ids]`` ``[..., D]``."""
     D = weight.shape[1]
@@ -168,9 +172,14 @@ def _fwd(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     N = flat.shape[0]
     out = torch.empty((N, D), dtype=weight.dtype, device=weight.device)
     if N and D:
-        block_n, block_d, grid, num_warps = _fwd_plan(N, D, (_FWD_BLOCK_N, _FWD_BLOCK_D, _FWD_NUM_WARPS))
-        _embedding_fwd_kernel[grid](flat, weight, out, N, D, flat.stride(0), weight.stride(0),
-                                    BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
+        knobs = (_FWD_BLOCK_N, _FWD_BLOCK_D, _FWD_NUM_WARPS)
+        key = (N, D, flat.stride(0), weight.stride(0), knobs)
+        plan = _FWD_PLANS.get(key)
+        if plan is None:
+            block_n, block_d, grid, num_warps = _fwd_plan(N, D, knobs)
+            plan = _FWD_PLANS.add(key, Launch(_embedding_fwd_kernel, grid, BLOCK_N=block_n, BLOCK_D=block_d,
+                                              num_warps=num_warps))
+        plan(flat, weight, out, N, D, flat.stride(0), weight.stride(0))
     return out.view(*ids.shape, D)
 
 
@@ -183,9 +192,10 @@ def _bwd(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int, pad: int) -> 
     if num_embeddings and D:
         dy2 = (dy if dy.stride(-1) == 1 else dy.contiguous()).reshape(N, D)
         sorted_ids, perm = torch.sort(ids.reshape(-1).to(key_dtype), stable=True)
-        _embedding_bwd_kernel[grid](dy2, sorted_ids, perm, dw, N, num_embeddings, D, dy2.stride(0), pad,
-                                    N.bit_length(), BLOCK_V=block_v, BLOCK_D=block_d, CHUNK=_BWD_CHUNK,
-                                    num_warps=num_warps)
+        key = (N, num_embeddings, D, dy2.stride(0), pad, block_v, block_d, num_warps, _BWD_CHUNK)
+        plan = _BWD_PLANS.get(key) or _BWD_PLANS.add(key, Launch(
+            _embedding_bwd_kernel, grid, BLOCK_V=block_v, BLOCK_D=block_d, CHUNK=_BWD_CHUNK, num_warps=num_warps))
+        plan(dy2, sorted_ids, perm, dw, N, num_embeddings, D, dy2.stride(0), pad, N.bit_length())
     return dw
 
 
@@ -244,4 +254,8 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
         ``out[..., :] = weight[ids[...], :]``, shape ``[..., D]``, dtype of ``weight``. The gradient
         ``dW[v] = sum_{n: ids[n] = v} dy[n]`` (fp32 sums, deterministic, zero for unused rows).
     """
-    return EmbeddingFunction.apply(ids, weight, padding_idx, validate)
+    if needs_grad(weight):
+        return EmbeddingFunction.apply(ids, weight, padding_idx, validate)
+    _check_fwd(ids, weight, validate)  # nothing to differentiate: no autograd node, the same checks
+    _padding_index(padding_idx, weight.shape[0])
+    return _fwd(ids, weight)

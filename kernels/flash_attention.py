@@ -56,8 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (autotune, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2,
-                      num_sms)
+from ._common import (Launch, Plans, autotune, check_same_device, check_same_dtype, check_tensor, interpreting,
+                      needs_grad, next_pow2, num_sms)
 
 #: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -762,10 +762,11 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     splits = _auto_splits(B, T, Hq, Hkv, S - key_lo) if split_kv is None else split_kv
 
     if splits == 0:
+        stream = _stream_flags("fwd", window, k, v)
+        key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), causal, window, q.dtype, *stream.values())
         grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731
-        _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), T, S, Hq, Hq // Hkv,
-                          shift, win, qk_scale, next_pow2(T), next_pow2(S), **flags,
-                          **_stream_flags("fwd", window, k, v))
+        _fwd_kernel.launch(key, grid, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), T, S, Hq, Hq // Hkv,
+                           shift, win, qk_scale, next_pow2(T), next_pow2(S), **flags, **stream)
         return o, lse
 
     group = Hq // Hkv
@@ -796,6 +797,10 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return bwd.dq(), dk, dv
 
 
+#: launch plans of the backward's preprocess kernel per problem
+_PREPROCESS_PLANS = Plans()
+
+
 class _Backward:
     """The backward's inputs, checked, with ``delta = rowsum(dO * O)`` and the base-2 lse from the
     preprocess kernel; :meth:`dkdv` and :meth:`dq` launch the two gradient kernels (separately, so
@@ -823,30 +828,39 @@ class _Backward:
         pitch = triton.cdiv(T, 4) * 4
         self.delta = torch.empty((B, Hq, pitch), dtype=torch.float32, device=q.device)
         self.lse2 = torch.empty((B, Hq, pitch), dtype=torch.float32, device=q.device)
-        _flash_attention_bwd_preprocess_kernel[(triton.cdiv(T, _PREPROCESS_BLOCK_M), B * Hq)](
-            o, do, lse, self.delta, self.lse2, *_strides(do), T, Hq, pitch, HEAD_DIM=D,
-            BLOCK_D=self.flags["BLOCK_D"], BLOCK_M=_PREPROCESS_BLOCK_M, num_warps=1 if interpreting() else 4)
+        do_strides = _strides(do)
+        key = (B, T, Hq, D, do_strides, pitch)
+        preprocess = _PREPROCESS_PLANS.get(key) or _PREPROCESS_PLANS.add(key, Launch(
+            _flash_attention_bwd_preprocess_kernel, (triton.cdiv(T, _PREPROCESS_BLOCK_M), B * Hq), HEAD_DIM=D,
+            BLOCK_D=self.flags["BLOCK_D"], BLOCK_M=_PREPROCESS_BLOCK_M, num_warps=1 if interpreting() else 4))
+        preprocess(o, do, lse, self.delta, self.lse2, *do_strides, T, Hq, pitch)
         # the arguments both gradient kernels share, from the strides on
-        self.common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), T, S, Hq, pitch)
+        self.common = (*_strides(q), *_strides(k), *_strides(v), *do_strides, T, S, Hq, pitch)
         self.scales = (S - T, window or 0, scale * _LOG2E, scale, next_pow2(T), next_pow2(S))
+        #: what, besides the streamed tensors' alignment (USE_TMA), fixes the gradient kernels' plans
+        self.key = (B, D, Hkv, self.common, causal, window, q.dtype)
 
     def dkdv(self) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, do = self.q, self.k, self.v, self.do
         B, S, Hkv, _ = k.shape
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        _dkdv_kernel[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)](
+        stream = _stream_flags("dkdv", self.window, q, do)
+        _dkdv_kernel.launch(
+            (self.key, *stream.values()), lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv),
             q, k, v, do, self.lse2, self.delta, dk, dv, *self.common, Hkv, q.shape[2] // Hkv, *self.scales,
-            **self.flags, **_stream_flags("dkdv", self.window, q, do))
+            **self.flags, **stream)
         return dk, dv
 
     def dq(self) -> torch.Tensor:
         q, k, v, do = self.q, self.k, self.v, self.do
         B, T, Hq, D = q.shape
         dq = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
-        _dq_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)](
+        stream = _stream_flags("dq", self.window, k, v)
+        _dq_kernel.launch(
+            (self.key, *stream.values()), lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq),
             q, k, v, do, self.lse2, self.delta, dq, *self.common, Hq // k.shape[2], *self.scales,
-            **self.flags, **_stream_flags("dq", self.window, k, v))
+            **self.flags, **stream)
         return dq
 
 
@@ -888,4 +902,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     Returns:
         ``[B, T, Hq, D]`` contiguous, in the dtype of q. Differentiable in q, k, v.
     """
-    return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale)
+    if needs_grad(q, k, v):
+        return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale)
+    return flash_attention_fwd(q, k, v, causal, window, softmax_scale)[0]  # nothing to differentiate

@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2, num_sms
+from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
+                      next_pow2, num_sms)
 from .swiglu import swiglu_bwd
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
@@ -360,10 +361,16 @@ _matmul_kernel_tuned = triton.autotune(
     restore_value=["c_ptr"],  # ACCUMULATE reads C: every timed config must start from the same C
 )(_matmul_kernel)
 
-#: launch parameters (config kwargs, num_warps, num_stages) per problem, filled from the
-#: autotuner's choice on a problem's first launch; later launches skip the autotuner's per-call
-#: argument scan (host time: the bench host spends ~3x a desktop's time per Python call)
-_LAUNCH_CONFIGS: dict[tuple, dict] = {}
+#: launch plans per problem (:func:`_gemm_key`): the kernel's Launch with the autotuner's choice
+#: (made on the problem's first launch), its integer arguments and the split-K sum's Launch; later
+#: launches skip the planning and the autotuner's per-call argument scan (scripts/tune_linear.py
+#: clears it after changing configs or knobs)
+_LAUNCH_CONFIGS = Plans()
+#: the kernel's runtime arguments after the six tensors, and its constexpr flags, as _gemm_plan names them
+_INT_ARGS = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cs", "stride_cm", "stride_cn",
+             "stride_gm", "stride_em", "stride_en")
+_FLAG_ARGS = ("EPILOGUE", "HAS_BIAS", "HAS_RESIDUAL", "ACCUMULATE", "STORE_GU", "USE_TMA", "A_K_CONTIGUOUS",
+              "B_N_CONTIGUOUS", "TMA_STORE", "PRECISION", "SPLIT_K")
 
 
 def _interpreter_config(M: int, N: int, K: int) -> dict:
@@ -482,26 +489,63 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     """
     if c.shape[0] == 0 or c.shape[1] == 0:
         return c
-    args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k)
-    if args["USE_TMA"] and not interpreting():
+    key = None if config is not None else _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32,
+                                                   use_tma, split_k)
+    plan = None if key is None else _LAUNCH_CONFIGS.get(key)
+    if plan is None:
+        plan = _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config)
+        if key is not None:
+            _LAUNCH_CONFIGS[key] = plan
+        return c
+    launch, ints, splits, sum_splits, tma = plan
+    out = c if splits == 1 else torch.empty((splits, c.shape[0], c.shape[1]), dtype=torch.float32, device=c.device)
+    if tma:
         triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
+    launch(a, b, out, c if gu is None else gu, c if bias is None else bias, c if residual is None else residual, *ints)
+    if splits > 1:
+        sum_splits(out, c, *ints[:2], splits, c.stride(0), c.stride(1))
+    return c
+
+
+def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k) -> tuple:
+    """What a gemm launch plan depends on: shapes, strides, dtypes, the 16-byte alignment of the
+    operands (TMA), the options, the device and the module knobs."""
+    return (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), a.dtype, b.dtype, c.dtype,
+            a.data_ptr() % 16, b.data_ptr() % 16, c.data_ptr() % 16, c.device,
+            None if bias is None else bias.dtype,
+            None if residual is None else (residual.stride(), residual.dtype),
+            None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
+            epilogue, accumulate, allow_tf32, use_tma, split_k, FLATTEN, WARP_SPECIALIZE, TMA_STORE, EPILOGUE_SUBTILE)
+
+
+def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config) -> tuple:
+    """Plan a problem and launch it once (through the autotuner on the GPU, which picks the config
+    on a problem's first launch); return the plan later launches of the problem reuse:
+    ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA)``."""
+    args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k)
+    tma = args["USE_TMA"] and not interpreting()
+    if tma:
+        triton.set_allocator(_tma_scratch)
     if interpreting():
-        _matmul_kernel[grid](**args, **_interpreter_config(*key[:3]))
+        meta = _interpreter_config(*key[:3])
     elif config is not None:
-        _matmul_kernel[grid](**args, **config.all_kwargs())
+        meta = config.all_kwargs()
     else:
-        meta = _LAUNCH_CONFIGS.get(key)
-        if meta is None:
-            _matmul_kernel_tuned[grid](**args)
-            _LAUNCH_CONFIGS[key] = _matmul_kernel_tuned.best_config.all_kwargs()
-        else:
-            _matmul_kernel[grid](**args, **meta)
+        _matmul_kernel_tuned[grid](**args)
+        meta = _matmul_kernel_tuned.best_config.all_kwargs()
+    launch = Launch(_matmul_kernel, grid(meta), **{k: args[k] for k in _FLAG_ARGS}, **meta)
+    ints = tuple(args[k] for k in _INT_ARGS)
+    tensors = (args["a_ptr"], args["b_ptr"], args["c_ptr"], args["gu_ptr"], args["bias_ptr"], args["e_ptr"])
+    if interpreting() or config is not None:
+        launch(*tensors, *ints)
+    sum_splits = None
     if args["SPLIT_K"] > 1:
         M, N = c.shape
         block_m, block_n = (32, 128) if not interpreting() else (64, 64)
-        _sum_splits_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-            args["c_ptr"], c, M, N, args["SPLIT_K"], c.stride(0), c.stride(1), BLOCK_M=block_m, BLOCK_N=block_n)
-    return c
+        sum_splits = Launch(_sum_splits_kernel, (triton.cdiv(M, block_m), triton.cdiv(N, block_n)),
+                            BLOCK_M=block_m, BLOCK_N=block_n)
+        sum_splits(args["c_ptr"], c, M, N, args["SPLIT_K"], c.stride(0), c.stride(1))
+    return launch, ints, args["SPLIT_K"], sum_splits, tma
 
 
 @triton.jit
@@ -634,7 +678,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp32 inputs use TF32 tensor cores on the GPU unless ``allow_tf32=False``.
     Backward: dx = dy W, dW = dy^T x, db = sum of dy's rows (deterministic), d(residual) = dy.
     """
-    return LinearFunction.apply(x, weight, bias, residual, allow_tf32)
+    if needs_grad(x, weight, bias, residual):
+        return LinearFunction.apply(x, weight, bias, residual, allow_tf32)
+    return linear_fwd(x, weight, bias, residual, allow_tf32)  # nothing to differentiate: no autograd node
 
 
 def linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor, allow_tf32: bool = True, store_gu: bool = False):
@@ -690,6 +736,6 @@ def linear_swiglu(x: torch.Tensor, w13: torch.Tensor, *, allow_tf32: bool = True
     also writes the [..., 2F] gate/up pre-activations (saved for the backward, as the unfused
     GEMM + swiglu pair saves its GEMM output); under no_grad only h is written.
     """
-    if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad):
+    if needs_grad(x, w13):
         return LinearSwiGLUFunction.apply(x, w13, allow_tf32)
     return linear_swiglu_fwd(x, w13, allow_tf32)[0]

@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting, next_pow2, num_sms
+from ._common import (INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, interpreting, needs_grad, next_pow2,
+                      num_sms)
 from .linear import as_matrix, check_linear_inputs, gemm, split_fill, split_k_for
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -243,6 +244,10 @@ def default_chunk(T: int, H: int, V: int, elem: int, sms: int) -> tuple[int, int
     return min(64, T), split_k_for(64, H, V, sms)
 
 
+#: launch plans per problem of the row kernel, the gradient scaling and the reduction
+_ROW_PLANS, _SCALE_PLANS, _REDUCE_PLANS = Plans(), Plans(), Plans()
+
+
 def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, allow_tf32,
                 need_dx, need_dw, store_z, row_grad=None):
     """Per-row losses (and z terms) of all T rows; with need_dx / need_dw also dx [T, H] (x's
@@ -267,15 +272,18 @@ def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, all
     for i, s in enumerate(range(0, T, chunk)):
         e = min(s + chunk, T)
         logits = gemm(x2[s:e], weight.t(), buf[: e - s], allow_tf32=allow_tf32)
-        _linear_cross_entropy_fwd_kernel[(e - s,)](
-            logits, logits.stride(0), t[s:e], t.stride(0), loss_rows[s:e],
-            loss_rows if z_rows is None else z_rows[s:e],
-            loss_rows if row_grad is None else row_grad[s:e], 0 if row_grad is None else row_grad.stride(0),
-            V, ignore_index, float(label_smoothing), float(z_loss),
-            HAS_SMOOTHING=label_smoothing > 0, HAS_GRAD=need_dx or need_dw, STORE_Z=store_z,
-            HAS_ROW_GRAD=row_grad is not None, SINGLE_PASS=single,
-            BLOCK_V=block_v, num_warps=ROW_NUM_WARPS if not interpreting() else 1,
-        )
+        rg_stride = 0 if row_grad is None else row_grad.stride(0)
+        flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_GRAD=need_dx or need_dw, STORE_Z=store_z,
+                     HAS_ROW_GRAD=row_grad is not None, SINGLE_PASS=single)
+        key = (e - s, logits.stride(0), t.stride(0), rg_stride, V, ignore_index, block_v, ROW_NUM_WARPS,
+               *flags.values())
+        plan = _ROW_PLANS.get(key) or _ROW_PLANS.add(key, Launch(
+            _linear_cross_entropy_fwd_kernel, (e - s,), **flags, BLOCK_V=block_v,
+            num_warps=ROW_NUM_WARPS if not interpreting() else 1))
+        plan(logits, logits.stride(0), t[s:e], t.stride(0), loss_rows[s:e],
+             loss_rows if z_rows is None else z_rows[s:e],
+             loss_rows if row_grad is None else row_grad[s:e], rg_stride,
+             V, ignore_index, float(label_smoothing), float(z_loss))
         if need_dx:
             gemm(logits, weight, dx[s:e], allow_tf32=allow_tf32, split_k=dx_splits)
         if need_dw:
@@ -290,9 +298,11 @@ def _scaled(src: torch.Tensor, dtype: torch.dtype, dloss: torch.Tensor, scale: t
     out = src if in_place else torch.empty(src.shape, dtype=dtype, device=src.device)
     n = src.numel()
     if n:
-        _linear_cross_entropy_bwd_kernel[(triton.cdiv(n, SCALE_BLOCK),)](
-            src, out, n, dloss, scale, scale if prev is None else prev, scale if factor_out is None else factor_out,
-            HAS_PREV=prev is not None, STORE_FACTOR=factor_out is not None, BLOCK=SCALE_BLOCK)
+        key = (n, prev is not None, factor_out is not None, SCALE_BLOCK)
+        plan = _SCALE_PLANS.get(key) or _SCALE_PLANS.add(key, Launch(
+            _linear_cross_entropy_bwd_kernel, (triton.cdiv(n, SCALE_BLOCK),), HAS_PREV=prev is not None,
+            STORE_FACTOR=factor_out is not None, BLOCK=SCALE_BLOCK))
+        plan(src, out, n, dloss, scale, scale if prev is None else prev, scale if factor_out is None else factor_out)
     return out
 
 
@@ -316,8 +326,10 @@ def linear_cross_entropy_fwd(x, weight, target, ignore_index=-100, label_smoothi
         return loss_rows.view(target.shape), z_rows.view(target.shape), None, None, None
     loss, z = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2))
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    _linear_cross_entropy_reduce_kernel[(1,)](loss_rows, z_rows, t, t.stride(0), loss, z, scale, t.numel(),
-                                              ignore_index, MEAN=reduction == "mean", BLOCK=1024)
+    key = (t.numel(), t.stride(0), ignore_index, reduction)
+    plan = _REDUCE_PLANS.get(key) or _REDUCE_PLANS.add(key, Launch(
+        _linear_cross_entropy_reduce_kernel, (1,), MEAN=reduction == "mean", BLOCK=1024))
+    plan(loss_rows, z_rows, t, t.stride(0), loss, z, scale, t.numel(), ignore_index)
     return loss, z, dx, dw, scale
 
 
@@ -397,8 +409,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     ``return_z_loss`` (the z-loss part of the loss, reduced the same way, for logging; not
     differentiable).
     """
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if not needs_grad:
+    if not needs_grad(x, weight):
         loss, z, *_ = linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
                                                chunk_size, allow_tf32=allow_tf32)
         return (loss, z) if return_z_loss else loss

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2, num_sms, rows_view
+from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
+                      next_pow2, num_sms, rows_view)
 
 #: Longest row chunk held in registers; longer rows take the two-pass loop over chunks.
 _MAX_BLOCK_N = 8192
@@ -305,6 +306,23 @@ def _check_fwd(x, weight, eps, residual) -> None:
     _check_eps(eps)
 
 
+#: forward and backward launch plans per problem (shape, row strides, flags, device, knobs)
+_FWD_PLANS = Plans()
+_BWD_PLANS = Plans()
+
+
+def _fwd_launch(m: int, n: int, stride_x: int, stride_r: int, has_residual: bool) -> Launch:
+    knobs = (_MAX_BLOCK_N, _FWD_TILE, _FWD_ELEMS_PER_THREAD, _INTERP_TILE)
+    key = (m, n, stride_x, stride_r, has_residual, knobs)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        block_n, block_m, num_warps = _fwd_plan(n, knobs)
+        plan = _FWD_PLANS.add(key, Launch(
+            _rms_norm_fwd_kernel, (triton.cdiv(m, block_m),), HAS_RESIDUAL=has_residual, ONE_PASS=n <= block_n,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
+    return plan
+
+
 def _fwd(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """Unchecked forward on ``[M, N]`` row views (contiguous weight): ``(y, h or None, rstd)``."""
     m, n = x2.shape
@@ -312,35 +330,42 @@ def _fwd(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: f
     h = torch.empty((m, n), dtype=x2.dtype, device=x2.device) if r2 is not None else y
     rstd = torch.empty((m,), dtype=torch.float32, device=x2.device)
     if m > 0:
-        block_n, block_m, num_warps = _fwd_plan(n, (_MAX_BLOCK_N, _FWD_TILE, _FWD_ELEMS_PER_THREAD, _INTERP_TILE))
         r = r2 if r2 is not None else x2
-        _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x2, r, y, h, weight, rstd, x2.stride(0), r.stride(0), n, n, m, n, float(eps),
-            HAS_RESIDUAL=r2 is not None, ONE_PASS=n <= block_n, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps)
+        sx, sr = x2.stride(0), r.stride(0)
+        _fwd_launch(m, n, sx, sr, r2 is not None)(x2, r, y, h, weight, rstd, sx, sr, n, n, m, n, float(eps))
     return y, (h if r2 is not None else None), rstd
+
+
+def _bwd_launch(m: int, n: int, strides: tuple, has_dh: bool, device_index) -> tuple:
+    """``(backward Launch, dW Launch, programs, ONE_PASS)`` of the backward of this problem."""
+    tile, per_sm = ((_BWD_NARROW_TILE, _BWD_NARROW_PROGRAMS_PER_SM) if n <= _BWD_NARROW_N
+                    else (_BWD_TILE, _BWD_PROGRAMS_PER_SM))
+    knobs = (_MAX_BLOCK_N, tile, _BWD_ELEMS_PER_THREAD, per_sm, _DW_BLOCK_P, _DW_BLOCK_N, _INTERP_TILE)
+    key = (m, n, strides, has_dh, device_index, knobs, _BWD_PREFETCH)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        block_n, block_m, num_warps, programs, dw_block_p, dw_block_n = _bwd_plan(m, n, device_index, knobs)
+        one_pass = n <= block_n
+        plan = _BWD_PLANS.add(key, (
+            Launch(_rms_norm_bwd_kernel, (programs,), HAS_DH=has_dh, ONE_PASS=one_pass, PREFETCH=_BWD_PREFETCH,
+                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps),
+            Launch(_rms_norm_bwd_dw_kernel, (triton.cdiv(n, dw_block_n),), BLOCK_P=dw_block_p, BLOCK_N=dw_block_n),
+            programs, one_pass))
+    return plan
 
 
 def _bwd(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dh2: torch.Tensor | None):
     """Unchecked backward on ``[M, N]`` row views: ``(dx [M, N], dweight)``."""
     m, n = x2.shape
-    tile, per_sm = ((_BWD_NARROW_TILE, _BWD_NARROW_PROGRAMS_PER_SM) if n <= _BWD_NARROW_N
-                    else (_BWD_TILE, _BWD_PROGRAMS_PER_SM))
-    block_n, block_m, num_warps, programs, dw_block_p, dw_block_n = _bwd_plan(
-        m, n, x2.device.index, (_MAX_BLOCK_N, tile, _BWD_ELEMS_PER_THREAD, per_sm,
-                                _DW_BLOCK_P, _DW_BLOCK_N, _INTERP_TILE))
-    one_pass = n <= block_n
+    dh = dh2 if dh2 is not None else dy2
+    strides = (dy2.stride(0), x2.stride(0), dh.stride(0))
+    bwd, dw_sum, programs, one_pass = _bwd_launch(m, n, strides, dh2 is not None, x2.device.index)
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     scratch = rstd if one_pass else torch.empty((m,), dtype=torch.float32, device=x2.device)
-    dh = dh2 if dh2 is not None else dy2
-    _rms_norm_bwd_kernel[(programs,)](
-        dy2, x2, weight, rstd, dh, dx, scratch, partial, dy2.stride(0), x2.stride(0), dh.stride(0), n, m, n,
-        HAS_DH=dh2 is not None, ONE_PASS=one_pass, PREFETCH=_BWD_PREFETCH, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps)
+    bwd(dy2, x2, weight, rstd, dh, dx, scratch, partial, *strides, n, m, n)
     dw = torch.empty((n,), dtype=weight.dtype, device=weight.device)
-    _rms_norm_bwd_dw_kernel[(triton.cdiv(n, dw_block_n),)](
-        partial, dw, programs, n, BLOCK_P=dw_block_p, BLOCK_N=dw_block_n)
+    dw_sum(partial, dw, programs, n)
     return dx, dw
 
 
@@ -348,11 +373,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                  residual: torch.Tensor | None = None):
     """Launch the forward: returns ``(y, h, rstd)`` with ``y``/``h`` shaped like ``x`` (``h`` is
     ``x + residual``, or None without a residual) and ``rstd`` fp32 of shape ``[rows]``."""
-    _check_fwd(x, weight, eps, residual)
-    n = x.shape[-1]
-    y, h, rstd = _fwd(rows_view(x, n), rows_view(residual, n) if residual is not None else None,
-                      weight.contiguous(), eps)
-    return y.view(x.shape), (h.view(x.shape) if h is not None else None), rstd
+    y, h, _, _, rstd = _forward(x, weight, eps, residual)
+    return y, h, rstd
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -381,6 +403,16 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     return dx.view(x.shape), dw
 
 
+def _forward(x, weight, eps, residual):
+    """Checked forward of :func:`rms_norm`: ``(y, h or None, x or h as [M, N] rows, weight, rstd)``."""
+    _check_fwd(x, weight, eps, residual)
+    n = x.shape[-1]
+    x2 = rows_view(x, n)
+    weight = weight.contiguous()
+    y, h, rstd = _fwd(x2, rows_view(residual, n) if residual is not None else None, weight, eps)
+    return y.view(x.shape), (h.view(x.shape) if h is not None else None), (h if h is not None else x2), weight, rstd
+
+
 class RMSNormFunction(torch.autograd.Function):
     """Autograd wrapper: ``apply(x, weight, eps, residual)`` returns ``y``, or ``(y, h)`` with a residual.
 
@@ -389,16 +421,12 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, residual):
-        _check_fwd(x, weight, eps, residual)
-        n = x.shape[-1]
-        x2 = rows_view(x, n)
-        weight = weight.contiguous()
-        y, h, rstd = _fwd(x2, rows_view(residual, n) if residual is not None else None, weight, eps)
+        y, h, saved, weight, rstd = _forward(x, weight, eps, residual)
         ctx.shape = x.shape
         ctx.has_residual = h is not None
-        ctx.save_for_backward(h if h is not None else x2, weight, rstd)
+        ctx.save_for_backward(saved, weight, rstd)
         ctx.set_materialize_grads(False)
-        return (y.view(x.shape), h.view(x.shape)) if h is not None else y.view(x.shape)
+        return (y, h) if h is not None else y
 
     @staticmethod
     def backward(ctx, dy, dh=None):
@@ -425,4 +453,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         reductions in fp32. Gradients flow to ``x``, ``weight`` and ``residual`` (``dx = dresidual``,
         including what flows back into ``h``); ``dweight`` is reduced deterministically.
     """
-    return RMSNormFunction.apply(x, weight, eps, residual)
+    if needs_grad(x, weight, residual):
+        return RMSNormFunction.apply(x, weight, eps, residual)
+    y, h = _forward(x, weight, eps, residual)[:2]  # nothing to differentiate: no autograd node
+    return (y, h) if h is not None else y

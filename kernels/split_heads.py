@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, next_pow2
+from ._common import Launch, Plans, check_tensor, needs_grad, next_pow2
 
 #: elements of one [rows, head, D] tile a program copies (16 KiB of bf16)
 _TILE = 8192
@@ -48,6 +48,10 @@ def _pack_heads_kernel(
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
+#: launch plans per (shape, head group, source strides, zero fill, knob)
+_PLANS = Plans()
+
+
 def pack_heads(grads: list, sizes: list[int], shape, dtype: torch.dtype, device) -> torch.Tensor:
     """``shape = [B, T, sum(sizes), D]`` holding ``grads[i]`` at its head range (zeros where None)."""
     B, T, H, D = shape
@@ -56,12 +60,16 @@ def pack_heads(grads: list, sizes: list[int], shape, dtype: torch.dtype, device)
     for g, hg in zip(grads, sizes):
         if g is not None and g.stride(-1) != 1:
             g = g.contiguous()
-        block_h, block_d = next_pow2(hg), next_pow2(D)
-        block_r = max(1, _TILE // (block_h * block_d))
         src = g if g is not None else dx
-        _pack_heads_kernel[(triton.cdiv(B * T, block_r),)](
-            src, dx, B * T, T, src.stride(0), src.stride(1), src.stride(2), offset, hg, H,
-            D=D, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d, ZERO=g is None, num_warps=4)
+        strides = src.stride()[:3]
+        key = (B, T, H, D, hg, offset, strides, g is None, _TILE)
+        plan = _PLANS.get(key)
+        if plan is None:
+            block_h, block_d = next_pow2(hg), next_pow2(D)
+            block_r = max(1, _TILE // (block_h * block_d))
+            plan = _PLANS.add(key, Launch(_pack_heads_kernel, (triton.cdiv(B * T, block_r),), D=D, BLOCK_R=block_r,
+                                          BLOCK_H=block_h, BLOCK_D=block_d, ZERO=g is None, num_warps=4))
+        plan(src, dx, B * T, T, *strides, offset, hg, H)
         offset += hg
     return dx
 
@@ -94,4 +102,6 @@ def split_heads(x: torch.Tensor, sizes) -> tuple[torch.Tensor, ...]:
         raise ValueError(f"sizes must be positive and sum to the {x.shape[2]} heads of x, got {sizes}")
     if x.stride(-1) != 1:
         raise ValueError(f"x must be contiguous in its last dimension, got strides {x.stride()}")
-    return SplitHeadsFunction.apply(x, tuple(sizes))
+    if needs_grad(x):
+        return SplitHeadsFunction.apply(x, tuple(sizes))
+    return tuple(x.split(sizes, dim=2))  # nothing to differentiate: the views without an autograd node

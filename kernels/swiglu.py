@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2, rows_view
+from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
+                      next_pow2, rows_view)
 
 #: Elements per program (BLOCK_M * BLOCK_C) and warps on the GPU.
 _TILE = 4096
@@ -111,17 +112,26 @@ def _plan(rows: int, cols: int, tile: int) -> tuple[int, int, int]:
     return block_m, block_c, triton.cdiv(rows, block_m) * triton.cdiv(cols, block_c)
 
 
+#: launch plans per (kernel, rows, columns, row strides, knobs)
+_PLANS = Plans()
+
+
 def _launch(kernel, *views: torch.Tensor) -> None:
     """Run ``kernel`` over ``[M, F]`` views (last dim contiguous): as one flat row of ``M * F``
     elements when every view is contiguous, else as ``M`` strided rows."""
     m, f = views[0].shape
     if m * f == 0:
         return
-    strides = [v.stride(0) for v in views]
+    strides = tuple(v.stride(0) for v in views)
     flat = m == 1 or strides.count(f) == len(strides)
     rows, cols = (1, m * f) if flat else (m, f)
-    block_m, block_c, programs = _plan(rows, cols, _INTERP_TILE if interpreting() else _TILE)
-    kernel[(programs,)](*views, *strides, rows, cols, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS)
+    tile = _INTERP_TILE if interpreting() else _TILE
+    key = (kernel, rows, cols, strides, tile, _NUM_WARPS)
+    plan = _PLANS.get(key)
+    if plan is None:
+        block_m, block_c, programs = _plan(rows, cols, tile)
+        plan = _PLANS.add(key, Launch(kernel, (programs,), BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS))
+    plan(*views, *strides, rows, cols)
 
 
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor | None) -> int:
@@ -225,4 +235,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     Inputs are float32/float16/bfloat16; rows may be strided (last dim contiguous). The output has
     the inputs' dtype. The backward recomputes the sigmoid: only the inputs are saved.
     """
-    return SwiGLUFunction.apply(gate, up)
+    if needs_grad(gate, up):
+        return SwiGLUFunction.apply(gate, up)
+    return swiglu_fwd(gate, up)  # nothing to differentiate: no autograd node

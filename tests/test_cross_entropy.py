@@ -194,3 +194,40 @@ def test_more_than_2_pow_31_elements():
     (dx,) = torch.autograd.grad(loss, logits, dloss)
     rows = torch.tensor([0, 2, N // 2, 16384, N - 2, N - 1], device=DEVICE)
     _check_rows(logits.detach(), target, rows, loss.detach(), dloss, dx)
+
+
+def test_unvalidated_targets_do_not_synchronise(monkeypatch):
+    """validate=False reads no flag on the host (no .item()); an out-of-range target then adds 0,
+    as its row would if ignored, and the valid rows are unchanged."""
+    x = randn(6, 50, requires_grad=True)
+    t = make_target((6,), 50, ignore_every=0)
+    t[3] = 50
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("validate=False synchronised"))
+    loss = cross_entropy(x, t, reduction="none", validate=False)
+    monkeypatch.undo()
+    t_ignored = t.clone()
+    t_ignored[3] = IGNORE
+    ref64, _ = reference(x.detach().double(), t_ignored, reduction="none")
+    same, _ = reference(x.detach(), t_ignored, reduction="none")
+    assert_close("loss", loss, ref64, same=same)
+
+
+def test_launch_plans_follow_every_argument():
+    """Cached launch plans: one problem in turn with another vocabulary, dtype, row stride,
+    ignore_index, option and reduction (each planned, then from the plan) gives the right loss and
+    gradient every time; under no_grad no autograd node is made."""
+    for V, dtype, strided, opts in [(1000, torch.float32, False, {}), (17, torch.float16, False, {}),
+                                    (1000, torch.float32, True, {}), (1000, torch.float32, False, {"ignore_index": 3}),
+                                    (1000, torch.float32, False, {"label_smoothing": 0.1}),
+                                    (1000, torch.float32, False, {"reduction": "sum"})]:
+        for _ in range(2):
+            logits = randn(9, V, dtype=dtype, requires_grad=True)
+            if strided:
+                logits = non_contiguous(logits)
+            check(logits, make_target((9,), V, ignore_index=opts.get("ignore_index", IGNORE)), **opts)
+    x = randn(9, 1000)
+    t = make_target((9,), 1000)
+    with torch.no_grad():
+        loss = cross_entropy(x.requires_grad_(), t)
+    assert loss.grad_fn is None
+    assert_close("no_grad loss", loss, reference(x.detach().double(), t)[0], same=reference(x.detach(), t)[0])

@@ -163,3 +163,21 @@ def test_embedding_large_zipf(dtype):
     rank = torch.arange(1, V + 1, dtype=torch.float64, device=DEVICE)
     ids = torch.multinomial(1.0 / rank, N, replacement=True).view(8, 2048)
     check(ids, randn(V, D, dtype=dtype, requires_grad=True), padding_idx=0)
+
+
+def test_embedding_launch_plans_follow_every_argument(poisoned_empty):
+    """Cached launch plans: one table in turn with more ids, a strided id view, a strided table and
+    another dtype (each planned, then from the plan) gives the right rows and gradient; under
+    no_grad no autograd node is made."""
+    weight = randn(50, 24, requires_grad=True)
+    for _ in range(2):
+        check(torch.randint(0, 50, (7,), device=DEVICE), weight)
+        check(torch.randint(0, 50, (3, 9), device=DEVICE), weight)
+        check(torch.randint(0, 50, (4, 6), device=DEVICE)[:, ::2], weight)
+        check(torch.randint(0, 50, (7,), device=DEVICE), non_contiguous(randn(50, 24, requires_grad=True)))
+        check(torch.randint(0, 50, (7,), device=DEVICE), randn(50, 24, dtype=torch.float16, requires_grad=True))
+    ids = torch.randint(0, 50, (5,), device=DEVICE)
+    with torch.no_grad():
+        out = embedding(ids, weight)
+    assert out.grad_fn is None
+    assert torch.equal(out, weight.detach()[ids])

@@ -256,3 +256,27 @@ def test_flash_attention_gpu_long(case, dtype):
 ], ids=lambda c: c.name)
 def test_flash_attention_gpu_decode(case):
     _check_fwd_bwd(case, torch.bfloat16)
+
+
+def test_launch_plans_follow_every_argument():
+    """Cached launch plans of the training kernels: one shape in turn with another window, no causal
+    mask, another scale, a strided batch, another dtype, and again as first (planned, then from the
+    plan) gives the right output and gradients every time; under no_grad no autograd node is made."""
+    fa._fwd_kernel.plans.clear()
+    base = Case("plans", 1, 4, 2, 40, 40, 32)
+    variants = [(base, torch.float32, "contiguous"), (Case("window", 1, 4, 2, 40, 40, 32, window=7), torch.float32,
+                                                     "contiguous"),
+                (Case("full", 1, 4, 2, 40, 40, 32, causal=False), torch.float32, "contiguous"),
+                (Case("scale", 1, 4, 2, 40, 40, 32, scale=0.3), torch.float32, "contiguous"),
+                (base, torch.float32, "strided-batch"), (base, torch.float16, "contiguous"),
+                (base, torch.float32, "contiguous")]
+    for c, dtype, layout in variants:
+        _check_fwd_bwd(c, dtype, layout)
+    # the scale is a runtime argument, and the last call repeats the first: five plans
+    assert len(fa._fwd_kernel.plans) == 5
+    q, k, v = _inputs(base, torch.float32)
+    with torch.no_grad():
+        out = flash_attention(q, k, v)
+    assert out.grad_fn is None
+    assert_close("no_grad out", out, reference(q.double(), k.double(), v.double())[0],
+                 same=reference(q.detach(), k.detach(), v.detach())[0])

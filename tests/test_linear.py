@@ -266,3 +266,36 @@ def test_configs_fit_shared_memory(epilogue, dtype):
         assert kept and all(linear_module._config_smem(c, args) <= linear_module.SMEM_LIMIT for c in kept), args
         if dtype == torch.bfloat16:
             assert len(kept) > 1, args
+
+
+def test_gemm_launch_plans_follow_every_argument(poisoned_empty):
+    """Cached gemm plans: one problem in turn with a transposed operand, a bias, a residual, the
+    accumulate flag, another dtype and split-K, each twice (planned, then from the plan), gives the
+    right product every time; under no_grad linear makes no autograd node."""
+    linear_module._LAUNCH_CONFIGS.clear()
+    M, K, N = 37, 64, 48
+    a, b = randn(M, K), randn(K, N, scale=K ** -0.5)
+    bias, res, c0 = randn(N), randn(M, N), randn(M, N)
+    a64, b64 = a.double(), b.double()
+    problems = [
+        ("plain", dict(a=a, b=b), a64 @ b64, a @ b),
+        ("b as a transposed view", dict(a=a, b=b.t().contiguous().t()), a64 @ b64, a @ b),
+        ("bias", dict(a=a, b=b, bias=bias), a64 @ b64 + bias.double(), a @ b + bias),
+        ("residual", dict(a=a, b=b, residual=res), a64 @ b64 + res.double(), a @ b + res),
+        ("accumulate", dict(a=a, b=b, accumulate=True), c0.double() + a64 @ b64, c0 + a @ b),
+        ("float16", dict(a=a.half(), b=b.half()), a64 @ b64, a.half() @ b.half()),
+        ("split-K", dict(a=a, b=b, split_k=2), a64 @ b64, a @ b),
+    ]
+    for name, kw, ref64, same in problems:
+        for call in ("planned", "from the plan"):
+            a_, b_ = kw.pop("a"), kw.pop("b")
+            c = c0.clone().to(a_.dtype) if kw.get("accumulate") else poison_(torch.empty(M, N, dtype=a_.dtype))
+            with torch_tf32(a_.dtype):
+                assert_close(f"{name} ({call})", linear_module.gemm(a_, b_, c, **kw), ref64, same,
+                             atol=gemm_atol(a_.dtype))
+            kw.update(a=a_, b=b_)
+    assert len(linear_module._LAUNCH_CONFIGS) == len(problems)
+    with torch.no_grad():
+        y = linear(a.requires_grad_(), b.t())
+    assert y.grad_fn is None
+    assert_close("no_grad linear", y, a64 @ b64, a.detach() @ b, atol=gemm_atol(a.dtype))

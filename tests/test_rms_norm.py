@@ -164,3 +164,32 @@ def test_rms_norm_large_bf16(residual):
     weight = randn(4096, dtype=torch.bfloat16, scale=0.5).add(1.0).requires_grad_()
     r = randn(4096, 4096, dtype=torch.bfloat16, requires_grad=True) if residual else None
     check(x, weight, r)
+
+
+def test_rms_norm_launch_plans_follow_every_argument(poisoned_empty):
+    """The cached launch plans: a second call with another shape, dtype, row stride, residual or eps
+    gets a plan of its own (or none needed for eps, a runtime argument) and the right result; no
+    autograd node is made when nothing needs a gradient."""
+    rms_norm_module._FWD_PLANS.clear()
+    x = randn(17, 1000, dtype=torch.float32)
+    w = randn(1000, dtype=torch.float32, scale=0.5).add(1.0)
+    xh = randn(5, 123, dtype=torch.float16)
+    wh = randn(123, dtype=torch.float16, scale=0.5).add(1.0)
+    strided = non_contiguous(x)
+    r = randn(17, 1000, dtype=torch.float32)
+    for name, args, eps in [("first", (x, w), EPS), ("other shape and dtype", (xh, wh), EPS),
+                            ("row-strided", (strided, w), EPS), ("residual", (x, w, r), EPS),
+                            ("first again", (x, w), EPS), ("another eps", (x, w), 0.5)]:
+        out = rms_norm(args[0], args[1], eps, *args[2:])
+        ins64 = [t.double() for t in args]
+        ref64 = reference(*ins64[:2], ins64[2] if len(args) > 2 else None, eps=eps)
+        same = reference(*args[:2], args[2] if len(args) > 2 else None, eps=eps)
+        if len(args) > 2:
+            assert_close(f"{name}: h", out[1], ref64[1], same[1])
+            out = out[0]
+        assert out.grad_fn is None, name
+        assert_close(f"{name}: y", out, ref64[0], same[0])
+    # first, other shape and dtype, row-strided (x's row stride 2000), residual; eps is no key
+    assert len(rms_norm_module._FWD_PLANS) == 4
+    # and the backward of a plan reused under autograd
+    check(randn(17, 1000, requires_grad=True), w.clone().requires_grad_())

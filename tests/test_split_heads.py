@@ -36,3 +36,19 @@ def test_bad_sizes_named():
         split_heads(x, (4, 1))
     with pytest.raises(ValueError, match="x must have 4"):
         split_heads(x[0], (4, 2))
+
+
+def test_split_heads_no_grad_views_and_cached_plans():
+    """Under no_grad the groups are plain views (no autograd node); with gradients, a second shape
+    and another stride of the same shape each get their own pack plan and the right gradient."""
+    x = randn(2, 3, 6, 8)
+    with torch.no_grad():
+        outs = split_heads(x.requires_grad_(), (4, 1, 1))
+    assert all(o.grad_fn is None and o._base is x for o in outs)
+    for shape in ((2, 3, 6, 8), (1, 5, 6, 8), (2, 3, 6, 8)):
+        for base in (randn(*shape), randn(shape[0], shape[1] * 2, *shape[2:])[:, ::2]):
+            x = base.requires_grad_() if base.is_leaf else base.detach().requires_grad_()
+            outs = split_heads(x, (4, 1, 1))
+            grads = [randn(*o.shape) for o in outs]
+            (dx,) = torch.autograd.grad(outs, x, grads)
+            assert torch.equal(dx, torch.cat(grads, dim=2))

@@ -116,3 +116,24 @@ def test_swiglu_large_bf16(packed):
     else:
         check(randn(4096, 4096, dtype=torch.bfloat16, requires_grad=True),
               randn(4096, 4096, dtype=torch.bfloat16, requires_grad=True))
+
+
+def test_swiglu_launch_plans_follow_every_argument(poisoned_empty):
+    """Cached launch plans: one shape in turn as two tensors, packed, row-strided and in another
+    dtype (each planned, then from the plan) gives the right output and gradients; under no_grad no
+    autograd node is made."""
+    swiglu_module._PLANS.clear()
+    for _ in range(2):
+        check(randn(17, 100, requires_grad=True), randn(17, 100, requires_grad=True))
+        check(randn(17, 200, requires_grad=True))
+        check(non_contiguous(randn(17, 100, requires_grad=True)), randn(17, 100, requires_grad=True))
+        check(randn(17, 100, dtype=torch.float16, requires_grad=True),
+              randn(17, 100, dtype=torch.float16, requires_grad=True))
+    # forward and backward of the two-tensor form, the packed form and the strided rows (fp16 shares
+    # the fp32 plans: the dtype is the Launch's business)
+    assert len(swiglu_module._PLANS) == 6
+    gate, up = randn(5, 33), randn(5, 33)
+    with torch.no_grad():
+        y = swiglu(gate.requires_grad_(), up)
+    assert y.grad_fn is None
+    assert_close("no_grad y", y, reference(gate.detach().double(), up.double()), reference(gate.detach(), up))
