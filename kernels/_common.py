@@ -207,15 +207,22 @@ class Launch:
         if self.tensors is None:
             self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         device = get_device()
-        key = (device, *[(args[i].dtype, args[i].data_ptr() % 16 == 0) for i in self.tensors])
-        entry = self.kernels.get(key)
+        # tensors go to the launcher as addresses: it then skips a data_ptr() call and a driver
+        # pointer query per tensor (the launchers' input checks have put every tensor on the GPU)
+        flat = list(args)
+        key = [device]
+        for i in self.tensors:
+            t = args[i]
+            flat[i] = ptr = t.data_ptr()
+            key.append((t.dtype, ptr % 16 == 0))
+        entry = self.kernels.get(tuple(key))
         if entry is None:
             kernel = self.fn[self.grid](*args, **self.kwargs)
-            self.kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+            self.kernels[tuple(key)] = (kernel.run, kernel.function, kernel.packed_metadata)
             return
         run, function, metadata = entry
         g0, g1, g2 = self.grid
-        run(g0, g1, g2, get_stream(device), function, metadata, None, None, None, *args, *self.tail)
+        run(g0, g1, g2, get_stream(device), function, metadata, None, None, None, *flat, *self.tail)
 
 
 class Plans(dict):
@@ -308,10 +315,27 @@ def rows_view(x: torch.Tensor, n: int) -> torch.Tensor:
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if x.dim() == 2 and x.shape[1] == n:
+        return x
     try:
         return x.view(-1, n)
     except RuntimeError:
         return x.reshape(-1, n).contiguous()
+
+
+#: tensor-descriptor scratch per (device, stream), see :func:`tma_scratch`
+_TMA_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the tensor descriptors kernels build (``triton.set_allocator``): one
+    buffer per (device, stream), grown on demand. Kernels on one stream run in order, so one buffer
+    serves them all: no allocation per launch."""
+    key = (torch.cuda.current_device(), stream)
+    buf = _TMA_SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        buf = _TMA_SCRATCH[key] = torch.empty(max(size, 1 << 16), device="cuda", dtype=torch.int8)
+    return buf
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from ._common import (Launch, Plans, autotune, check_same_device, check_same_dtype, check_tensor, interpreting,
-                      needs_grad, next_pow2, num_sms)
+                      needs_grad, next_pow2, num_sms, tma_scratch)
 
 #: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -710,11 +710,6 @@ def _tma_device(device: torch.device) -> bool:
     return hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _tma_scratch(size: int, alignment: int, stream):
-    """Global scratch for the tensor descriptors the kernels build (``triton.set_allocator``)."""
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
 def _stream_flags(kernel: str, window: int | None, *streamed: torch.Tensor) -> dict:
     """USE_TMA and ONE_LOOP of ``kernel`` ("fwd", "dkdv", "dq") from the TMA and ONE_LOOP knobs; TMA
     also needs 16-bit ``streamed`` tensors ([B, L, H, D], last dim contiguous) whose base and (batch,
@@ -723,7 +718,7 @@ def _stream_flags(kernel: str, window: int | None, *streamed: torch.Tensor) -> d
                and all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in _strides(t))
                        for t in streamed))
     if use_tma and not interpreting():
-        triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
+        triton.set_allocator(tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
     return dict(USE_TMA=use_tma, ONE_LOOP=ONE_LOOP[kernel]["causal" if window is None else "window"])
 
 

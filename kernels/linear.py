@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
-                      next_pow2, num_sms)
+                      next_pow2, num_sms, tma_scratch)
 from .swiglu import swiglu_bwd
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
@@ -397,19 +397,6 @@ def _tma_supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-#: tensor-descriptor scratch per (device, stream), grown on demand: kernels on one stream run in
-#: order, so one buffer serves them all (no allocation per launch)
-_TMA_SCRATCH: dict[tuple, torch.Tensor] = {}
-
-
-def _tma_scratch(size: int, alignment: int, stream):
-    key = (torch.cuda.current_device(), stream)
-    buf = _TMA_SCRATCH.get(key)
-    if buf is None or buf.numel() < size:
-        buf = _TMA_SCRATCH[key] = torch.empty(max(size, 1 << 16), device="cuda", dtype=torch.int8)
-    return buf
-
-
 def split_fill(M: int, N: int, splits: int, sms: int) -> float:
     """Busy fraction of the SMs over the waves of an M x N product's 128x128 tiles split ``splits`` ways."""
     units = triton.cdiv(M, 128) * triton.cdiv(N, 128) * splits
@@ -500,7 +487,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     launch, ints, splits, sum_splits, tma = plan
     out = c if splits == 1 else torch.empty((splits, c.shape[0], c.shape[1]), dtype=torch.float32, device=c.device)
     if tma:
-        triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
+        triton.set_allocator(tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
     launch(a, b, out, c if gu is None else gu, c if bias is None else bias, c if residual is None else residual, *ints)
     if splits > 1:
         sum_splits(out, c, *ints[:2], splits, c.stride(0), c.stride(1))
@@ -525,7 +512,7 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
     args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k)
     tma = args["USE_TMA"] and not interpreting()
     if tma:
-        triton.set_allocator(_tma_scratch)
+        triton.set_allocator(tma_scratch)
     if interpreting():
         meta = _interpreter_config(*key[:3])
     elif config is not None:
@@ -632,7 +619,7 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     gemm(x2, weight.t(), y, bias=bias, residual=None if residual is None else as_matrix(residual, N),
          allow_tf32=allow_tf32)
-    return y.view(out_shape)
+    return y if x.dim() == 2 else y.view(out_shape)
 
 
 def linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool = True,

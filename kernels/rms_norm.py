@@ -410,7 +410,10 @@ def _forward(x, weight, eps, residual):
     x2 = rows_view(x, n)
     weight = weight.contiguous()
     y, h, rstd = _fwd(x2, rows_view(residual, n) if residual is not None else None, weight, eps)
-    return y.view(x.shape), (h.view(x.shape) if h is not None else None), (h if h is not None else x2), weight, rstd
+    saved = h if h is not None else x2
+    if x.dim() != 2:  # 2-D outputs already have x's shape (a view costs host time)
+        y, h = y.view(x.shape), (h.view(x.shape) if h is not None else None)
+    return y, h, saved, weight, rstd
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -78,7 +78,7 @@ def test_launch_dispatches_once_then_calls_the_compiled_kernel(direct):
     # grid, stream, function, metadata, launch metadata and hooks, the arguments, then the constexprs
     # in signature order (FLAG from its default)
     assert compiled.calls == [(3, 1, 1, 77, compiled.function, compiled.packed_metadata, None, None, None,
-                               y, 32, 0.5, 64, True)]
+                               y.data_ptr(), 32, 0.5, 64, True)]
 
 
 def test_launch_new_dtype_or_alignment_is_a_new_specialization(direct):
