@@ -32,7 +32,8 @@ def _families(ops: set[str] | None):
 
 
 def bench_kernels(argv: list[str]) -> None:
-    from tritonllm.bench.harness import copy_bandwidth_gbs, print_table, run_case, write_results
+    from tritonllm.bench.harness import TIMING, copy_bandwidth_gbs, print_table, run_case, write_results
+    from tritonllm.bench.train import host_cpu_model
 
     p = argparse.ArgumentParser(prog="python -m tritonllm.bench kernels")
     p.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
@@ -44,7 +45,8 @@ def bench_kernels(argv: list[str]) -> None:
         sys.exit("python -m tritonllm.bench needs a CUDA GPU (timings under the interpreter mean nothing)")
     ops = set(args.ops.split(",")) if args.ops else None
     copy = copy_bandwidth_gbs()
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s (read + write)")
+    cpu = host_cpu_model()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s (read + write); host {cpu}")
     rows = []
     for mod in _families(ops):
         for size in args.sizes.split(","):
@@ -59,7 +61,8 @@ def bench_kernels(argv: list[str]) -> None:
                 print_table(case_rows)
                 rows += case_rows
                 # written after every case, so a run cut short keeps what it measured
-                path = write_results("kernels", rows, args.out, extra={"copy_GB/s": round(copy, 1)})
+                path = write_results("kernels", rows, args.out,
+                                     extra={"copy_GB/s": round(copy, 1), "host_cpu": cpu, "timing": TIMING})
     print_table(rows)
     print(f"wrote {path}")
 

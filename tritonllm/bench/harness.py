@@ -3,24 +3,41 @@
 A benchmark module (``tritonllm/bench/ops_*.py``) exposes ``cases(size, dtype)`` yielding
 :class:`Case` objects. Each case names the op, the problem shape, a factory for fresh inputs,
 our implementation and the baselines (torch eager, torch.compile, Liger-Kernel where importable),
-and the bytes or FLOPs of each pass. The harness times every pass of every implementation with
-``triton.testing.do_bench(..., return_mode="median")`` (CUDA events, warm-up excluded, L2
-flushed before each repetition), derives GB/s or TFLOP/s, and writes
+and the bytes or FLOPs of each pass. The harness derives GB/s or TFLOP/s and writes
 ``docs/perf/kernels-<gpu>.json`` in the format of DESIGN.md section 6.
+
+The rows measure the GPU, not the host (:func:`graph_ms`): every pass of every implementation is
+captured in a CUDA graph after warm-up calls (torch.compile's compilation and our autotuning
+happen there, never under capture) and the graph's replay is timed with
+``triton.testing.do_bench(..., return_mode="median")`` (CUDA events, L2 flushed before each
+replay). ``fwd+bwd`` captures the forward and the backward; ``bwd`` captures only the backward of
+one forward run beforehand on the capture stream (``torch.autograd.grad(..., retain_graph=True)``,
+so each replay re-runs the same backward kernels on the saved tensors). A side whose pass cannot
+be captured (it synchronises with the host) is timed eagerly instead and named in the row's
+``eager_timed``. The host is shown apart (:func:`host_us`): the host time of one eager call of
+each pass at a small shape, ours and the corresponding PyTorch op, as ``host_us`` and
+``baseline_host_us``.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import math
 import os
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
+#: how the rows are timed, recorded in the results file
+TIMING = ("ms: median of do_bench over CUDA graph replays of one pass (L2 flushed; bwd = the backward of a "
+          "retained graph; rows without cuda_graph were timed eagerly by earlier runs); host_us: host time of one "
+          "eager call at host_shape, mean of back-to-back calls")
 
 
 @dataclass
@@ -51,6 +68,18 @@ class Case:
     measure_memory: bool = False
     ours_inputs: Callable[[tuple], tuple] | None = None
     kernel_shares: dict[str, Callable[[str], bool]] = field(default_factory=dict)
+    #: the same op at a small shape (see :func:`with_host`), for :func:`host_us`: the host time of
+    #: one call of each pass, ours and ``host_baseline`` (the corresponding PyTorch op, a key of
+    #: the small case's baselines)
+    host: Case | None = None
+    host_baseline: str | None = None
+
+
+def with_host(case: Case, small: Case, baseline: str) -> Case:
+    """``case`` with the host time of one call measured on ``small`` (the op at a small shape, where
+    the GPU keeps up with the host), ours against ``small.baselines[baseline]``."""
+    case.host, case.host_baseline = small, baseline
+    return case
 
 
 def liger_available() -> bool:
@@ -99,6 +128,63 @@ def time_ms(fn: Callable) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+@functools.lru_cache(maxsize=None)
+def _capture_stream() -> torch.cuda.Stream:
+    """The one side stream every capture uses (per-stream caches, e.g. TMA scratch, stay few)."""
+    return torch.cuda.Stream()
+
+
+def graph_ms(make_fn: Callable[[], Callable]) -> float:
+    """Median milliseconds of one replay of a CUDA graph holding one call of ``make_fn()``.
+
+    ``make_fn`` builds the pass (:func:`_pass_fn`) on a side stream, so that a forward it runs
+    beforehand (the ``bwd`` pass) records that stream and the backward's kernels follow it into the
+    capture; three warm-up calls there compile, autotune and fill the allocator before capture.
+    """
+    stream = _capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn = make_fn()
+        for _ in range(3):
+            fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        return time_ms(graph.replay)
+    finally:
+        del graph, fn
+
+
+def timed_ms(make_fn: Callable[[], Callable], label: str) -> tuple[float, bool]:
+    """``(ms, graphed)``: :func:`graph_ms`, or, when the pass cannot be captured, the eager
+    :func:`time_ms` of a freshly built pass (``graphed`` False; the reason is printed)."""
+    try:
+        return graph_ms(make_fn), True
+    except Exception as e:  # a pass that synchronises with the host cannot be captured
+        torch.cuda.synchronize()
+        print(f"  [{label}] not capturable, timed eagerly: {type(e).__name__}: {str(e)[:160]}")
+        return time_ms(make_fn()), False
+
+
+def host_us(fn: Callable, calls: int = 200, rounds: int = 5) -> float:
+    """Host microseconds of one call of ``fn``: the mean over ``calls`` back-to-back calls on the
+    host clock with no synchronisation in between (the GPU runs behind), the fastest of ``rounds``
+    rounds, after warm-up calls. At a small shape the GPU keeps up, so this is the host's cost."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    return round(best * 1e6, 2)
+
+
 def peak_memory_gb(fn: Callable) -> float:
     """Peak CUDA memory allocated while ``fn`` runs, above what was allocated before, in GB."""
     torch.cuda.synchronize()
@@ -139,28 +225,36 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 
 
 def run_case(case: Case, profile: bool = False) -> list[dict]:
-    """Time every pass of ``case`` for ours and each baseline; one result row per pass.
+    """Time every pass of ``case`` for ours and each baseline inside CUDA graphs; one result row
+    per pass, with the host time of one call at the small shape when the case has a ``host`` case.
 
     With ``profile`` each row also gets ``kernels_us``: our kernels' GPU time per call by name.
     """
     rows = []
     inputs = case.make_inputs()
     ours_inputs = case.ours_inputs(inputs) if case.ours_inputs is not None else inputs
+    host = _host_rows(case.host, case.host_baseline) if case.host is not None else {}
     for kind in case.passes:
-        fn = _pass_fn(case.ours, ours_inputs, kind)
-        ms = time_ms(fn)
+        label = f"{case.op} {case.shape} {kind}"
+        ms, graphed = timed_ms(lambda: _pass_fn(case.ours, ours_inputs, kind), f"{label} ours")
+        eager = [] if graphed else ["ours"]
         measure = case.measure_memory and kind == "fwd+bwd"
-        mem = peak_memory_gb(fn) if measure else None
         base, base_mem = {}, {}
         for name, impl in case.baselines.items():
             try:
-                base_fn = _pass_fn(impl, inputs, kind)
-                base[name] = round(time_ms(base_fn), 4)
+                base_ms, graphed = timed_ms(lambda: _pass_fn(impl, inputs, kind), f"{label} {name}")
+                base[name] = round(base_ms, 4)
+                if not graphed:
+                    eager.append(name)
                 if measure:
-                    base_mem[name] = peak_memory_gb(base_fn)
+                    base_mem[name] = peak_memory_gb(_pass_fn(impl, inputs, kind))
             except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
-                print(f"  [{case.op} {case.shape} {kind}] baseline {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                print(f"  [{label}] baseline {name} failed: {type(e).__name__}: {str(e)[:200]}")
             torch.cuda.empty_cache()
+        # an eager pass built only now: one built earlier would keep its forward's graph alive,
+        # and with it the leaves' gradient nodes on this stream, which breaks the baselines' capture
+        fn = _pass_fn(case.ours, ours_inputs, kind) if (measure or profile or case.kernel_shares) else None
+        mem = peak_memory_gb(fn) if measure else None
         row = {"op": case.op, "shape": case.shape, "dtype": _dtype_name(case.dtype), "pass": kind,
                "ms": round(ms, 4)}
         if kind in case.bytes:
@@ -168,6 +262,10 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
         if kind in case.flops:
             row["TFLOP/s"] = round(case.flops[kind] / (ms * 1e-3) / 1e12, 1)
         row["baselines_ms"] = base
+        row["cuda_graph"] = True
+        if eager:
+            row["eager_timed"] = eager
+        row.update(host.get(kind, {}))
         if profile or case.kernel_shares:
             kernels = kernel_times_us(fn)
             total = sum(kernels.values())
@@ -183,10 +281,25 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
         if base:
             row["speedup_vs_best"] = round(min(base.values()) / ms, 3)
         rows.append(row)
+        del fn
         torch.cuda.empty_cache()
     del inputs, ours_inputs
     torch.cuda.empty_cache()
     return rows
+
+
+def _host_rows(small: Case, baseline: str | None) -> dict[str, dict]:
+    """Per pass of ``small``: ``host_us`` (ours), ``baseline_host_us`` ({baseline: us}) and
+    ``host_shape``, from :func:`host_us`."""
+    inputs = small.make_inputs()
+    ours_inputs = small.ours_inputs(inputs) if small.ours_inputs is not None else inputs
+    out = {}
+    for kind in small.passes:
+        row = {"host_shape": small.shape, "host_us": host_us(_pass_fn(small.ours, ours_inputs, kind))}
+        if baseline is not None:
+            row["baseline_host_us"] = {baseline: host_us(_pass_fn(small.baselines[baseline], inputs, kind))}
+        out[kind] = row
+    return out
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -234,13 +347,19 @@ def write_results(kind: str, rows: list[dict], out_dir: str, extra: dict | None 
 
 
 def print_table(rows: list[dict]) -> None:
-    """Print one line per result: ours, the baselines and the speedup over the fastest."""
-    print(f"{'op':<22}{'shape':<26}{'dt':<5}{'pass':<8}{'ms':>9}{'rate':>12}  {'baselines (ms)':<50}{'x best':>7}")
+    """Print one line per result: ours, the baselines, the speedup over the fastest and, where
+    measured, the host us of one call (ours / the PyTorch op's)."""
+    print(f"{'op':<22}{'shape':<26}{'dt':<5}{'pass':<8}{'ms':>9}{'rate':>12}  {'baselines (ms)':<50}{'x best':>7}"
+          f"  host us")
     for r in rows:
         rate = f"{r['GB/s']:.0f} GB/s" if "GB/s" in r else (f"{r['TFLOP/s']:.0f} TF/s" if "TFLOP/s" in r else "")
         base = " ".join(f"{k}={v:.3f}" for k, v in r.get("baselines_ms", {}).items())
         sp = f"{r['speedup_vs_best']:.2f}" if "speedup_vs_best" in r else "-"
-        print(f"{r['op']:<22}{r['shape']:<26}{r['dtype']:<5}{r['pass']:<8}{r['ms']:>9.4f}{rate:>12}  {base:<50}{sp:>7}")
+        host = ""
+        if "host_us" in r:
+            host = f"{r['host_us']:.1f}" + "".join(f" / {k} {v:.1f}" for k, v in r.get("baseline_host_us", {}).items())
+        print(f"{r['op']:<22}{r['shape']:<26}{r['dtype']:<5}{r['pass']:<8}{r['ms']:>9.4f}{rate:>12}  {base:<50}{sp:>7}"
+              f"  {host}")
         if "kernels_us" in r:
             busy = sum(r["kernels_us"].values())
             print(f"{'':<8}kernels {busy:.1f} us of {r['ms'] * 1e3:.1f} us: "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tritonllm.bench.harness import Case, compiled
+from tritonllm.bench.harness import Case, compiled, with_host
 from tritonllm.kernels import flash_attention
 
 OPS = ["flash_attention", "flash_attention_window", "flash_attention_decode"]
@@ -33,6 +33,9 @@ SHAPES = {
 }
 WINDOW = {"large": [(1, 32, 8, 16384, 128, 1024)]}   # (B, Hq, Hkv, T, D, window)
 DECODE = {"default": [(32, 32, 8, 1, 4096, 128)]}    # (B, Hq, Hkv, T, S, D)
+#: (B, Hq, Hkv, T, D) at which the host time of one call is measured against SDPA (size "default"):
+#: T 32, since T <= 16 takes the split-KV decode kernels
+HOST_SHAPE = (1, 12, 12, 32, 64)
 #: the explicit-softmax baselines materialize B*Hq*T*S scores (fp32 softmax): only up to this many
 EAGER_MAX_SCORES = 1 << 29
 
@@ -98,11 +101,17 @@ def _baselines(B, Hq, T, S) -> dict:
     return base
 
 
+def _causal_case(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: torch.dtype) -> Case:
+    return Case("flash_attention", _shape(B, Hq, Hkv, T, T, D), dtype, _make_inputs(B, Hq, Hkv, T, T, D, dtype),
+                ours=flash_attention, baselines=_baselines(B, Hq, T, T), flops=_attention_flops(B, Hq, T, T, D, True))
+
+
 def cases(size: str, dtype: torch.dtype):
-    for B, Hq, Hkv, T, D in SHAPES.get(size, []):
-        yield Case("flash_attention", _shape(B, Hq, Hkv, T, T, D), dtype, _make_inputs(B, Hq, Hkv, T, T, D, dtype),
-                   ours=flash_attention, baselines=_baselines(B, Hq, T, T),
-                   flops=_attention_flops(B, Hq, T, T, D, True))
+    for i, shape in enumerate(SHAPES.get(size, [])):
+        case = _causal_case(*shape, dtype)
+        if size == "default" and i == 0:
+            with_host(case, _causal_case(*HOST_SHAPE, dtype), "sdpa")
+        yield case
 
     for B, Hq, Hkv, T, D, W in WINDOW.get(size, []):
         def windowed(q, k, v, W=W):

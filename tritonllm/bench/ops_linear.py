@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tritonllm.bench.harness import Case, compiled, liger_available
+from tritonllm.bench.harness import Case, compiled, liger_available, with_host
 from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu
 
 OPS = ["linear", "linear_swiglu", "linear_cross_entropy"]
@@ -29,6 +29,12 @@ SHAPES = {
         "linear_cross_entropy": [(8192, 4096, 131072)],
     },
 }
+
+
+#: small problems at which the host time of one call is measured (size "default", first case of each op)
+HOST_SHAPES = {"linear": (8, 768, 768), "linear_swiglu": (8, 768, 2048), "linear_cross_entropy": (8, 768, 32000)}
+#: the PyTorch op each is compared with on the host
+HOST_BASELINES = {"linear": "cuBLAS", "linear_swiglu": "torch", "linear_cross_entropy": "torch"}
 
 
 def _gemm_flops(m: int, n: int, k: int) -> dict[str, float]:
@@ -106,9 +112,10 @@ def cases(size: str, dtype: torch.dtype):
     """The linear, linear_swiglu and linear_cross_entropy cases of ``size`` ("default" or "large")."""
     if size not in SHAPES:
         raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
-    for m, k, n in SHAPES[size]["linear"]:
-        yield _linear_case(m, k, n, dtype)
-    for m, k, f in SHAPES[size]["linear_swiglu"]:
-        yield _linear_swiglu_case(m, k, f, dtype)
-    for t, h, v in SHAPES[size]["linear_cross_entropy"]:
-        yield _linear_cross_entropy_case(t, h, v, dtype)
+    for op, make in (("linear", _linear_case), ("linear_swiglu", _linear_swiglu_case),
+                     ("linear_cross_entropy", _linear_cross_entropy_case)):
+        for i, shape in enumerate(SHAPES[size][op]):
+            case = make(*shape, dtype)
+            if size == "default" and i == 0:
+                with_host(case, make(*HOST_SHAPES[op], dtype), HOST_BASELINES[op])
+            yield case

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tritonllm.bench.harness import Case, compiled, liger_available
+from tritonllm.bench.harness import Case, compiled, liger_available, with_host
 from tritonllm.kernels import rms_norm, swiglu
 
 OPS = ["rms_norm", "swiglu"]
@@ -22,6 +22,8 @@ SHAPES = {
     "large": {"rms_norm": (32768, 4096), "swiglu": (32768, 4096)},
 }
 EPS = 1e-6
+#: small shapes at which the host time of one call is measured (size "default" only)
+HOST_SHAPES = {"rms_norm": (8, 768), "swiglu": (8, 2048)}
 
 
 def _rms_norm_torch(x, w):
@@ -87,5 +89,9 @@ def cases(size: str, dtype: torch.dtype):
     """The rms_norm and swiglu cases of ``size`` ("default" or "large") in ``dtype``."""
     if size not in SHAPES:
         raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
-    yield _rms_norm_case(*SHAPES[size]["rms_norm"], dtype)
-    yield _swiglu_case(*SHAPES[size]["swiglu"], dtype)
+    rms, swi = _rms_norm_case(*SHAPES[size]["rms_norm"], dtype), _swiglu_case(*SHAPES[size]["swiglu"], dtype)
+    if size == "default":
+        with_host(rms, _rms_norm_case(*HOST_SHAPES["rms_norm"], dtype), "F.rms_norm")
+        with_host(swi, _swiglu_case(*HOST_SHAPES["swiglu"], dtype), "torch")
+    yield rms
+    yield swi

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tritonllm.bench.harness import Case, compiled, liger_available
+from tritonllm.bench.harness import Case, compiled, liger_available, with_host
 from tritonllm.kernels import embedding, rope, rope_cos_sin
 
 OPS = ["rope", "embedding"]
@@ -27,6 +27,8 @@ SHAPES = {
     "default": {"rope": (16, 1024, 12, 12, 64), "embedding": (16384, 32000, 768)},
     "large": {"rope": (4, 8192, 32, 8, 128), "embedding": (32768, 131072, 4096)},
 }
+#: small problems at which the host time of one call is measured (size "default")
+HOST_SHAPES = {"rope": (1, 16, 12, 12, 64), "embedding": (8, 32000, 768)}
 
 
 def _rope_torch(x, cos, sin):
@@ -118,7 +120,10 @@ def _embedding_case(n: int, v: int, d: int, dtype: torch.dtype) -> Case:
 
 
 def cases(size: str, dtype: torch.dtype):
-    b, t, hq, hkv, d = SHAPES[size]["rope"]
-    yield _rope_case(b, t, hq, hkv, d, dtype)
-    n, v, h = SHAPES[size]["embedding"]
-    yield _embedding_case(n, v, h, dtype)
+    rope_case = _rope_case(*SHAPES[size]["rope"], dtype)
+    emb = _embedding_case(*SHAPES[size]["embedding"], dtype)
+    if size == "default":
+        with_host(rope_case, _rope_case(*HOST_SHAPES["rope"], dtype), "torch")
+        with_host(emb, _embedding_case(*HOST_SHAPES["embedding"], dtype), "torch")
+    yield rope_case
+    yield emb
