@@ -208,13 +208,14 @@ class Launch:
             self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         device = get_device()
         # tensors go to the launcher as addresses: it then skips a data_ptr() call and a driver
-        # pointer query per tensor (the launchers' input checks have put every tensor on the GPU)
+        # pointer query per tensor. A tensor off the GPU (an unchecked internal call) keys a
+        # specialization that is never stored: the dispatcher's pointer check raises for it.
         flat = list(args)
         key = [device]
         for i in self.tensors:
             t = args[i]
             flat[i] = ptr = t.data_ptr()
-            key.append((t.dtype, ptr % 16 == 0))
+            key.append((t.dtype, ptr % 16 == 0, t.is_cuda))
         entry = self.kernels.get(tuple(key))
         if entry is None:
             kernel = self.fn[self.grid](*args, **self.kwargs)

@@ -289,7 +289,8 @@ def test_gemm_launch_plans_follow_every_argument(poisoned_empty):
     for name, kw, ref64, same in problems:
         for call in ("planned", "from the plan"):
             a_, b_ = kw.pop("a"), kw.pop("b")
-            c = c0.clone().to(a_.dtype) if kw.get("accumulate") else poison_(torch.empty(M, N, dtype=a_.dtype))
+            c = (c0.clone().to(a_.dtype) if kw.get("accumulate")
+                 else poison_(torch.empty(M, N, dtype=a_.dtype, device=DEVICE)))
             with torch_tf32(a_.dtype):
                 assert_close(f"{name} ({call})", linear_module.gemm(a_, b_, c, **kw), ref64, same,
                              atol=gemm_atol(a_.dtype))
