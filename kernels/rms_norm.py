@@ -78,13 +78,14 @@ def _rms_norm_fwd_kernel(
     Y,          # [M, N] output, contiguous
     H,          # [M, N] output h = x + residual, contiguous (written only when HAS_RESIDUAL)
     W,          # [N] weight, contiguous
-    RSTD,       # [M] fp32 output: 1 / sqrt(mean(h^2) + eps)
+    RSTD,       # [M] fp32 output: 1 / sqrt(mean(h^2) + eps) (written only when STORE_RSTD)
     stride_x,   # row stride of X in elements
     stride_r,   # row stride of R in elements
     stride_y,   # row stride of Y in elements
     stride_h,   # row stride of H in elements
     M, N, eps,
     HAS_RESIDUAL: tl.constexpr,
+    STORE_RSTD: tl.constexpr,  # a backward will need rstd
     ONE_PASS: tl.constexpr,   # N <= BLOCK_N: the row stays in registers
     BLOCK_M: tl.constexpr,    # rows per program
     BLOCK_N: tl.constexpr,    # columns per chunk (power of two)
@@ -123,7 +124,8 @@ def _rms_norm_fwd_kernel(
             w = tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)
             y = h * rstd[:, None] * w[None, :]
             tl.store(Y + rows_y + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -311,28 +313,30 @@ _FWD_PLANS = Plans()
 _BWD_PLANS = Plans()
 
 
-def _fwd_launch(m: int, n: int, stride_x: int, stride_r: int, has_residual: bool) -> Launch:
+def _fwd_launch(m: int, n: int, stride_x: int, stride_r: int, has_residual: bool, store_rstd: bool) -> Launch:
     knobs = (_MAX_BLOCK_N, _FWD_TILE, _FWD_ELEMS_PER_THREAD, _INTERP_TILE)
-    key = (m, n, stride_x, stride_r, has_residual, knobs)
+    key = (m, n, stride_x, stride_r, has_residual, store_rstd, knobs)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         block_n, block_m, num_warps = _fwd_plan(n, knobs)
         plan = _FWD_PLANS.add(key, Launch(
-            _rms_norm_fwd_kernel, (triton.cdiv(m, block_m),), HAS_RESIDUAL=has_residual, ONE_PASS=n <= block_n,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
+            _rms_norm_fwd_kernel, (triton.cdiv(m, block_m),), HAS_RESIDUAL=has_residual, STORE_RSTD=store_rstd,
+            ONE_PASS=n <= block_n, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
     return plan
 
 
-def _fwd(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Unchecked forward on ``[M, N]`` row views (contiguous weight): ``(y, h or None, rstd)``."""
+def _fwd(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float, need_rstd: bool = True):
+    """Unchecked forward on ``[M, N]`` row views (contiguous weight): ``(y, h or None, rstd or None)``;
+    without ``need_rstd`` (no backward to come) rstd is neither allocated nor written."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     h = torch.empty((m, n), dtype=x2.dtype, device=x2.device) if r2 is not None else y
-    rstd = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x2.device) if need_rstd else None
     if m > 0:
         r = r2 if r2 is not None else x2
         sx, sr = x2.stride(0), r.stride(0)
-        _fwd_launch(m, n, sx, sr, r2 is not None)(x2, r, y, h, weight, rstd, sx, sr, n, n, m, n, float(eps))
+        _fwd_launch(m, n, sx, sr, r2 is not None, need_rstd)(
+            x2, r, y, h, weight, y if rstd is None else rstd, sx, sr, n, n, m, n, float(eps))
     return y, (h if r2 is not None else None), rstd
 
 
@@ -403,13 +407,14 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     return dx.view(x.shape), dw
 
 
-def _forward(x, weight, eps, residual):
-    """Checked forward of :func:`rms_norm`: ``(y, h or None, x or h as [M, N] rows, weight, rstd)``."""
+def _forward(x, weight, eps, residual, need_rstd=True):
+    """Checked forward of :func:`rms_norm`: ``(y, h or None, x or h as [M, N] rows, weight, rstd)``
+    (rstd None without ``need_rstd``)."""
     _check_fwd(x, weight, eps, residual)
     n = x.shape[-1]
     x2 = rows_view(x, n)
     weight = weight.contiguous()
-    y, h, rstd = _fwd(x2, rows_view(residual, n) if residual is not None else None, weight, eps)
+    y, h, rstd = _fwd(x2, rows_view(residual, n) if residual is not None else None, weight, eps, need_rstd)
     saved = h if h is not None else x2
     if x.dim() != 2:  # 2-D outputs already have x's shape (a view costs host time)
         y, h = y.view(x.shape), (h.view(x.shape) if h is not None else None)
@@ -458,5 +463,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
     """
     if needs_grad(x, weight, residual):
         return RMSNormFunction.apply(x, weight, eps, residual)
-    y, h = _forward(x, weight, eps, residual)[:2]  # nothing to differentiate: no autograd node
+    y, h = _forward(x, weight, eps, residual, need_rstd=False)[:2]  # nothing to differentiate: no autograd node
     return (y, h) if h is not None else y

@@ -193,3 +193,23 @@ def test_rms_norm_launch_plans_follow_every_argument(poisoned_empty):
     assert len(rms_norm_module._FWD_PLANS) == 4
     # and the backward of a plan reused under autograd
     check(randn(17, 1000, requires_grad=True), w.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_no_grad_allocates_only_outputs(residual, monkeypatch):
+    """Without a backward to come the forward allocates y (and h) only: no rstd (host time)."""
+    x, w = randn(5, 123), randn(123, scale=0.5).add(1.0)
+    r = randn(5, 123) if residual else None
+    empty, shapes = torch.empty, []
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: shapes.append(tuple(a[0])) or empty(*a, **k))
+    with torch.no_grad():
+        out = rms_norm(x, w, EPS, r)
+    monkeypatch.undo()
+    assert shapes == [(5, 123)] * (2 if residual else 1)
+    y, h = out if residual else (out, None)
+    ins64 = [t.double() for t in (x, w)] + ([r.double()] if residual else [])
+    ref64 = reference(*ins64[:2], ins64[2] if residual else None)
+    same = reference(x, w, r)
+    assert_close("y", y, ref64[0], same[0])
+    if residual:
+        assert_close("h", h, ref64[1], same[1])
