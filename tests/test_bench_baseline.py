@@ -17,7 +17,7 @@ from _checks import DEVICE, assert_close
 from reference_model import ReferenceTransformer
 from tritonllm.bench import baseline_model
 from tritonllm.bench.baseline_model import BaselineTransformer
-from tritonllm.bench.train import _parse, host_ms, parse_cpu_model, wall_ms
+from tritonllm.bench.train import _parse, host_ms, parse_cpu_model, wall_ms, with_speedup
 from tritonllm.models import ModelConfig, build_model
 
 #: void_tiny's features at toy size: odd vocabulary, widths and sequence length
@@ -212,9 +212,10 @@ class FakeClock:
         return self.now
 
 
-def test_host_ms_times_the_step_call_alone():
+def test_host_ms_times_the_step_call_alone_and_counts_calls_that_outlast_the_gpu_work():
     clock, log = FakeClock(), []
     costs = iter([0.002, 0.004, 0.003])
+    outlasted = iter([False, True, False])  # the second call returned after the GPU ran out of work
 
     def step():
         log.append("step")
@@ -223,13 +224,16 @@ def test_host_ms_times_the_step_call_alone():
     def busy():
         log.append("busy")
         clock.advance(0.5)  # enqueuing the spin kernel: outside the timed window
+        finished = next(outlasted)
+        return lambda: log.append("query") or finished
 
     def sync():
         log.append("sync")
         clock.advance(1.0)  # waiting for the GPU: outside the timed window
 
-    assert host_ms(step, 3, busy, sync, clock) == pytest.approx(3.0)
-    assert log == ["sync", "busy", "step"] * 3 + ["sync"]
+    ms, waited = host_ms(step, 3, busy, sync, clock)
+    assert ms == pytest.approx(3.0) and waited == 1
+    assert log == ["sync", "busy", "step", "query"] * 3 + ["sync"]
 
 
 def test_wall_ms_counts_the_final_synchronisation():
@@ -258,3 +262,11 @@ def test_parse_options():
         _parse(["--warmup", "2"])
     with pytest.raises(SystemExit):
         _parse(["--baselines", "compile,eager"])
+
+
+def test_speedup_is_against_the_fastest_baseline_that_ran():
+    row = {"step_ms": 20.0, "speedup": None, "baselines": {
+        "torch.compile": {"step_ms": 30.0}, "reduce-overhead": {"step_ms": 25.0},
+        "max-autotune": {"error": "OutOfMemoryError: ..."}}}
+    assert with_speedup(row)["speedup"] == 1.25 and row["fastest_baseline"] == "reduce-overhead"
+    assert with_speedup({"step_ms": 20.0, "speedup": None, "baselines": {}})["speedup"] is None

@@ -52,8 +52,11 @@ def grouped_mm_available(device) -> bool:
 
 
 def default_expert_impl(device) -> str:
-    """``grouped_mm`` where available (faster than the loop on an H200, see ``tritonllm/bench/train.py``),
-    else ``loop``."""
+    """``grouped_mm`` where available, else ``loop``. The grouped path needs no host synchronisation
+    and runs each projection as one grouped GEMM over all experts, not one GEMM per expert: on an H200 (torch 2.11,
+    torch.compile default) it trained void_moe_1b7b's shape cut to 2 layers (B8 x T1024) at 205K
+    tokens/s (40.0 ms per step, GPU kernels 38.9 ms); the loop's timing was cut off by that run's
+    time limit, so the two are not compared yet."""
     return "grouped_mm" if grouped_mm_available(device) else "loop"
 
 

@@ -21,6 +21,8 @@ Sides, each timed alone (GPU memory freed between them):
   then ``loss.backward()``, ``clip_grad_norm_(foreach=True)``, ``torch.optim.AdamW(fused=True)``
   with tritonllm's hyper-parameters and parameter groups, ``zero_grad(set_to_none=True)``.
   ``speedup`` = the fastest baseline's ``step_ms`` / tritonllm's graphed ``step_ms``.
+  max-autotune's compilation benchmarks about 20 Triton configs per GEMM shape (13-26 s per shape
+  on an H200 for void125m): it takes minutes, which is why it is timed last.
 
 Per side, after ``--warmup`` untimed steps (>= 3, so that tritonllm's graph is captured):
 
@@ -30,25 +32,30 @@ Per side, after ``--warmup`` untimed steps (>= 3, so that tritonllm's graph is c
   with tritonllm's ``flops_per_token = 6 N_active + 12 n_layers n_heads head_dim T`` for every side.
 - ``host_ms`` (host enqueue): the mean, over ``--steps`` calls, of the host time of the step call
   alone (``time.perf_counter`` just before and just after it, nothing synchronised inside that
-  window). Each call is issued behind a GPU spin kernel (``torch.cuda._sleep``) of twice the wall
-  step plus 2 ms, so the GPU is busy for the whole call: a step that does not synchronise
+  window). Each call is issued behind a GPU spin kernel (``torch.cuda._sleep``) of four times the
+  wall step plus 5 ms, so the GPU is busy for the whole call: a step that does not synchronise
   returns once its work is enqueued, never waiting for the GPU nor letting it drain. The device
   is synchronised between calls, outside the timed window, because steps issued back to back
   with no such gap fill the launch queue of a GPU-bound step within one or two steps, after which
-  a call measures the GPU's pace instead of the host's. A step that synchronises inside (the MoE
-  loop baseline reads expert sizes on the host) waits for the spin as well; such a side is flagged
-  ``host_syncs`` (its ``host_ms`` exceeds the spin) and its ``host_ms`` is an upper bound.
+  a call measures the GPU's pace instead of the host's. An event recorded behind the spin tells
+  whether the spin was still running when the call returned; ``host_waited`` counts the calls for
+  which it was not: such a call waited for the GPU (a synchronisation inside the step, as the MoE
+  loop baseline's host-read expert sizes, or more launches than the launch queue holds), and the
+  side's ``host_ms`` is then an upper bound of its enqueue time.
   ``host_ms`` close to ``step_ms`` and above ``gpu_ms``: the side is host-bound.
 - ``gpu_ms`` (GPU kernel time): ``torch.profiler`` (CUDA activity only) over 3 more steps, the sum
   of every kernel's self device time, memset and memcpy excluded, per step.
-- ``peak_mem_gb``: ``torch.cuda.max_memory_allocated()`` over the timed steps (peak reset after
-  the warm-up), in GB of 1e9 bytes.
+- ``peak_mem_gb``: ``torch.cuda.max_memory_allocated()`` from before the warm-up (the previous
+  side freed) to the end of the timed steps, in GB of 1e9 bytes. The warm-up is included because
+  a CUDA graph's activations are allocated once, while it is captured (tritonllm's graph,
+  reduce-overhead's CUDA graph trees), into a pool that its replays reuse without allocating.
 
 tritonllm's graphed profile also gives ``triton_share``, the fraction of its GPU kernel time spent
 in tritonllm's own Triton kernels, recognised by name (every ``@triton.jit`` kernel of
 ``tritonllm.kernels`` is ``_<name>_kernel``); every other kernel is listed (``other_kernels_ms``).
 The host CPU's model (``lscpu``, else ``/proc/cpuinfo``) is printed and recorded, since the host
-figures depend on it. Rows go to ``docs/perf/train-<gpu>.json`` (DESIGN.md section 6).
+figures depend on it. The row goes to ``docs/perf/train-<gpu>.json`` (DESIGN.md section 6),
+rewritten after every side so that a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -115,31 +122,44 @@ def wall_ms(step: Callable[[], object], steps: int, sync: Callable[[], None],
     return (clock() - t0) / steps * 1e3
 
 
-def host_ms(step: Callable[[], object], steps: int, busy: Callable[[], None], sync: Callable[[], None],
-            clock: Callable[[], float] = time.perf_counter) -> float:
-    """Mean host milliseconds of one ``step()`` call: per call, ``sync()`` and ``busy()`` (enqueue GPU
-    work that outlasts the call), then the call alone is timed; the final ``sync()`` is not timed."""
-    total = 0.0
+def host_ms(step: Callable[[], object], steps: int, busy: Callable[[], Callable[[], bool]],
+            sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> tuple[float, int]:
+    """Mean host milliseconds of one ``step()`` call, and the number of calls that outlasted the busy work.
+
+    Per call: ``sync()``, then ``busy()`` enqueues GPU work meant to outlast the call and returns a
+    ``finished()`` query; the call alone is timed, and ``finished()`` right after it says whether
+    the GPU ran out of that work before the call returned. The final ``sync()`` is not timed."""
+    total, waited = 0.0, 0
     for _ in range(steps):
         sync()
-        busy()
+        finished = busy()
         t0 = clock()
         step()
         total += clock() - t0
+        waited += bool(finished())
     sync()
-    return total / steps * 1e3
+    return total / steps * 1e3, waited
 
 
 def spin_cycles_per_ms() -> float:
-    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured with CUDA events."""
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured with CUDA events (after a
+    first spin of the same length, so that the clock has ramped up)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1000)
     cycles = 20_000_000
+    torch.cuda._sleep(cycles)
     start.record()
     torch.cuda._sleep(cycles)
     end.record()
     end.synchronize()
     return cycles / start.elapsed_time(end)
+
+
+def gpu_spin(ms: float, cycles_per_ms: float) -> Callable[[], bool]:
+    """Enqueue a spin kernel of about ``ms`` milliseconds; returns whether it has finished (an event query)."""
+    torch.cuda._sleep(int(ms * cycles_per_ms))
+    done = torch.cuda.Event()
+    done.record()
+    return done.query
 
 
 def kernel_times(step: Callable[[], object], steps: int = PROFILED_STEPS) -> tuple[dict[str, float], dict[str, float]]:
@@ -167,21 +187,20 @@ def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int,
             cycles_per_ms: float) -> tuple[dict, dict[str, float], dict[str, float]]:
     """Warm up, then time ``step`` (see the module docstring). Returns the side's figures and its
     kernel times per step (ours, others)."""
-    for _ in range(args.warmup):
-        step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.warmup):
+        step()
     wall = wall_ms(step, args.steps, torch.cuda.synchronize)
     peak_mem = torch.cuda.max_memory_allocated() / 1e9
-    spin_ms = 2 * wall + 2
-    host = host_ms(step, args.steps, lambda: torch.cuda._sleep(int(spin_ms * cycles_per_ms)), torch.cuda.synchronize)
+    host, waited = host_ms(step, args.steps, lambda: gpu_spin(4 * wall + 5, cycles_per_ms), torch.cuda.synchronize)
     ours, others = kernel_times(step)
     tokens_per_s = tokens / (wall / 1e3)
     figures = {"tokens_per_s": round(tokens_per_s), "mfu": round(flops_per_token * tokens_per_s / peak_flops, 4),
                "peak_mem_gb": round(peak_mem, 2), "step_ms": round(wall, 3),
                "gpu_ms": round(sum(ours.values()) + sum(others.values()), 3), "host_ms": round(host, 3)}
-    if host >= spin_ms:
-        figures["host_syncs"] = True
+    if waited:
+        figures["host_waited"] = waited
     return figures, ours, others
 
 
@@ -294,7 +313,16 @@ def _line(name: str, f: dict) -> str:
     if "error" in f:
         return f"{name:<28}failed: {f['error']}"
     return (f"{name:<28}{f['tokens_per_s']:>12,}{f['mfu']:>8.1%}{f['step_ms']:>10.2f}{f['gpu_ms']:>10.2f}"
-            f"{f['host_ms']:>10.2f}{'*' if f.get('host_syncs') else ' '}{f['peak_mem_gb']:>9.2f}")
+            f"{f['host_ms']:>10.2f}{'*' if f.get('host_waited') else ' '}{f['peak_mem_gb']:>9.2f}")
+
+
+def with_speedup(row: dict) -> dict:
+    """``row`` with ``speedup`` (the fastest timed baseline's step_ms / ours) and ``fastest_baseline``."""
+    timed = {k: v for k, v in row["baselines"].items() if "step_ms" in v}
+    if timed:
+        fastest = min(timed, key=lambda k: timed[k]["step_ms"])
+        row.update(fastest_baseline=fastest, speedup=round(timed[fastest]["step_ms"] / row["step_ms"], 3))
+    return row
 
 
 def main(argv: list[str]) -> None:
@@ -337,10 +365,14 @@ def main(argv: list[str]) -> None:
            **graphed, "eager": eager, "baselines": {}, "speedup": None,
            "triton_share": round(sum(ours_ms.values()) / total, 4) if total else None, "host_cpu": host_cpu,
            "other_kernels_ms": {k: round(v, 3) for k, v in sorted(other_ms.items(), key=lambda kv: -kv[1])}}
+    print(f"tritonllm triton_share {row['triton_share']}; host CPU: {host_cpu}")
+    for name, ms in row["other_kernels_ms"].items():
+        print(f"  non-tritonllm kernel {ms:8.3f} ms  {name}")
     experts = None
     if model_cfg.n_experts:
         experts = default_expert_impl(device) if args.moe_experts == "auto" else args.moe_experts
         row["baseline_moe_experts"] = experts
+    path = write_results("train", [row], args.out, extra={"host_cpu": host_cpu})
     for b in args.baselines:
         name = BASELINE_NAMES[b]
         try:
@@ -349,17 +381,11 @@ def main(argv: list[str]) -> None:
         except Exception as e:  # a baseline that fails is reported, not fatal
             row["baselines"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(_line(f"baseline {name}", row["baselines"][name]), flush=True)
-    timed = {k: v for k, v in row["baselines"].items() if "step_ms" in v}
-    if timed:
-        fastest = min(timed, key=lambda k: timed[k]["step_ms"])
-        row.update(fastest_baseline=fastest, speedup=round(timed[fastest]["step_ms"] / graphed["step_ms"], 3))
+        path = write_results("train", [with_speedup(row)], args.out, extra={"host_cpu": host_cpu})
 
-    if any(f.get("host_syncs") for f in (graphed, eager, *timed.values())):
-        print("* the step synchronises with the GPU inside: its host ms includes waiting (an upper bound)")
-    print(f"triton_share {row['triton_share']}; host CPU: {host_cpu}")
-    for name, ms in row["other_kernels_ms"].items():
-        print(f"  non-tritonllm kernel {ms:8.3f} ms  {name}")
+    if any(f.get("host_waited") for f in (graphed, eager, *row["baselines"].values())):
+        print("* some calls waited for the GPU (a synchronisation inside the step, or a full launch queue): "
+              "host ms is an upper bound")
     if row["speedup"] is not None:
         print(f"speedup {row['speedup']:.3f}x over the fastest baseline ({row['fastest_baseline']})")
-    path = write_results("train", [row], args.out, extra={"host_cpu": host_cpu})
     print(f"wrote {path}")
