@@ -285,8 +285,10 @@ def _flash_attention_split_fwd_kernel(
     shift, window, qk_scale,    # S - T; window (unused without HAS_WINDOW); softmax_scale * log2(e)
     key_lo, split_size,         # split s reads keys [key_lo + s * split_size, min(S, ... + split_size))
     S_BUCKET,                   # next_pow2(S): autotune key only
+    KV_LEN,                     # with LEN_IN_MEMORY: pointer to the number of valid keys (0-d int32/int64)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LEN_IN_MEMORY: tl.constexpr,  # only keys [0, min(*KV_LEN, S)) are valid; shift and key_lo follow from it
 ):
     pid_s = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -304,8 +306,13 @@ def _flash_attention_split_fwd_kernel(
 
     q_rows = (h * stride_qh + t.to(tl.int64) * stride_qt)[:, None]
     q = tl.load(Q + b * stride_qb + q_rows + offs_d[None, :], mask=io_mask, other=0.0)
+    n_keys = S
+    if LEN_IN_MEMORY:  # the grid covers the cache (S keys); splits past the valid length see no key
+        n_keys = tl.minimum(tl.load(KV_LEN).to(tl.int32), S)
+        shift = n_keys - T
+        key_lo = tl.maximum(shift - window + 1, 0) if HAS_WINDOW else 0
     n_lo = key_lo + pid_s * split_size
-    first, end = _keys_seen(t, tl.minimum(n_lo + split_size, S), shift, window, CAUSAL, HAS_WINDOW)
+    first, end = _keys_seen(t, tl.minimum(n_lo + split_size, n_keys), shift, window, CAUSAL, HAS_WINDOW)
     out, lse = _attend(q, qk_scale, tl.maximum(first, n_lo), end, K + b * stride_kb + hk * stride_kh,
                        V + b * stride_vb + hk * stride_vh, stride_ks, stride_vs, offs_n, offs_d, d_ok,
                        BLOCK_M, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION)
@@ -731,6 +738,12 @@ def _auto_splits(B: int, T: int, Hq: int, Hkv: int, n_keys: int) -> int:
     """0 for the one-pass kernel, else the number of KV splits of the flash-decoding kernel."""
     if T > _SPLIT_MAX_T and (triton.cdiv(T, 64) * B * Hq >= num_sms() or n_keys < 8 * T):
         return 0
+    return _split_count(B, T, Hq, Hkv, n_keys)
+
+
+def _split_count(B: int, T: int, Hq: int, Hkv: int, n_keys: int) -> int:
+    """KV splits of the flash-decoding kernel over ``n_keys`` keys: enough programs for
+    ``_SPLIT_WAVES`` per SM, no split under ``_SPLIT_MIN_KEYS`` keys, at least one."""
     base = B * Hkv * triton.cdiv(Hq // Hkv * T, _split_rows_block(Hq // Hkv, T))
     return max(1, min(triton.cdiv(_SPLIT_WAVES * num_sms(), base), triton.cdiv(n_keys, _SPLIT_MIN_KEYS)))
 
@@ -764,22 +777,68 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                            shift, win, qk_scale, next_pow2(T), next_pow2(S), **flags, **stream)
         return o, lse
 
+    _split_launch(q, k, v, o, lse, flags, qk_scale, win, key_lo, S - key_lo, splits, None)
+    return o, lse
+
+
+def _split_launch(q, k, v, o, lse, flags: dict, qk_scale: float, win: int, key_lo: int, span: int, splits: int,
+                  kv_len: torch.Tensor | None) -> None:
+    """Split-KV kernel over keys ``[key_lo, key_lo + span)`` in at most ``splits`` splits, then the
+    combine kernel into ``o``, ``lse``. With ``kv_len`` (0-d int tensor on the device) the kernel reads
+    the number of valid keys and derives ``shift`` and ``key_lo`` itself; the grid stays sized for
+    ``span`` (the cache), so splits past the length see no key (lse -inf: weight 0 in the combine)."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
     block_m = _split_rows_block(group, T)
     align = max(c.kwargs["BLOCK_N"] for c in _split_fwd_kernel.configs)
-    split_size = triton.cdiv(triton.cdiv(S - key_lo, splits), align) * align
-    splits = triton.cdiv(S - key_lo, split_size)
+    split_size = triton.cdiv(triton.cdiv(span, splits), align) * align
+    splits = triton.cdiv(span, split_size)
     o_part = torch.empty((splits, B, Hq, T, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits, B, Hq, T), dtype=torch.float32, device=q.device)
     grid = (splits, triton.cdiv(group * T, block_m), B * Hkv)
     _split_fwd_kernel[grid](q, k, v, o_part, lse_part, *_strides(q), *_strides(k), *_strides(v),
-                            T, S, Hq, Hkv, group, B * Hq * T, shift, win, qk_scale, key_lo, split_size,
-                            next_pow2(S), BLOCK_M=block_m, **flags)
+                            T, S, Hq, Hkv, group, B * Hq * T, S - T, win, qk_scale, key_lo, split_size,
+                            next_pow2(S), 0 if kv_len is None else kv_len, BLOCK_M=block_m,
+                            LEN_IN_MEMORY=kv_len is not None, **flags)
     rows_block = _INTERP_COMBINE_ROWS if interpreting() else _COMBINE_ROWS
     _flash_attention_combine_kernel[(triton.cdiv(B * Hq * T, rows_block),)](
         o_part, lse_part, o, lse, B * Hq * T, T, Hq, splits,
         HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_R=rows_block, num_warps=1 if interpreting() else 4)
-    return o, lse
+
+
+def flash_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor,
+                           causal: bool = True, window: int | None = None, softmax_scale: float | None = None,
+                           split_kv: int | None = None) -> torch.Tensor:
+    """Attention of ``q [B, T, Hq, D]`` over the first ``kv_len`` positions of a static KV cache
+    ``k_cache, v_cache [B, S_max, Hkv, D]``, with ``kv_len`` a 0-d int32/int64 tensor on the device.
+
+    The split-KV kernel reads ``n = min(kv_len, S_max)`` from device memory and computes exactly
+    :func:`flash_attention` ``(q, k_cache[:, :n], v_cache[:, :n], causal, window, softmax_scale)``
+    (bottom-right causal: query ``i`` sees keys ``j <= i + n - T``). No host synchronisation and
+    shapes independent of ``n``: the grid is sized for ``S_max`` (``split_kv`` splits at most, default
+    as for the decode path of :func:`flash_attention_fwd`; with a window, over its last
+    ``window + T - 1`` keys), splits past ``n`` do no work and combine with weight 0, so one call
+    can be captured in a CUDA graph and replayed as the cache fills. The caller guarantees
+    ``T <= n``. Forward only. Returns ``[B, T, Hq, D]`` contiguous, dtype of ``q``.
+    """
+    scale = _check_attention_inputs(q, k_cache, v_cache, causal, window, softmax_scale)
+    if not (isinstance(kv_len, torch.Tensor) and kv_len.dim() == 0 and kv_len.dtype in (torch.int32, torch.int64)):
+        got = f"shape {tuple(kv_len.shape)} {kv_len.dtype}" if isinstance(kv_len, torch.Tensor) else type(kv_len).__name__
+        raise ValueError(f"kv_len must be a 0-d int32/int64 tensor, got {got}")
+    check_same_device(q=q, kv_len=kv_len)
+    if split_kv is not None and (isinstance(split_kv, bool) or not isinstance(split_kv, int) or split_kv < 1):
+        raise ValueError(f"split_kv must be None or an int >= 1, got {split_kv!r}")
+    q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
+    B, T, Hq, D = q.shape
+    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    span = S if window is None else min(S, window + T - 1)
+    splits = _split_count(B, T, Hq, Hkv, span) if split_kv is None else split_kv
+    o = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    _split_launch(q, k_cache, v_cache, o, lse, _kernel_flags(q, causal, window), scale * _LOG2E, window or 0, 0,
+                  span, splits, kv_len)
+    return o
 
 
 def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

@@ -1,7 +1,10 @@
 """Rotary position embedding (RoPE), half-split (GPT-NeoX / Llama) convention, and its cos/sin tables.
 
 Forward, for ``x`` of shape ``[B, T, H, D]``, ``x1 = x[..., :D/2]``, ``x2 = x[..., D/2:]`` and the
-table rows of position ``p = position_offset + t``: ``c = cos[p]``, ``s = sin[p]`` (``[D/2]`` each)::
+table rows of position ``p = position_offset + t``: ``c = cos[p]``, ``s = sin[p]`` (``[D/2]`` each).
+``position_offset`` is a Python int or a 0-d int32/int64 tensor on the device of ``x``, read by the
+kernel (a decode step captured in a CUDA graph reads the KV cache's fill position from device memory;
+rows whose position falls outside the tables read ``c = s = 0``, the host cannot check a device value)::
 
     out1 = x1 * c - x2 * s
     out2 = x2 * c + x1 * s
@@ -81,12 +84,14 @@ def _rope_kernel(
     stride_xh,  # x stride between heads
     stride_cos,  # cos row stride
     stride_sin,  # sin row stride
-    position_offset,  # table row of position t = 0
+    S,  # table rows
+    position_offset,  # table row of position t = 0: an int, or a pointer to one with OFFSET_IN_MEMORY
     HALF: tl.constexpr,  # D / 2
     BLOCK_R: tl.constexpr,  # rows (flattened b, t) per program
     BLOCK_H: tl.constexpr,  # heads per program
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
     INVERSE: tl.constexpr,  # rotate by the opposite angle (the backward)
+    OFFSET_IN_MEMORY: tl.constexpr,  # position_offset points to a 0-d int32/int64 device tensor
 ):
     # tile axes: [rows, heads, half of the head dim]
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -96,10 +101,15 @@ def _rope_kernel(
     t = row - b * T
     row_mask = row < R
     d_mask = d < HALF
-    pos = (t + position_offset).to(tl.int64)
+    if OFFSET_IN_MEMORY:
+        offset = tl.load(position_offset).to(tl.int64)
+    else:
+        offset = position_offset
+    pos = t.to(tl.int64) + offset
     table_mask = row_mask[:, None, None] & d_mask[None, None, :]
-    c = tl.load(cos_ptr + pos[:, None, None] * stride_cos + d[None, None, :], mask=table_mask, other=0.0)
-    s = tl.load(sin_ptr + pos[:, None, None] * stride_sin + d[None, None, :], mask=table_mask, other=0.0)
+    table_ok = table_mask & ((pos >= 0) & (pos < S))[:, None, None]
+    c = tl.load(cos_ptr + pos[:, None, None] * stride_cos + d[None, None, :], mask=table_ok, other=0.0)
+    s = tl.load(sin_ptr + pos[:, None, None] * stride_sin + d[None, None, :], mask=table_ok, other=0.0)
     c = c.to(tl.float32)
     s = s.to(tl.float32)
     if INVERSE:
@@ -154,8 +164,14 @@ def _check_rope_args(name: str, x, cos, sin, position_offset) -> None:
         raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.shape[1] != D // 2:
         raise ValueError(f"cos must have shape [S, head_dim // 2] = [S, {D // 2}], got {tuple(cos.shape)}")
+    if isinstance(position_offset, torch.Tensor):
+        if position_offset.dim() != 0 or position_offset.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"position_offset: a tensor offset must be 0-d int32/int64, got shape "
+                             f"{tuple(position_offset.shape)} {position_offset.dtype}")
+        check_same_device(**{name: x}, position_offset=position_offset)
+        return  # read on the device: no host check of its value (positions past the tables read c = s = 0)
     if isinstance(position_offset, bool) or not isinstance(position_offset, int):
-        raise TypeError(f"position_offset must be an int, got {type(position_offset).__name__}")
+        raise TypeError(f"position_offset must be an int or a 0-d int tensor, got {type(position_offset).__name__}")
     if position_offset < 0:
         raise ValueError(f"position_offset must be >= 0, got {position_offset}")
     T = x.shape[1]
@@ -181,8 +197,9 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _rope_launch(x, cos, sin, position_offset: int, inverse: bool) -> torch.Tensor:
-    """Unchecked launch: ``x`` (or ``dy``) ``[B, T, H, D]`` with unit last stride, tables with unit last stride."""
+def _rope_launch(x, cos, sin, position_offset: int | torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Unchecked launch: ``x`` (or ``dy``) ``[B, T, H, D]`` with unit last stride, tables with unit last
+    stride, ``position_offset`` an int or a 0-d int tensor on the device."""
     B, T, H, D = x.shape
     out = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -191,20 +208,22 @@ def _rope_launch(x, cos, sin, position_offset: int, inverse: bool) -> torch.Tens
         B * T, H, D // 2, _ROPE_TILE, _ROPE_NUM_WARPS)
     sb, st, sh, _ = x.stride()
     _rope_kernel[(row_programs, head_programs)](
-        x, cos, sin, out, B * T, T, H, sb, st, sh, cos.stride(0), sin.stride(0), position_offset,
+        x, cos, sin, out, B * T, T, H, sb, st, sh, cos.stride(0), sin.stride(0), cos.shape[0], position_offset,
         HALF=D // 2, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_HALF=block_half, INVERSE=inverse,
-        num_warps=num_warps,
+        OFFSET_IN_MEMORY=isinstance(position_offset, torch.Tensor), num_warps=num_warps,
     )
     return out
 
 
-def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             position_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Rotate ``x`` ``[B, T, H, D]`` by the table rows ``position_offset .. position_offset + T - 1``."""
     _check_rope_args("x", x, cos, sin, position_offset)
     return _rope_launch(x, _unit_last(cos), _unit_last(sin), position_offset, inverse=False)
 
 
-def rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+def rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             position_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Gradient of :func:`rope_fwd` with respect to ``x``: ``dy`` rotated by the opposite angle."""
     check_tensor("dy", dy, ndim=4)
     dy = _unit_last(dy)  # a gradient may arrive in any layout (x itself is never copied)
@@ -230,7 +249,8 @@ class RopeFunction(torch.autograd.Function):
         return _rope_launch(_unit_last(dy), cos, sin, ctx.position_offset, inverse=True), None, None, None
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position_offset: int = 0) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+         position_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Rotary position embedding, half-split convention.
 
     Args:
@@ -238,7 +258,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, position_offs
             dimension is contiguous. A slice of a packed ``[B, T, Hq + 2 Hkv, D]`` qkv is read in
             place; ``q`` and ``k`` rotate in one launch as the slice ``qkv[:, :, :Hq + Hkv]``.
         cos, sin: ``[S, D // 2]`` tables (float32 recommended, see :func:`rope_cos_sin`), ``S >= position_offset + T``.
-        position_offset: table row of position ``t = 0`` (decoding at position ``p`` uses rows ``p .. p + T - 1``).
+        position_offset: table row of position ``t = 0`` (decoding at position ``p`` uses rows ``p .. p + T - 1``):
+            an int >= 0 (checked against ``S``), or a 0-d int32/int64 tensor on the device of ``x`` that
+            the kernel reads (no host synchronisation, so the call can be captured in a CUDA graph and
+            replayed as the value changes; rows past the tables are not checked and rotate by ``c = s = 0``).
 
     Returns:
         ``[B, T, H, D]`` contiguous, dtype of ``x``: with ``c, s = cos[p + t], sin[p + t]``,

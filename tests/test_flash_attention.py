@@ -280,3 +280,43 @@ def test_launch_plans_follow_every_argument():
     assert out.grad_fn is None
     assert_close("no_grad out", out, reference(q.double(), k.double(), v.double())[0],
                  same=reference(q.detach(), k.detach(), v.detach())[0])
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["causal", "window4"])
+@pytest.mark.parametrize("T", [1, 2], ids=lambda t: f"T{t}")
+def test_flash_attention_decode_device_length(T, window):
+    """flash_attention_decode over a static cache of 40 rows, the valid length read from a device
+    tensor, equals the float64 reference over the first n rows, for n = 1 (with T = 1), 5, 17 and the
+    whole cache; the split grid is sized for the cache (4 splits), so the splits past n do no work."""
+    from tritonllm.kernels.flash_attention import flash_attention_decode
+
+    B, Hq, Hkv, D, S_max = 2, 4, 2, 32, 40
+    k_cache, v_cache = randn(B, S_max, Hkv, D), randn(B, S_max, Hkv, D)
+    q = randn(B, T, Hq, D)
+    for n in (1, 5, 17, S_max):
+        if n < T:
+            continue
+        for dtype in (torch.int32, torch.int64):
+            out = flash_attention_decode(q, k_cache, v_cache, torch.tensor(n, dtype=dtype, device=q.device),
+                                         window=window, split_kv=4)
+            ref64, _ = reference(*(t.double() for t in (q, k_cache[:, :n], v_cache[:, :n])), window=window)
+            same, _ = reference(q, k_cache[:, :n], v_cache[:, :n], window=window)
+            assert_close(f"decode n={n}", out, ref64, same=same)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"kv_len": 5}, ValueError, "kv_len"),
+    ({"kv_len": torch.tensor([5])}, ValueError, "kv_len"),
+    ({"kv_len": torch.tensor(5.0)}, ValueError, "kv_len"),
+    ({"split_kv": 0}, ValueError, "split_kv"),
+    ({"window": 0}, ValueError, "window"),
+], ids=["int", "1d", "float", "split0", "window0"])
+def test_flash_attention_decode_bad_input(kwargs, error, match):
+    from tritonllm.kernels.flash_attention import flash_attention_decode
+
+    q, k, v = _qkv(T=1, S=8)
+    args = {"kv_len": torch.tensor(5, device=q.device), **kwargs}
+    if isinstance(args["kv_len"], torch.Tensor):
+        args["kv_len"] = args["kv_len"].to(q.device)
+    with pytest.raises(error, match=match):
+        flash_attention_decode(q, k, v, **args)

@@ -285,3 +285,27 @@ def test_rope_cos_sin_long(kind):
     angle = torch.arange(131072, dtype=torch.float64)[:, None] * inv[None, :]
     assert_close("cos", cos, torch.cos(angle) * mscale)
     assert_close("sin", sin, torch.sin(angle) * mscale)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("offset", [0, 9], ids=lambda o: f"offset{o}")
+def test_rope_device_tensor_offset(offset, dtype, poisoned_empty):
+    """A 0-d int tensor offset (read by the kernel) gives the int offset's result and the float64
+    reference's, output and gradient."""
+    T = 3
+    cos, sin = tables(offset + T + 1, 16)
+    x = randn(2, T, 3, 32, requires_grad=True)
+    check(x, lambda t: [t], cos, sin, torch.tensor(offset, dtype=dtype, device=DEVICE))
+    with torch.no_grad():
+        torch.testing.assert_close(rope(x, cos, sin, position_offset=torch.tensor(offset, dtype=dtype, device=DEVICE)),
+                                   rope(x, cos, sin, position_offset=offset), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("offset, error", [
+    (torch.tensor([1]), "0-d"),
+    (torch.tensor(1.0), "int32/int64"),
+], ids=["1d", "float"])
+def test_rope_bad_tensor_offset(offset, error):
+    cos, sin = tables(8, 4)
+    with pytest.raises(ValueError, match=f"position_offset.*{error}"):
+        rope(randn(1, 2, 1, 8), cos, sin, position_offset=offset.to(DEVICE))

@@ -1,7 +1,8 @@
 """``python -m tritonllm.generate ckpt=<dir> prompt="..." max_new_tokens=200 temperature=0.8 top_k=200 top_p=0.95``
 
 Loads a training checkpoint (the newest one when given a run or checkpoints folder) with the
-tokenizer saved next to it, samples a continuation of ``prompt`` with the KV cache and prints it.
+tokenizer saved next to it, samples a continuation of ``prompt`` with the KV cache and prints it
+(on a GPU each new token is one replay of a CUDA graph of the decode step: ``Transformer.generate``).
 Config: ``conf/generate.yaml``.
 """
 

@@ -29,7 +29,8 @@ import math
 import torch
 from torch import nn
 
-from tritonllm.kernels.flash_attention import flash_attention
+from tritonllm.kernels.flash_attention import flash_attention, flash_attention_decode
+from tritonllm.kernels.kv_cache import kv_cache_write_
 from tritonllm.kernels.linear import linear
 from tritonllm.kernels.linear_cross_entropy import linear_cross_entropy
 from tritonllm.kernels.rope import rope, rope_cos_sin
@@ -44,10 +45,15 @@ def _out_std(cfg: ModelConfig) -> float:
 
 
 class KVCache:
-    """Preallocated keys and values, ``[B, max_len, Hkv, D]`` per layer, and how many positions are filled.
+    """Static keys and values, ``[B, max_len, Hkv, D]`` per layer, and how many positions are filled.
 
-    A forward with a cache attends to the cached positions plus its own; :meth:`Transformer.forward`
-    advances ``pos`` once all layers have written.
+    ``pos`` is the fill position as a 0-d int32 tensor on the cache's device. The kernels read it
+    from device memory (the RoPE offset, the row :func:`kv_cache_write_` writes, the number of keys
+    :func:`flash_attention_decode` attends to), so one decode step (:meth:`Transformer.decode_step`)
+    has fixed shapes and can be captured in a CUDA graph and replayed while ``pos`` advances.
+    ``length`` is the same count as the host knows it: a forward with a cache (the prompt's prefill,
+    whose key views need host shapes) attends to the cached positions plus its own and advances
+    both (:meth:`advance`); a decode step advances ``pos`` alone, on the device.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=None):
@@ -55,16 +61,27 @@ class KVCache:
         self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.max_len = max_len
-        self.pos = 0
+        self.pos = torch.zeros((), dtype=torch.int32, device=device)
+        self.length = 0
+
+    def reset(self) -> None:
+        """Empty the cache (``pos`` and ``length`` 0; the buffers keep their addresses)."""
+        self.pos.zero_()
+        self.length = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write ``k, v [B, T, Hkv, D]`` at positions ``pos .. pos+T-1``; return views of all filled positions."""
-        end = self.pos + k.shape[1]
+        """Write ``k, v [B, T, Hkv, D]`` at positions ``pos .. pos+T-1`` (read on the device); return
+        views of the ``length + T`` filled positions."""
+        end = self.length + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache of max_len {self.max_len} cannot hold {end} positions")
-        self.k[layer][:, self.pos:end] = k
-        self.v[layer][:, self.pos:end] = v
+        kv_cache_write_(k, v, self.k[layer], self.v[layer], self.pos)
         return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` more filled positions, on the device and on the host."""
+        self.pos += n
+        self.length += n
 
 
 class Attention(nn.Module):
@@ -175,7 +192,7 @@ class Transformer(nn.Module):
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states ``[B, T, d_model]`` of token ids ``idx [B, T]``."""
         T = idx.shape[1]
-        start = 0 if cache is None else cache.pos
+        start = 0 if cache is None else cache.length
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"idx: sequence of {start + T} positions exceeds max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_tables(idx.device)
@@ -184,7 +201,7 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x, delta = block(x, delta, cos, sin, cache)
         if cache is not None:
-            cache.pos += T
+            cache.advance(T)
         h, _ = self.norm(delta, residual=x)
         return h
 
@@ -236,47 +253,181 @@ class Transformer(nn.Module):
         return 6 * self.num_active_params() + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
     @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits ``[B, V]`` of ``tokens [B, 1]`` (contiguous int64) at the cache's device position
+        ``p = cache.pos``: every layer writes its key and value at row ``p`` and attends to rows
+        ``0 .. p``; then ``cache.pos`` becomes ``p + 1`` (``cache.length`` is left alone). Nothing
+        here reads a device value on the host and no shape depends on ``p``: the step can be captured
+        in a CUDA graph. The caller guarantees ``p < cache.max_len``."""
+        cos, sin = self.rope_tables(tokens.device)
+        kv_len = cache.pos + 1
+        delta = self.embed(tokens)
+        x = torch.zeros_like(delta)
+        for block in self.blocks:
+            h, x = block.attn_norm(delta, residual=x)
+            h, x = block.mlp_norm(_decode_attention(block.attn, h, cos, sin, cache, kv_len), residual=x)
+            delta = block.mlp(h)
+        h, _ = self.norm(delta, residual=x)
+        cache.pos.copy_(kv_len)
+        return linear(h[:, -1], self.head_weight)
+
+    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, use_cache: bool = True) -> torch.Tensor:
+                 top_p: float | None = None, use_cache: bool = True, cuda_graph: bool | str = "auto") -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx [B, T]``; returns ``[B, T + max_new_tokens]``.
 
-        ``temperature`` 0 is greedy. With ``use_cache`` the prompt is run once into a :class:`KVCache`
-        and each new token is one T=1 forward against it (the prompt plus new tokens must fit in
+        ``temperature`` 0 is greedy; sampling as :func:`sample_next` (seeded by ``torch.manual_seed``).
+        With ``use_cache`` the prompt is run once (prefill, eager) into a static :class:`KVCache` and
+        each further token is one :meth:`decode_step` (the prompt plus new tokens must fit in
         ``max_seq_len``); without, every step re-runs the last ``max_seq_len`` tokens.
+
+        ``cuda_graph``: ``True`` captures one decode step (all layers, the LM head, sampling) as a
+        CUDA graph and replays it per token; ``False`` runs the same step eagerly; ``"auto"`` is
+        ``True`` for a dense model on a CUDA device. The cache, the token buffer and the graph are
+        kept per ``(batch, max_len, sampling settings)`` (``max_len``: prompt + new tokens rounded up
+        to a multiple of 256, at most ``max_seq_len``) and reused by later calls with other prompts.
+        Greedy decoding gives the same tokens with and without the graph.
         """
-        cache = None
-        if use_cache:
-            total = idx.shape[1] + max_new_tokens
-            if total > self.cfg.max_seq_len:
-                raise ValueError(f"max_new_tokens: prompt + new tokens = {total} exceeds max_seq_len "
-                                 f"{self.cfg.max_seq_len}; use use_cache=False to slide the context")
-            cache = KVCache(self.cfg, idx.shape[0], total, device=idx.device, dtype=self.head_weight.dtype)
-        step_input = idx
-        for _ in range(max_new_tokens):
-            if cache is None:
-                step_input = idx[:, -self.cfg.max_seq_len:]
-            h = self.hidden(step_input, cache)
-            logits = linear(h[:, -1], self.head_weight)
-            step_input = sample_next(logits, temperature, top_k, top_p)
-            idx = torch.cat([idx, step_input], dim=1)
-        return idx
+        if cuda_graph not in ("auto", True, False):
+            raise ValueError(f"cuda_graph must be 'auto', True or False, got {cuda_graph!r}")
+        _check_sampling(temperature, top_k, top_p)
+        if not use_cache:
+            if cuda_graph is True:
+                raise ValueError("cuda_graph=True needs use_cache=True (the graph replays a step against the KV cache)")
+            for _ in range(max_new_tokens):
+                h = self.hidden(idx[:, -self.cfg.max_seq_len:])
+                idx = torch.cat([idx, sample_next(linear(h[:, -1], self.head_weight), temperature, top_k, top_p)], 1)
+            return idx
+        B, T = idx.shape
+        total = T + max_new_tokens
+        if total > self.cfg.max_seq_len:
+            raise ValueError(f"max_new_tokens: prompt + new tokens = {total} exceeds max_seq_len "
+                             f"{self.cfg.max_seq_len}; use use_cache=False to slide the context")
+        if max_new_tokens == 0:
+            return idx
+        if cuda_graph is True and idx.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs a CUDA device, got idx on {idx.device}")
+        graphed = cuda_graph is True or (cuda_graph == "auto" and idx.device.type == "cuda" and not self.cfg.n_experts)
+        max_len = min(-(-total // _DECODE_LEN_ALIGN) * _DECODE_LEN_ALIGN, self.cfg.max_seq_len)
+        sampling = (float(temperature), top_k, top_p)
+        weights = tuple(p.data_ptr() for p in self.parameters())
+        key = (B, max_len, sampling, idx.device, self.head_weight.dtype, graphed, weights)
+        decoders = self.__dict__.setdefault("_decoders", {})
+        decoder = decoders.pop(key, None) or _Decoder(self, B, max_len, idx.device, sampling, graphed)
+        decoders[key] = decoder  # most recently used last; keep a few
+        while len(decoders) > _MAX_DECODERS:
+            decoders.pop(next(iter(decoders)))
+        return decoder.run(idx, max_new_tokens)
+
+
+#: decode caches are sized for prompt + new tokens rounded up to this (so that calls share graphs)
+_DECODE_LEN_ALIGN = 256
+#: decoders (cache + token buffer + graph) a model keeps, least recently used dropped first
+_MAX_DECODERS = 4
+
+
+def _decode_attention(attn: Attention, x: torch.Tensor, cos, sin, cache: KVCache, kv_len: torch.Tensor):
+    """:class:`Attention` for ``x [B, 1, d_model]`` at the cache's device position: RoPE at
+    ``cache.pos``, key and value written at that row (:func:`kv_cache_write_`), split-KV attention over
+    the cache's first ``kv_len`` rows (:func:`flash_attention_decode`); fixed shapes."""
+    B = x.shape[0]
+    Hq, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    qkv = attn.qkv(x).view(B, 1, Hq + 2 * Hkv, D)
+    if attn.q_norm is None:  # q and k are adjacent heads: one RoPE launch rotates both
+        qk, v = split_heads(qkv, (Hq + Hkv, Hkv))
+        q, k = split_heads(rope(qk, cos, sin, position_offset=cache.pos), (Hq, Hkv))
+    else:
+        q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
+        q = rope(attn.q_norm(q), cos, sin, position_offset=cache.pos)
+        k = rope(attn.k_norm(k), cos, sin, position_offset=cache.pos)
+    k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
+    kv_cache_write_(k, v, k_cache, v_cache, cache.pos)
+    y = flash_attention_decode(q, k_cache, v_cache, kv_len, causal=True, window=attn.window)
+    return attn.proj(y.reshape(B, 1, Hq * D))
+
+
+class _Decoder:
+    """The static state of :meth:`Transformer.generate` for one (batch, max_len, sampling) key: a
+    :class:`KVCache`, a token buffer ``[B, max_len + 1]`` (prompt, then the tokens drawn) and, when
+    ``graphed``, the CUDA graph of :meth:`step`, captured on the first call that decodes."""
+
+    def __init__(self, model: Transformer, batch: int, max_len: int, device, sampling: tuple, graphed: bool):
+        self.model, self.sampling, self.graphed = model, sampling, graphed
+        self.cache = KVCache(model.cfg, batch, max_len, device=device, dtype=model.head_weight.dtype)
+        self.tokens = torch.zeros((batch, max_len + 1), dtype=torch.int64, device=device)
+        self.graph = None
+
+    def step(self) -> None:
+        """Token at column ``p = cache.pos`` -> :meth:`Transformer.decode_step` -> the sampled token
+        written at column ``p + 1``; ``cache.pos`` becomes ``p + 1``. Device-side indices only."""
+        col = self.cache.pos.to(torch.int64).expand(self.tokens.shape[0], 1)
+        nxt = col + 1
+        logits = self.model.decode_step(self.tokens.gather(1, col), self.cache)
+        self.tokens.scatter_(1, nxt, sample_next(logits, *self.sampling))
+
+    def _capture(self) -> None:
+        """Warm up (compilation, autotuning) on a side stream, then capture :meth:`step`; the
+        warm-up's writes past the fill position are overwritten by the replays, and the random
+        numbers it drew are given back (a seeded call draws the same with or without a capture)."""
+        pos = self.cache.pos.clone()
+        rng = torch.cuda.get_rng_state(self.tokens.device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.cache.pos.copy_(pos)
+                self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.cache.pos.copy_(pos)
+        torch.cuda.set_rng_state(rng, self.tokens.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.step()
+        self.graph = graph
+
+    def run(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Prefill ``idx [B, T]`` eagerly, draw the first token from its last position, then
+        ``max_new_tokens - 1`` decode steps (graph replays or eager calls)."""
+        model, T = self.model, idx.shape[1]
+        self.tokens[:, :T].copy_(idx)
+        self.cache.reset()
+        h = model.hidden(idx, self.cache)
+        self.tokens[:, T:T + 1].copy_(sample_next(linear(h[:, -1], model.head_weight), *self.sampling))
+        if max_new_tokens > 1 and self.graphed and self.graph is None:
+            self._capture()
+        for _ in range(max_new_tokens - 1):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
+        return self.tokens[:, :T + max_new_tokens].clone()
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None) -> torch.Tensor:
-    """Sample one token per row of ``logits [B, V]`` -> ``[B, 1]`` (sampling uses PyTorch ops).
+    """Sample one token per row of ``logits [B, V]`` -> ``[B, 1]`` int64, with PyTorch ops only.
 
     ``temperature`` 0 (or ``top_k`` 1) is argmax; ``top_k`` keeps the k largest logits; ``top_p``
-    keeps the smallest set of tokens whose probability reaches p (nucleus sampling).
+    keeps the smallest set of tokens whose probability reaches p (nucleus sampling). The draw is an
+    exponential race, ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` i.i.d. (the Gumbel-max trick in
+    another form: token i wins with probability ``p_i``, as ``torch.multinomial(p, 1)``), from the
+    default generator of the logits' device: no host synchronisation and no data-dependent shape,
+    so it runs inside a captured CUDA graph (whose replays advance the generator's offset) and is
+    reproducible under ``torch.manual_seed``.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    logits = logits.float()
+    _check_sampling(temperature, top_k, top_p)
     if temperature == 0 or top_k == 1:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+        return logits.argmax(dim=-1, keepdim=True)  # in the logits' dtype: the same index as in fp32
+    logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -285,7 +436,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         probs = torch.softmax(sorted_logits, dim=-1)
         drop = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+    probs = torch.softmax(logits, dim=-1)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True)
 
 
 def build_model(cfg, device=None, dtype=None) -> Transformer:
