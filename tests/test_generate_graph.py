@@ -9,6 +9,7 @@ import torch
 from _checks import DEVICE, poison_, randn
 from tritonllm.kernels.kv_cache import kv_cache_write_
 from tritonllm.models import KVCache, ModelConfig, build_model
+from tritonllm.models.transformer import _DECODERS, release_decoders
 
 TINY = dict(vocab_size=61, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=40, max_seq_len=24)
 
@@ -72,6 +73,31 @@ def test_sampling_reproducible_under_seed(cuda_graph):
     assert runs[0][:, 4:].unique().numel() > 3  # a real draw, not a constant
 
 
+def test_decoders_reused_per_key_and_released():
+    """One decoder (cache, token buffer) per (batch, rounded length, sampling): a second prompt of
+    another length reuses it, other sampling settings get their own; deepcopy works after generate;
+    release_decoders frees them and a dropped model takes its decoders with it."""
+    import copy
+    import gc
+
+    model = build_model(ModelConfig(name="tiny", **TINY), device=DEVICE)
+    for T in (3, 5):
+        model.generate(_prompt(model.cfg, 2, T), 4, temperature=0.0, cuda_graph=False)
+    assert len(_DECODERS[model]) == 1
+    model.generate(_prompt(model.cfg, 2, 3), 4, temperature=0.5, cuda_graph=False)
+    assert len(_DECODERS[model]) == 2
+    twin = copy.deepcopy(model)
+    assert twin not in _DECODERS
+    release_decoders(model)
+    assert model not in _DECODERS
+    twin.generate(_prompt(model.cfg, 1, 3), 2, cuda_graph=False)
+    assert len(_DECODERS) >= 1
+    count = len(_DECODERS)
+    del twin
+    gc.collect()
+    assert len(_DECODERS) == count - 1
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(cuda_graph="yes"), "cuda_graph"),
     (dict(cuda_graph=True, use_cache=False), "cuda_graph"),
@@ -120,7 +146,7 @@ def test_gpu_graphed_greedy_equals_eager(B):
         eager = model.generate(prompt, 40, temperature=0.0, cuda_graph=False)
         graphed = model.generate(prompt, 40, temperature=0.0, cuda_graph=True)
         assert torch.equal(graphed, eager), (graphed != eager).sum().item()
-    graphed_decoders = [d for d in model._decoders.values() if d.graphed]
+    graphed_decoders = [d for d in _DECODERS[model].values() if d.graphed]
     assert len(graphed_decoders) == 1 and graphed_decoders[0].graph is not None
 
 

@@ -21,6 +21,9 @@ Sides, per batch size B:
   ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)`` (CUDA graphs through
   Inductor; SDPA's math backend in the step, as gpt-fast does, so Inductor fuses the attention of
   one query); the prefill stays eager.
+- **reduce-overhead-sdpa** (opt-in with ``--baselines``): the same with SDPA's own backend choice
+  (fused memory-efficient kernel for the masked query), which may win at large batch, where the
+  math backend's GQA path expands the cached keys and values.
 
 Timing: per side, untimed warm-up generations (compilation, autotuning, graph capture), then a
 whole generation of ``--new-tokens`` tokens and one of a single token (prefill + first token), each
@@ -30,7 +33,8 @@ tokens / time); ``prefill_ms = t(1)``. ``speedup`` = the fastest baseline's ``ms
 graphed side's. The GPU's name and the host CPU's model (``lscpu``) are printed and recorded, since
 a decode step of small kernels is host-bound when not graphed. Rows go to
 ``docs/perf/decode-<gpu>.json`` (DESIGN.md section 6): ``pass: "decode"``, ``shape`` like
-``void125m B1 prompt128 new256``.
+``void125m B1 prompt128 new256``. ``graph_equals_eager``: the graphed and the eager generation
+gave the same tokens (greedy, bf16: they run the same kernels).
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tritonllm.bench.baseline_model import rope_tables
+from tritonllm.models.transformer import release_decoders
 
 
 class StaticCacheLlama(nn.Module):
@@ -175,13 +181,15 @@ def run_batch(model, B: int, args, gen: torch.Generator) -> dict:
     shape = f"{cfg.name} B{B} prompt{args.prompt_len} new{args.new_tokens}"
     row = {"op": "generate", "model": cfg.name, "shape": shape,
            "dtype": "bf16", "pass": "decode", "batch": B, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
-    sides = {}
+    sides, tokens = {}, {}
     for graph in (True, False):
         sides[graph] = measure(lambda n: model.generate(prompt, n, temperature=0.0, cuda_graph=graph), B,
                                args.new_tokens)
-    model.__dict__.pop("_decoders", None)
+        tokens[graph] = model.generate(prompt, args.new_tokens, temperature=0.0, cuda_graph=graph)
+    release_decoders(model)
     _free()
-    row.update(sides[True], cuda_graph=True, eager=sides[False], baselines={})
+    row.update(sides[True], cuda_graph=True, eager=sides[False], baselines={},
+               graph_equals_eager=bool(torch.equal(tokens[True], tokens[False])))
     max_len = args.prompt_len + args.new_tokens
     base = StaticCacheLlama(cfg, B, max_len, "cuda")
     base.load_tritonllm(model)
@@ -189,7 +197,7 @@ def run_batch(model, B: int, args, gen: torch.Generator) -> dict:
         ours = model.generate(prompt, 1, temperature=0.0, cuda_graph=False)
         row["first_token_agrees"] = round((baseline_generate(base, None, prompt, 1, False) == ours)[:, -1]
                                           .float().mean().item(), 3)
-    model.__dict__.pop("_decoders", None)
+    release_decoders(model)
 
     def eager_step(tok, pos):
         return base(tok, pos).argmax(-1, keepdim=True)
@@ -201,9 +209,10 @@ def run_batch(model, B: int, args, gen: torch.Generator) -> dict:
             else:
                 torch._dynamo.reset()
                 compiled = torch.compile(eager_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+                backends = [SDPBackend.MATH] if name == "reduce-overhead" else ALL_SDPA
 
-                def step(tok, pos, compiled=compiled):
-                    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                def step(tok, pos, compiled=compiled, backends=backends):
+                    with sdpa_kernel(backends):
                         return compiled(tok, pos)
                 graphs = True
             row["baselines"][name] = measure(lambda n: baseline_generate(base, step, prompt, n, graphs), B,
@@ -220,7 +229,9 @@ def run_batch(model, B: int, args, gen: torch.Generator) -> dict:
     return row
 
 
-BASELINES = ("torch eager", "reduce-overhead")
+BASELINES = ("torch eager", "reduce-overhead", "reduce-overhead-sdpa")
+DEFAULT_BASELINES = ("torch eager", "reduce-overhead")
+ALL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
 def _parse(argv: list[str]):
@@ -229,7 +240,8 @@ def _parse(argv: list[str]):
     p.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--baselines", default=",".join(BASELINES), help=f"comma-separated, of: {', '.join(BASELINES)}")
+    p.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
+                   help=f"comma-separated, of: {', '.join(BASELINES)}")
     p.add_argument("--out", default="docs/perf", help="folder for decode-<gpu>.json")
     args, overrides = p.parse_known_args(argv)
     try:

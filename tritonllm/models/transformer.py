@@ -25,6 +25,7 @@ residual stream's variance does not grow with depth; RMSNorm weights ones.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -312,18 +313,26 @@ class Transformer(nn.Module):
         sampling = (float(temperature), top_k, top_p)
         weights = tuple(p.data_ptr() for p in self.parameters())
         key = (B, max_len, sampling, idx.device, self.head_weight.dtype, graphed, weights)
-        decoders = self.__dict__.setdefault("_decoders", {})
+        decoders = _DECODERS.setdefault(self, {})
         decoder = decoders.pop(key, None) or _Decoder(self, B, max_len, idx.device, sampling, graphed)
         decoders[key] = decoder  # most recently used last; keep a few
         while len(decoders) > _MAX_DECODERS:
             decoders.pop(next(iter(decoders)))
-        return decoder.run(idx, max_new_tokens)
+        return decoder.run(self, idx, max_new_tokens)
 
 
 #: decode caches are sized for prompt + new tokens rounded up to this (so that calls share graphs)
 _DECODE_LEN_ALIGN = 256
 #: decoders (cache + token buffer + graph) a model keeps, least recently used dropped first
 _MAX_DECODERS = 4
+#: model -> {key: _Decoder}, outside the module (a deep copy or state_dict of the model never sees a
+#: CUDA graph) and gone with the model
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def release_decoders(model: Transformer) -> None:
+    """Free the KV caches, token buffers and CUDA graphs that :meth:`Transformer.generate` keeps for ``model``."""
+    _DECODERS.pop(model, None)
 
 
 def _decode_attention(attn: Attention, x: torch.Tensor, cos, sin, cache: KVCache, kv_len: torch.Tensor):
@@ -352,20 +361,20 @@ class _Decoder:
     ``graphed``, the CUDA graph of :meth:`step`, captured on the first call that decodes."""
 
     def __init__(self, model: Transformer, batch: int, max_len: int, device, sampling: tuple, graphed: bool):
-        self.model, self.sampling, self.graphed = model, sampling, graphed
+        self.sampling, self.graphed = sampling, graphed  # no reference to the model: it keys _DECODERS weakly
         self.cache = KVCache(model.cfg, batch, max_len, device=device, dtype=model.head_weight.dtype)
         self.tokens = torch.zeros((batch, max_len + 1), dtype=torch.int64, device=device)
         self.graph = None
 
-    def step(self) -> None:
+    def step(self, model: Transformer) -> None:
         """Token at column ``p = cache.pos`` -> :meth:`Transformer.decode_step` -> the sampled token
         written at column ``p + 1``; ``cache.pos`` becomes ``p + 1``. Device-side indices only."""
         col = self.cache.pos.to(torch.int64).expand(self.tokens.shape[0], 1)
         nxt = col + 1
-        logits = self.model.decode_step(self.tokens.gather(1, col), self.cache)
+        logits = model.decode_step(self.tokens.gather(1, col), self.cache)
         self.tokens.scatter_(1, nxt, sample_next(logits, *self.sampling))
 
-    def _capture(self) -> None:
+    def _capture(self, model: Transformer) -> None:
         """Warm up (compilation, autotuning) on a side stream, then capture :meth:`step`; the
         warm-up's writes past the fill position are overwritten by the replays, and the random
         numbers it drew are given back (a seeded call draws the same with or without a capture)."""
@@ -376,30 +385,30 @@ class _Decoder:
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self.cache.pos.copy_(pos)
-                self.step()
+                self.step(model)
         torch.cuda.current_stream().wait_stream(stream)
         self.cache.pos.copy_(pos)
         torch.cuda.set_rng_state(rng, self.tokens.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.step()
+            self.step(model)
         self.graph = graph
 
-    def run(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def run(self, model: Transformer, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Prefill ``idx [B, T]`` eagerly, draw the first token from its last position, then
         ``max_new_tokens - 1`` decode steps (graph replays or eager calls)."""
-        model, T = self.model, idx.shape[1]
+        T = idx.shape[1]
         self.tokens[:, :T].copy_(idx)
         self.cache.reset()
         h = model.hidden(idx, self.cache)
         self.tokens[:, T:T + 1].copy_(sample_next(linear(h[:, -1], model.head_weight), *self.sampling))
         if max_new_tokens > 1 and self.graphed and self.graph is None:
-            self._capture()
+            self._capture(model)
         for _ in range(max_new_tokens - 1):
             if self.graph is not None:
                 self.graph.replay()
             else:
-                self.step()
+                self.step(model)
         return self.tokens[:, :T + max_new_tokens].clone()
 
 
