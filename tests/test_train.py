@@ -44,7 +44,7 @@ def read_metrics(out_dir, kind):
 @pytest.fixture(scope="module")
 def data_overrides(tmp_path_factory):
     folder = tmp_path_factory.mktemp("texts")
-    with open(os.path.join(ROOT, "tritonllm", "train.py")) as f:
+    with open(os.path.join(ROOT, "tritonllm", "train", "loop.py")) as f:
         source = f.read()
     for i in range(8):  # ~8 x 13 KB of Python: enough windows for 6 steps plus validation
         (folder / f"part{i}.txt").write_text(source[i * 1000:] + source[:i * 1000])

@@ -1,15 +1,20 @@
-"""``python -m tritonllm.train +model=<name> [overrides]``: pretrain a tritonllm model.
+"""The training loop: :func:`train` takes the composed config (``conf/train.yaml`` and its groups)
+and returns the final validation loss, the value sweepers minimize. ``python -m tritonllm.train``
+(``__main__.py``) is a thin ``@hydra.main`` around it.
 
-A thin ``@hydra.main`` around :func:`train`, which takes the composed config (``conf/train.yaml``
-and its groups) and returns the final validation loss, the value sweepers minimize.
+The loop, per optimizer step: the learning rate from ``conf/sched`` (warmup + cosine,
+warmup-stable-decay or constant), ``trainer.grad_accum`` micro-batches of ``batch_size x seq_len``
+tokens, then one :class:`~tritonllm.train.step.TrainStep` call (forward, loss / grad_accum and
+backward per micro-batch, global gradient norm clipped to ``grad_clip``, AdamW). On a GPU the
+model computes in bf16 and AdamW keeps fp32 master weights, and the step is replayed from a CUDA
+graph (``trainer.cuda_graph: auto``); on the CPU (Triton interpreter) everything is fp32 and eager.
 
-The loop, per optimizer step: ``trainer.grad_accum`` micro-batches of ``batch_size x seq_len``
-tokens (forward, loss / grad_accum, backward), global gradient norm clipped to ``grad_clip``
-(``tritonllm.optim.clip_grad_norm_``), learning rate from ``conf/sched`` (warmup + cosine,
-warmup-stable-decay or constant), then ``tritonllm.optim.AdamW``. On a GPU the model computes in
-bf16 and AdamW keeps fp32 master weights; on the CPU (Triton interpreter) everything is fp32.
-A step whose loss or gradient norm is not finite is skipped (logged as ``kind: skip``); after
-``trainer.max_bad_steps`` such steps in a row training stops with an error.
+No per-step host synchronisation: each step's metrics are copied to pinned host memory
+(:class:`~tritonllm.train.step.MetricsQueue`) and read when their copy has landed; the loop waits
+for them only at the log interval, before validation and before a checkpoint. A step whose loss or
+gradient norm is not finite is skipped on the device (weights, moments and step counts untouched)
+and logged as ``kind: skip`` when the host learns of it; after ``trainer.max_bad_steps`` such steps
+in a row training stops with an error.
 
 Throughput: tokens/s over the steps since the last log line (validation and checkpoint time
 excluded) and ``MFU = model.flops_per_token(seq_len) * tokens/s / trainer.peak_flops`` with
@@ -25,7 +30,7 @@ Checkpoints (``tritonllm.checkpoint``) every ``ckpt_interval`` steps and at the 
 else (outside multirun) the newest one of the earlier runs of the same name
 (``outputs/<name>/*/checkpoints``); ``trainer.resume=<path>`` from that checkpoint or folder. A
 resumed run restores weights, optimizer state, RNG states and the data position, so its losses
-are those of the uninterrupted run (bit for bit in fp32 on the CPU).
+are those of the uninterrupted run (bit for bit in fp32 on the CPU, and with the graph on a GPU).
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import os
 import shutil
 import time
 
-import hydra
 import torch
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
@@ -46,8 +50,9 @@ from tritonllm.checkpoint import find_checkpoint, load_checkpoint, save_checkpoi
 from tritonllm.data import load_corpus
 from tritonllm.errors import CheckpointError, ConfigError, TrainingError
 from tritonllm.logging_utils import RunLogger, hydra_job
-from tritonllm.runtime import exit_on_user_error, resolve_device, resolve_dtype
+from tritonllm.runtime import resolve_device, resolve_dtype
 from tritonllm.schedule import check_schedule, lr_multiplier
+from tritonllm.train.step import MetricsQueue, TrainStep, resolve_cuda_graph
 
 log = logging.getLogger("tritonllm.train")
 
@@ -73,10 +78,12 @@ def model_config(cfg):
 
 
 class NonFiniteGuard:
-    """Decides whether a step may update the weights: its loss and gradient norm must be finite.
+    """Counts the steps skipped for a non-finite loss or gradient norm.
 
-    ``check`` returns False for a step to skip; after ``max_consecutive`` skipped steps in a row it
-    raises a TrainingError (the run has diverged or the data is broken).
+    ``observe`` takes the device's decision (a skipped step) and returns whether the step updated
+    the weights; ``check`` makes that decision from the values (both finite: not skipped). After
+    ``max_consecutive`` skipped steps in a row it raises a TrainingError (the run has diverged or
+    the data is broken).
     """
 
     def __init__(self, max_consecutive: int):
@@ -84,7 +91,10 @@ class NonFiniteGuard:
         self.consecutive = 0
 
     def check(self, step: int, loss: float, grad_norm: float) -> bool:
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        return self.observe(step, not (math.isfinite(loss) and math.isfinite(grad_norm)), loss, grad_norm)
+
+    def observe(self, step: int, skipped: bool, loss: float, grad_norm: float) -> bool:
+        if not skipped:
             self.consecutive = 0
             return True
         self.consecutive += 1
@@ -132,21 +142,6 @@ def resume_path(tr, out_dir: str) -> str | None:
     return found
 
 
-def forward_backward(model, params, batches, grad_clip, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of the mean loss over the micro-batches ``[(x, y), ...]``, clipped to global norm
-    ``grad_clip`` (None: not clipped). Returns the mean loss and the norm before clipping as 0-d
-    device tensors (no host synchronisation)."""
-    from tritonllm.optim import clip_grad_norm_
-
-    losses = []
-    for x, y in batches:
-        loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        (loss if len(batches) == 1 else loss / len(batches)).backward()
-        losses.append(loss.detach().float())
-    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-    return loss, clip_grad_norm_(params, math.inf if grad_clip is None else float(grad_clip))
-
-
 @torch.no_grad()
 def evaluate(model, loader, n_batches: int, device) -> float:
     """Mean cross-entropy of the model over the first ``n_batches`` validation batches."""
@@ -173,6 +168,10 @@ def train(cfg) -> float:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(tr.dtype, device)
     try:
+        cuda_graph = resolve_cuda_graph(tr.cuda_graph, device)
+    except ValueError as e:
+        raise ConfigError(f"trainer.{e}") from None
+    try:
         out_dir = os.path.abspath(str(cfg.out_dir))
     except InterpolationResolutionError:
         raise ConfigError("out_dir is the Hydra run folder, which only exists under python -m tritonllm.train: "
@@ -197,7 +196,6 @@ def train(cfg) -> float:
     model = build_model(model_cfg, device=device, dtype=dtype)
     master = cfg.optim.master_weights
     optimizer = build_optimizer(model, cfg.optim, dtype != torch.float32 if master == "auto" else bool(master))
-    params = [p for p in model.parameters() if p.requires_grad]
     train_loader, val_loader = corpus.loaders(tr.batch_size, tr.seq_len, cfg.seed, model_cfg.vocab_size)
     tokens_per_step = tr.batch_size * tr.seq_len * tr.grad_accum
     flops_per_token = model.flops_per_token(tr.seq_len)
@@ -213,6 +211,9 @@ def train(cfg) -> float:
         train_loader.load_state_dict(state["data"])
         step, tokens_seen, guard.consecutive = state["step"], state["tokens_seen"], state["bad_steps"]
         log.info("resumed from %s at step %d", ckpt, step)
+    # built after resuming: the optimizer's load_state_dict replaces the tensors a graph would hold
+    train_step = TrainStep(model, optimizer, grad_clip=tr.grad_clip, grad_accum=tr.grad_accum, cuda_graph=cuda_graph)
+    metrics = MetricsQueue(lambda: train_step.metric_names, device)
 
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     run_log = RunLogger(out_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), cfg.logger,
@@ -234,44 +235,52 @@ def train(cfg) -> float:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     val_loss = None
-    window_tokens, window_time = 0, 0.0
+    window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
+    latest: dict = {}  # metrics of the newest step whose values have reached the host
+
+    def consume(records) -> None:
+        """Feed the metrics that reached the host to the guard (in step order) and the progress bar."""
+        for done, values, lr in records:
+            if not guard.observe(done, values["skipped"] != 0, values["loss"], values["grad_norm"]):
+                run_log.log({"kind": "skip", "step": done, "loss": values["loss"], "grad_norm": values["grad_norm"]})
+            latest.update(values, lr=lr)
+
     try:
         with logging_redirect_tqdm(), tqdm(total=tr.max_steps, initial=step, disable=not tr.progress,
                                            dynamic_ncols=True, unit="step") as bar:
             while step < tr.max_steps:
-                t0 = time.perf_counter()
                 lr = float(cfg.optim.lr) * lr_multiplier(step, tr.max_steps, cfg.sched)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
                 batches = [train_loader.next_batch() for _ in range(tr.grad_accum)]
-                loss, norm = forward_backward(model, params, batches, tr.grad_clip, device)
-                # one host sync per step: the loss, the norm and the last micro-batch's loss parts
-                parts = {k: v for k, v in model.last_losses.items() if k != "ce"}
-                loss_val, norm_val, *part_vals = torch.stack([loss, norm.float(), *parts.values()]).tolist()
-                if guard.check(step, loss_val, norm_val):
-                    optimizer.step()
-                else:
-                    run_log.log({"kind": "skip", "step": step, "loss": loss_val, "grad_norm": norm_val})
-                optimizer.zero_grad(set_to_none=True)
+                metrics.push(step, train_step(batches, lr), lr)
                 step += 1
                 tokens_seen += tokens_per_step
                 window_tokens += tokens_per_step
-                window_time += time.perf_counter() - t0
-                tok_s = window_tokens / max(window_time, 1e-9)
-                bar.set_postfix(loss=f"{loss_val:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                log_now = step % tr.log_interval == 0 or step == tr.max_steps
+                val_now = step % tr.eval_interval == 0 or step == tr.max_steps
+                ckpt_now = bool(tr.ckpt_interval and step % tr.ckpt_interval == 0) or step == tr.max_steps
+                consume(metrics.drain() if log_now or val_now or ckpt_now else metrics.ready())
+                if latest:
+                    bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{latest['lr']:.2e}", refresh=False)
                 bar.update(1)
-                if step % tr.log_interval == 0 or step == tr.max_steps:
-                    record = {"kind": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": norm_val,
-                              "tokens": tokens_seen, "tokens_per_s": tok_s,
-                              "mfu": flops_per_token * tok_s / tr.peak_flops, **dict(zip(parts, part_vals))}
+                if log_now or val_now or ckpt_now:
+                    window_time += time.perf_counter() - t0
+                if log_now:
+                    tok_s = window_tokens / max(window_time, 1e-9)
+                    window_tokens, window_time = 0, 0.0
+                    record = {"kind": "train", "step": step, "loss": latest["loss"], "lr": lr,
+                              "grad_norm": latest["grad_norm"], "tokens": tokens_seen, "tokens_per_s": tok_s,
+                              "mfu": flops_per_token * tok_s / tr.peak_flops,
+                              **{k: v for k, v in latest.items() if k not in ("loss", "grad_norm", "skipped", "lr")}}
                     if device.type == "cuda":
                         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                     run_log.log(record)
-                    window_tokens, window_time = 0, 0.0
-                if step % tr.eval_interval == 0 or step == tr.max_steps:
+                    bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                if val_now:
                     val_loss = validate()
-                if (tr.ckpt_interval and step % tr.ckpt_interval == 0) or step == tr.max_steps:
+                if ckpt_now:
                     checkpoint()
+                if log_now or val_now or ckpt_now:
+                    t0 = time.perf_counter()
         if val_loss is None:  # resumed at max_steps: nothing trained, still report the loss
             val_loss = validate()
         if tr.sample_tokens > 0 and corpus.tokenizer is not None:
@@ -284,12 +293,3 @@ def train(cfg) -> float:
     log.info("done: validation loss %.4f; run folder %s", val_loss, out_dir)
     return val_loss
 
-
-@hydra.main(version_base="1.3", config_path="pkg://tritonllm.conf", config_name="train")
-@exit_on_user_error
-def main(cfg) -> float:
-    return train(cfg)
-
-
-if __name__ == "__main__":
-    main()
