@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [train]   (default: tests bench)
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [train] [trainrun]   (default: tests bench)
+# trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -26,5 +27,12 @@ for stage in $stages; do
             timeout ${BENCH_TIMEOUT:-540} python3 -m tritonllm.bench kernels ${ops:+--ops $ops} ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^--" | tail -${TAIL:-80} ;;
         train)
             timeout ${TRAIN_TIMEOUT:-400} python3 -m tritonllm.bench train +model=${MODEL:-void125m} --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
+        trainrun)
+            python3 -c "import numpy as np; from tritonllm.data.shards import write_shard; rng = np.random.default_rng(0); write_shard('/tmp/rand_train.bin', rng.integers(0, 32000, 4_000_000), 32000); write_shard('/tmp/rand_val.bin', rng.integers(0, 32000, 200_000), 32000)"
+            timeout ${TRAINRUN_TIMEOUT:-300} python3 -m tritonllm.train +model=${MODEL:-void125m} data=bin data.files=/tmp/rand_train.bin \
+                data.val_files=/tmp/rand_val.bin data.vocab_size=32000 trainer.max_steps=80 trainer.log_interval=20 \
+                trainer.eval_interval=1000 trainer.eval_batches=2 trainer.ckpt_interval=null trainer.progress=false \
+                hydra.run.dir=/tmp/trainrun ${TRAINRUN_ARGS:-} > "$OUT/trainrun.log" 2>&1
+            grep -E "captured|graph|error|Error" "$OUT/trainrun.log" | head; grep '"kind": "train"' /tmp/trainrun/metrics.jsonl ;;
     esac
 done

@@ -254,3 +254,25 @@ def test_resume_with_graphs_matches_the_straight_run(tmp_path):
     resumed = run(tmp_path / "resumed", f"trainer.resume={tmp_path / 'straight' / 'checkpoints' / 'step_00000004'}")
     assert sorted(resumed) == [5, 6, 7, 8]
     assert all(resumed[s] == straight[s] for s in resumed), (straight, resumed)
+
+
+@pytest.mark.gpu
+def test_replayed_steps_do_not_synchronise():
+    """After the capture, steps fed strided CPU batches (as the loader's x = rows[:, :-1]) and their
+    metrics pushed to the queue run with CUDA's sync debug mode set to error: no host sync."""
+    model, optimizer = _setup(DENSE, torch.bfloat16)
+    step = TrainStep(model, optimizer, grad_clip=1.0)
+    queue = MetricsQueue(lambda: step.metric_names, torch.device(DEVICE))
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, DENSE["vocab_size"], (2, 17), generator=g) for _ in range(6)]
+    for s in range(3):
+        queue.push(s, step([(rows[s][:, :-1], rows[s][:, 1:])], 1e-3))
+    assert step.graphed
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(3, 6):
+            queue.push(s, step([(rows[s][:, :-1], rows[s][:, 1:])], 1e-3))
+            queue.ready()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [d[0] for d in queue.drain()][-1] == 5

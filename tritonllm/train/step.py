@@ -25,10 +25,18 @@ graph they are overwritten by the next replay, so read them (or copy them, as
 :class:`MetricsQueue` does) before the next call. Do not load optimizer or model state into new
 tensors after the capture (``load_state_dict`` of the model copies in place and is fine; an
 optimizer's ``load_state_dict`` replaces its tensors): build the step after resuming.
+
+On several ranks (``parallel``, a :class:`tritonllm.train.parallel.Parallel`) the step calls the
+wrapped model, lets DDP all-reduce gradients only on the last micro-batch, and averages the loss over
+the ranks before the clipping reads it (so every rank logs the global loss and skips the same steps).
+A DDP step is captured like a single-device one, after :data:`~tritonllm.train.parallel.DDP_GRAPH_WARMUP`
+eager steps, the NCCL all-reduces inside the graph, and every rank replays a graph or none does; an
+FSDP2 step runs eagerly (one log line says so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import deque
@@ -77,11 +85,15 @@ class TrainStep:
         grad_clip: max global gradient norm, or None (the norm is still computed).
         grad_accum: micro-batches per step.
         cuda_graph: True, False or ``"auto"``.
-        warmup: eager calls before the capture (>= 1).
+        warmup: eager calls before the capture (>= 1); None: 2, or what ``parallel`` needs.
+        parallel: None (one process) or the :class:`~tritonllm.train.parallel.Parallel` that
+            ``model`` was made ready with (``model`` is then its ``module``).
     """
 
     def __init__(self, model, optimizer, *, grad_clip: float | None, grad_accum: int = 1, cuda_graph="auto",
-                 warmup: int = 2):
+                 warmup: int | None = None, parallel=None):
+        if warmup is None:
+            warmup = 2 if parallel is None else parallel.graph_warmup
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
         if warmup < 1:
@@ -94,6 +106,12 @@ class TrainStep:
         self.grad_clip = math.inf if grad_clip is None else float(grad_clip)
         self.grad_accum = grad_accum
         self.use_graph = resolve_cuda_graph(cuda_graph, self.device)
+        self.parallel = parallel
+        self.forward = model if parallel is None else parallel.wrapped
+        if self.use_graph and parallel is not None and not parallel.capturable:
+            log.info("%s: FSDP2's all-gathers and reduce-scatters are not captured in a CUDA graph; "
+                     "the training step runs eagerly", parallel.mode)
+            self.use_graph = False
         self.warmup = warmup
         self.calls = 0
         self.graph = None
@@ -118,11 +136,14 @@ class TrainStep:
         """The step's work on device-resident batches (what the graph captures)."""
         n = len(batches)
         losses = []
-        for x, y in batches:
-            loss = self.model(x, y)
-            (loss if n == 1 else loss / n).backward()
+        for i, (x, y) in enumerate(batches):
+            with contextlib.nullcontext() if self.parallel is None else self.parallel.micro_batch(i == n - 1):
+                loss = self.forward(x, y)
+                (loss if n == 1 else loss / n).backward()
             losses.append(loss.detach().float())
         loss = losses[0] if n == 1 else torch.stack(losses).mean()
+        if self.parallel is not None:
+            loss = self.parallel.mean_(loss.clone())
         norm = clip_grad_norm_(self.params, self.grad_clip, found_inf=self.found_inf, check=loss)
         self.optimizer.step(found_inf=self.found_inf)
         self.optimizer.zero_grad(set_to_none=True)
@@ -132,12 +153,17 @@ class TrainStep:
         metrics = torch.stack([loss, norm.float(), self.found_inf.float(), *(v.float() for v in parts.values())])
         return StepOutput(loss, norm, self.found_inf, metrics)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device == self.device:
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself, or for a CPU tensor bound for the GPU a contiguous pinned copy: a copy from
+        pageable or strided host memory (a loader's ``rows[:, :-1]`` view) would wait for the
+        stream to drain, a host synchronisation per step."""
+        if t.device.type != "cpu" or self.device.type != "cuda":
             return t
-        if self.device.type == "cuda" and t.device.type == "cpu":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return staged.copy_(t)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return self._staged(t).to(self.device, non_blocking=True)
 
     def __call__(self, batches, lr: float) -> StepOutput:
         self._check(batches)
@@ -167,8 +193,8 @@ class TrainStep:
             if x.shape != sx.shape or y.shape != sy.shape:
                 raise ValueError(f"batches: shape {tuple(x.shape)} / {tuple(y.shape)} differs from the captured "
                                  f"{tuple(sx.shape)}: a CUDA-graphed step needs fixed shapes")
-            sx.copy_(x.pin_memory() if x.device.type == "cpu" else x, non_blocking=True)
-            sy.copy_(y.pin_memory() if y.device.type == "cpu" else y, non_blocking=True)
+            sx.copy_(self._staged(x), non_blocking=True)
+            sy.copy_(self._staged(y), non_blocking=True)
 
     def _capture(self, batches) -> StepOutput:
         self._static = [(torch.empty(x.shape, dtype=x.dtype, device=self.device),
@@ -179,10 +205,15 @@ class TrainStep:
             with torch.cuda.graph(graph, capture_error_mode="relaxed"):
                 out = self._run(self._static)
         except Exception as e:  # noqa: BLE001 -- any capture failure: said once, then eager
+            failure = f"{type(e).__name__}: {e}"
+        else:
+            failure = None
+        if self.parallel is not None and not self.parallel.agree(failure is None):
+            failure = failure or "the capture failed on another rank"
+        if failure is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.use_graph, self._static = False, None
-            log.warning("CUDA graph capture of the training step failed (%s: %s); training eagerly",
-                        type(e).__name__, e)
+            log.warning("CUDA graph capture of the training step failed (%s); training eagerly", failure)
             return self._run([(self._to_device(x), self._to_device(y)) for x, y in batches])
         self.graph, self._out = graph, out
         log.info("training step captured in a CUDA graph after %d eager warm-up steps", self.warmup)
