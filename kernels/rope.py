@@ -42,6 +42,14 @@ with ``mscale = 1`` unless YaRN says otherwise. Scalings of ``inv_freq`` for con
   so high frequencies (short wavelengths, ``i < low``) are kept (extrapolated), low frequencies
   (``i > high``) are divided by ``f`` (interpolated), with a linear ramp between; ``mscale`` is the
   attention-temperature factor multiplied into both tables (``scaling["mscale"]`` overrides it).
+  With ``truncate`` False (a Hugging Face option) ``low`` and ``high`` are not rounded to integers.
+* Linear (position interpolation, Chen et al. 2023): ``inv_freq_i / f``.
+* Llama 3 (as ``_compute_llama3_parameters`` in Hugging Face transformers), with original context
+  ``L`` and ``low_freq_factor`` a, ``high_freq_factor`` b, wavelength ``w_i = 2 pi / inv_freq_i``::
+
+      w_i < L / b:   inv_freq_i                         (short wavelengths kept)
+      w_i > L / a:   inv_freq_i / f                     (long wavelengths interpolated)
+      else:          (1 - s) inv_freq_i / f + s inv_freq_i,   s = (L / w_i - a) / (b - a)
 
 ``inv_freq`` (``D/2`` numbers) is computed on the host in float64; a Triton kernel fills the
 tables. The angle is reduced to ``[-pi, pi)`` in float64 (``p * inv_freq / 2pi`` minus the nearest
@@ -271,8 +279,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     return RopeFunction.apply(x, cos, sin, position_offset)
 
 
-_YARN_KEYS = {"type", "factor", "original_max_position", "beta_fast", "beta_slow", "mscale"}
-_NTK_KEYS = {"type", "factor"}
+_SCALING_KEYS = {
+    "ntk": {"type", "factor"},
+    "linear": {"type", "factor"},
+    "yarn": {"type", "factor", "original_max_position", "beta_fast", "beta_slow", "mscale", "truncate"},
+    "llama3": {"type", "factor", "original_max_position", "low_freq_factor", "high_freq_factor"},
+}
 
 
 def _check_number(name: str, value, *, low: float = 0, inclusive: bool = False, integer: bool = False) -> None:
@@ -293,9 +305,9 @@ def _inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float
     if not isinstance(scaling, dict):
         raise TypeError(f"scaling must be None or a dict, got {type(scaling).__name__}")
     kind = scaling.get("type")
-    if kind not in ("ntk", "yarn"):
-        raise ValueError(f"scaling: unknown type {kind!r}; expected {{'type': 'ntk', ...}} or {{'type': 'yarn', ...}}")
-    unknown = set(scaling) - (_NTK_KEYS if kind == "ntk" else _YARN_KEYS)
+    if kind not in _SCALING_KEYS:
+        raise ValueError(f"scaling: unknown type {kind!r}; expected one of {sorted(_SCALING_KEYS)}")
+    unknown = set(scaling) - _SCALING_KEYS[kind]
     if unknown:
         raise ValueError(f"scaling: unknown keys {sorted(unknown)} for type {kind!r}")
     factor = scaling.get("factor")
@@ -304,10 +316,23 @@ def _inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float
         if head_dim <= 2:
             raise ValueError(f"head_dim must be > 2 for NTK scaling (theta * f ** (D / (D - 2))), got {head_dim}")
         return (theta * factor ** (head_dim / (head_dim - 2))) ** -exponents, 1.0
+    if kind == "linear":
+        return theta ** -exponents / factor, 1.0
 
     if "original_max_position" not in scaling:
-        raise ValueError("scaling['original_max_position'] is required for YaRN")
+        raise ValueError(f"scaling['original_max_position'] is required for {kind!r} scaling")
     orig = scaling["original_max_position"]
+    if kind == "llama3":
+        _check_number("scaling['original_max_position']", orig, integer=True)
+        low_ff, high_ff = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        _check_number("scaling['low_freq_factor']", low_ff)
+        _check_number("scaling['high_freq_factor']", high_ff, low=low_ff)
+        inv_freq = theta ** -exponents
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (orig / wavelen - low_ff) / (high_ff - low_ff)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > orig / low_ff, inv_freq / factor, inv_freq)
+        return torch.where((wavelen >= orig / high_ff) & (wavelen <= orig / low_ff), mid, inv_freq), 1.0
     beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
     _check_number("scaling['original_max_position']", orig, integer=True)
     _check_number("scaling['beta_fast']", beta_fast)
@@ -320,8 +345,10 @@ def _inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float
     def correction_dim(rotations: float) -> float:
         return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
@@ -342,7 +369,12 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0, scaling: d
       "mscale": None}``: YaRN per-frequency ramp between keeping ``inv_freq`` (wavelengths much
       shorter than ``L``) and dividing it by ``f`` (wavelengths longer than ``L``), and the
       attention-temperature factor ``mscale = 0.1 ln f + 1`` (or the given ``mscale``) applied to
-      both tables. The formulas are in this module's docstring.
+      both tables (``"truncate": False`` keeps the ramp's ends unrounded).
+    * ``{"type": "linear", "factor": f}``: position interpolation, ``inv_freq / f``.
+    * ``{"type": "llama3", "factor": f, "original_max_position": L, "low_freq_factor": 1,
+      "high_freq_factor": 4}``: Llama 3.1's per-wavelength blend of ``inv_freq`` and ``inv_freq / f``.
+
+    The formulas are in this module's docstring.
 
     ``device`` defaults to CUDA when available (else the CPU, for the interpreter).
     """

@@ -160,7 +160,7 @@ def test_from_dict_accepts_dictconfig_and_resolves_defaults():
     (dict(n_kv_heads=3), "n_kv_heads"),
     (dict(d_model=100, head_dim=None, n_heads=3, n_kv_heads=1), "n_heads"),
     (dict(window=0), "window"),
-    (dict(rope_scaling={"type": "linear"}), "rope_scaling"),
+    (dict(rope_scaling={"type": "dynamic"}), "rope_scaling"),
     (dict(moe_score="relu"), "moe_score"),
     (dict(n_experts=4, moe_top_k=5), "moe_top_k"),
 ], ids=lambda v: v if isinstance(v, str) else None)

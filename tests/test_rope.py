@@ -137,13 +137,30 @@ def inv_freq_reference(D, theta, scaling):
     f = scaling["factor"]
     if scaling["type"] == "ntk":
         return (theta * f ** (D / (D - 2))) ** (-2 * i / D), 1.0
+    if scaling["type"] == "linear":
+        return base / f, 1.0
     L = scaling["original_max_position"]
+    if scaling["type"] == "llama3":
+        a, b = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        out = []
+        for freq in base.tolist():
+            wavelen = 2 * math.pi / freq
+            if wavelen < L / b:
+                out.append(freq)
+            elif wavelen > L / a:
+                out.append(freq / f)
+            else:
+                s = (L / wavelen - a) / (b - a)
+                out.append((1 - s) * freq / f + s * freq)
+        return torch.tensor(out, dtype=torch.float64), 1.0
 
     def dim(rot):
         return D * math.log(L / (rot * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(dim(scaling.get("beta_fast", 32))), 0)
-    high = min(math.ceil(dim(scaling.get("beta_slow", 1))), D - 1)
+    low, high = dim(scaling.get("beta_fast", 32)), dim(scaling.get("beta_slow", 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
     ramp = torch.clamp((i - low) / (high - low), 0, 1)
     extrapolation_weight = 1 - ramp
     inv = base / f * (1 - extrapolation_weight) + base * extrapolation_weight
@@ -156,6 +173,10 @@ SCALINGS = {
     "yarn": {"type": "yarn", "factor": 8.0, "original_max_position": 256},
     "yarn_betas_mscale": {"type": "yarn", "factor": 4, "original_max_position": 512, "beta_fast": 16,
                           "beta_slow": 2, "mscale": 1.3},
+    "yarn_untruncated": {"type": "yarn", "factor": 4.0, "original_max_position": 300, "truncate": False},
+    "linear": {"type": "linear", "factor": 3.0},
+    "llama3": {"type": "llama3", "factor": 8.0, "original_max_position": 64, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0},
 }
 
 
@@ -246,7 +267,7 @@ def test_rope_bad_input(case, error, match):
     (dict(seq_len=4, head_dim=7), ValueError, "head_dim"),
     (dict(seq_len=4, head_dim=0), ValueError, "head_dim"),
     (dict(seq_len=4, head_dim=8, theta=1.0), ValueError, "theta"),
-    (dict(seq_len=4, head_dim=8, scaling={"type": "linear", "factor": 2.0}), ValueError, "scaling"),
+    (dict(seq_len=4, head_dim=8, scaling={"type": "dynamic", "factor": 2.0}), ValueError, "scaling"),
     (dict(seq_len=4, head_dim=8, scaling={"factor": 2.0}), ValueError, "scaling"),
     (dict(seq_len=4, head_dim=8, scaling=2.0), TypeError, "scaling"),
     (dict(seq_len=4, head_dim=8, scaling={"type": "ntk", "factor": 0.5}), ValueError, "scaling"),
@@ -255,9 +276,14 @@ def test_rope_bad_input(case, error, match):
     (dict(seq_len=4, head_dim=8, scaling={"type": "yarn", "factor": 2.0, "original_max_position": 0}),
      ValueError, "scaling"),
     (dict(seq_len=4, head_dim=2, scaling={"type": "ntk", "factor": 2.0}), ValueError, "head_dim"),
+    (dict(seq_len=4, head_dim=8, scaling={"type": "llama3", "factor": 8.0}), ValueError, "original_max_position"),
+    (dict(seq_len=4, head_dim=8, scaling={"type": "llama3", "factor": 8.0, "original_max_position": 64,
+                                          "low_freq_factor": 4.0, "high_freq_factor": 1.0}),
+     ValueError, "high_freq_factor"),
     (dict(seq_len=4, head_dim=8, device="meta"), ValueError, "device"),
 ], ids=["seq_len0", "odd_head_dim", "head_dim0", "theta1", "unknown_type", "no_type", "not_dict", "factor_below_1",
-        "unknown_key", "yarn_no_original", "yarn_original0", "ntk_head_dim2", "bad_device"])
+        "unknown_key", "yarn_no_original", "yarn_original0", "ntk_head_dim2", "llama3_no_original",
+        "llama3_factors_swapped", "bad_device"])
 def test_rope_cos_sin_bad_input(kwargs, error, match):
     kwargs.setdefault("device", DEVICE)
     with pytest.raises(error, match=match):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from tritonllm.errors import ConfigError
 
 MOE_SCORES = ("softmax", "sigmoid")
-ROPE_SCALINGS = ("ntk", "yarn")
+ROPE_SCALINGS = ("ntk", "yarn", "linear", "llama3")
 
 
 class ModelConfigError(ConfigError, ValueError):
@@ -36,8 +36,9 @@ class ModelConfig:
     d_ff: int = 2048  # hidden width of the dense SwiGLU MLP
     max_seq_len: int = 2048  # longest sequence: size of the RoPE tables and of the KV cache
     rope_theta: float = 10000.0  # RoPE base frequency
-    rope_scaling: dict | None = None  # None | {"type": "ntk", "factor": f} | {"type": "yarn", "factor": f, ...}
+    rope_scaling: dict | None = None  # None | {"type": "ntk"|"yarn"|"linear"|"llama3", "factor": f, ...} (rope_cos_sin)
     qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     window: int | None = None  # sliding-window attention span in tokens; None = full causal
     norm_eps: float = 1e-6  # epsilon of every RMSNorm
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
@@ -110,6 +111,7 @@ class ModelConfig:
         d, hd = self.d_model, self.head_dim
         attn = d * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * d
         attn += 2 * hd if self.qk_norm else 0
+        attn += (self.n_heads + 2 * self.n_kv_heads) * hd if self.qkv_bias else 0
         if self.n_experts:
             experts = self.moe_top_k if active else self.n_experts
             mlp = d * self.n_experts + (experts + self.n_shared_experts) * 3 * d * self.d_expert

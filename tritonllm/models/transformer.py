@@ -92,7 +92,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim, self.window = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.window
-        self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, init_std=cfg.init_std)
+        self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias,
+                          init_std=cfg.init_std)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.proj = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, init_std=_out_std(cfg))

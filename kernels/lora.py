@@ -1,0 +1,259 @@
+"""LoRA: a frozen (packed) linear layer plus low-rank updates on segments of its output columns.
+
+Shapes: x [M, K] (leading dimensions folded into M), W [N, K] (frozen), bias [N], adapters
+j = 0..S-1 each on the output columns ``[start_j, start_j + n_j)`` with A_j [r, K] (stacked as
+``a`` [S, r, K]) and B_j [n_j, r] (stacked by rows as ``b`` [sum n_j, r]), scale s = alpha / r,
+dropout probability p on the adapters' input (keep mask m, ``xd = x * m / (1 - p)``; ``xd = x``
+when p = 0)::
+
+    forward:   y = x W^T + bias (+ residual)
+               U = s * xd A^T                      [M, S r]   (U_j = its columns j r .. j r + r)
+               y[:, seg_j] += U_j B_j^T                        (GEMM accumulating into y's columns)
+    backward:  G_j = s * dy[:, seg_j] B_j          [M, r]     (G = [G_0 .. G_{S-1}] [M, S r])
+               dA = G^T xd                         [S r, K]
+               dB_j = dy[:, seg_j]^T U_j           [n_j, r]
+               dx = dy W + (G A) * m / (1 - p)     (the adapters' part through the dropout mask)
+               dW = dy^T x, dbias = sum of dy's rows (only when W or bias needs a gradient)
+
+The GEMMs with a long output (``y``, ``dx``, ``dA``, ``dB``) are :func:`kernels.linear.gemm`; the
+two with an ``r``-wide output (``U`` and ``G``) are ``_lora_down_kernel``: one program per
+``BLOCK_M`` rows holds the whole ``[BLOCK_M, r]`` output tile and sweeps K, scaling by ``s`` in
+its epilogue (fp32 accumulation). Dropout is ``_dropout_kernel``: the keep mask of element
+``(row, col)`` is ``uniform(philox(seed, col, row)) >= p`` with ``seed`` read from a device tensor
+(drawn on the device per call, so a step captured in a CUDA graph draws a new mask per replay);
+the backward regenerates the same mask from the same seed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad, next_pow2
+from .linear import as_matrix, gemm, linear_bwd, linear_fwd
+
+
+@triton.jit
+def _lora_down_kernel(
+    a_ptr,  # [M, K] left operand, strides (stride_am, stride_ak)
+    b_ptr,  # [K, R] right operand, strides (stride_bk, stride_br)
+    c_ptr,  # [M, R] output = alpha * a @ b, strides (stride_cm, stride_cr)
+    M, K, R,
+    stride_am, stride_ak, stride_bk, stride_br, stride_cm, stride_cr,
+    alpha,  # fp32 scale applied to the fp32 accumulator
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "tf32" or "ieee" (fp32 inputs only)
+):
+    pid = tl.program_id(0)
+    rm = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rr = tl.arange(0, BLOCK_R)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < M
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        k_ok = ks < K
+        a = tl.load(a_rows + ks.to(tl.int64)[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + ks.to(tl.int64)[:, None] * stride_bk + rr[None, :] * stride_br,
+                    mask=k_ok[:, None] & (rr < R)[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    c = (acc * alpha).to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rr[None, :] * stride_cr, c,
+             mask=row_ok[:, None] & (rr < R)[None, :])
+
+
+@triton.jit
+def _dropout_kernel(
+    x_ptr,  # [M, K] input, row stride stride_xm, unit column stride
+    out_ptr,  # [M, K] output, row stride stride_om, unit column stride
+    seed_ptr,  # [1] int64 seed on the device
+    M, K, stride_xm, stride_om,
+    p,  # drop probability in [0, 1)
+    ACCUMULATE: tl.constexpr,  # out += dropout(x) instead of out = dropout(x)
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    seed = tl.load(seed_ptr)
+    zero = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.uint32)
+    bits, _, _, _ = tl.philox(seed, rk.to(tl.uint32)[None, :] + zero, rm.to(tl.uint32)[:, None] + zero, zero, zero)
+    keep = tl.uint_to_uniform_float(bits) >= p
+    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(keep, x / (1.0 - p), 0.0)
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rk[None, :]
+    if ACCUMULATE:
+        y += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_down(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor | None = None,
+              allow_tf32: bool = True) -> torch.Tensor:
+    """``alpha * a @ b`` for a [M, K] and b [K, R] with a narrow R (at most 256), any strides;
+    written into ``out`` [M, R] (any strides) when given."""
+    M, K = a.shape
+    R = b.shape[1]
+    if R > 256:
+        raise ValueError(f"lora_down: the output width {R} (adapters x rank) exceeds 256")
+    if out is None:
+        out = torch.empty((M, R), dtype=a.dtype, device=a.device)
+    if M == 0:
+        return out
+    block_r = max(16, next_pow2(R))
+    # Fixed tiles (not yet tuned on a GPU): 64-row tiles keep the fp32 accumulator of a 256-wide
+    # output at 64 KiB of registers per program.
+    block_m = 64 if (block_r > 128 or interpreting()) else 128
+    block_k = 32 if interpreting() else 64
+    precision = "ieee" if (a.dtype == torch.float32 and not allow_tf32) else "tf32"
+    _lora_down_kernel[(triton.cdiv(M, block_m),)](
+        a, b, out, M, K, R, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        float(alpha), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, PRECISION=precision,
+        **({} if interpreting() else {"num_warps": 4 if block_m == 64 else 8, "num_stages": 3}))
+    return out
+
+
+def dropout(x: torch.Tensor, p: float, seed: torch.Tensor, out: torch.Tensor | None = None,
+            accumulate: bool = False) -> torch.Tensor:
+    """``x * m / (1 - p)`` for x [M, K] (unit column stride), the keep mask m drawn from ``seed``
+    (a 1-element int64 device tensor); into ``out`` (``out +=`` with ``accumulate``)."""
+    M, K = x.shape
+    if out is None:
+        out = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    if M == 0 or K == 0:
+        return out
+    block_m, block_k = 32, 128
+    _dropout_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, block_k))](
+        x, out, seed, M, K, x.stride(0), out.stride(0), float(p), ACCUMULATE=accumulate,
+        BLOCK_M=block_m, BLOCK_K=block_k)
+    return out
+
+
+def _check_lora_args(x, weight, bias, a, b, segments, scale, p, seed, residual) -> None:
+    check_tensor("x", x, min_ndim=1)
+    check_tensor("weight", weight, ndim=2)
+    check_tensor("lora_a", a, ndim=3)
+    check_tensor("lora_b", b, ndim=2)
+    check_same_device(x=x, weight=weight, lora_a=a, lora_b=b)
+    check_same_dtype(x=x, weight=weight, lora_a=a, lora_b=b)
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}: its second dimension must equal x's last "
+                         f"dimension K={x.shape[-1]}")
+    S, r, ka = a.shape
+    if ka != K or S != len(segments) or S == 0:
+        raise ValueError(f"lora_a must have shape (len(segments)={len(segments)} > 0, r, K={K}), "
+                         f"got {tuple(a.shape)}")
+    if S * r > 256:
+        raise ValueError(f"lora_a: {S} adapters of rank {r} exceed the 256 columns lora_down supports")
+    rows = 0
+    for j, (start, size) in enumerate(segments):
+        if start < 0 or size < 1 or start + size > N:
+            raise ValueError(f"segments[{j}] = {(start, size)} is not a column range of the {N} outputs")
+        rows += size
+    if tuple(b.shape) != (rows, r):
+        raise ValueError(f"lora_b must have shape ({rows}, {r}) (the segments' widths x rank), got {tuple(b.shape)}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {p}")
+    if p > 0:
+        if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError("seed must be a 1-element int64 tensor when dropout > 0")
+        check_same_device(x=x, seed=seed)
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != N:
+            raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != (*x.shape[:-1], N):
+        raise ValueError(f"residual must have the output's shape {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
+
+
+def _b_rows(segments) -> list[int]:
+    """First row of each adapter's B_j in the stacked ``lora_b``."""
+    offs, total = [], 0
+    for _, size in segments:
+        offs.append(total)
+        total += size
+    return offs
+
+
+def _forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
+    """``(y [M, N], xd, U)`` of the forward for x2 [M, K]: base GEMM, then the adapters' GEMMs
+    accumulating into y's column segments."""
+    N, K = weight.shape
+    S, r, _ = a.shape
+    y = linear_fwd(x2, weight, bias, None if residual is None else as_matrix(residual, N), allow_tf32)
+    xd = dropout(x2, p, seed) if p > 0 else x2
+    u = lora_down(xd, a.reshape(S * r, K).t(), scale, allow_tf32=allow_tf32)
+    for j, ((start, size), row) in enumerate(zip(segments, _b_rows(segments))):
+        gemm(u[:, j * r:(j + 1) * r], b[row:row + size].t(), y[:, start:start + size], accumulate=True,
+             allow_tf32=allow_tf32)
+    return y, xd, u
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
+        x2 = as_matrix(x, weight.shape[1])
+        y, xd, u = _forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32)
+        ctx.save_for_backward(x2, xd if p > 0 else None, weight, a, b, u, seed if p > 0 else None)
+        ctx.meta = (x.shape, segments, scale, p, allow_tf32)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, xd, weight, a, b, u, seed = ctx.saved_tensors
+        x_shape, segments, scale, p, allow_tf32 = ctx.meta
+        need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
+        xd = x2 if xd is None else xd
+        N, K = weight.shape
+        S, r, _ = a.shape
+        dy2 = as_matrix(dy, N)
+        rows = _b_rows(segments)
+        g = torch.empty((dy2.shape[0], S * r), dtype=dy.dtype, device=dy.device)
+        for j, ((start, size), row) in enumerate(zip(segments, rows)):
+            lora_down(dy2[:, start:start + size], b[row:row + size], scale, out=g[:, j * r:(j + 1) * r],
+                      allow_tf32=allow_tf32)
+        da = db = None
+        if need_a:
+            da = gemm(g.t(), xd, torch.empty((S * r, K), dtype=a.dtype, device=a.device),
+                      allow_tf32=allow_tf32).view(S, r, K)
+        if need_b:
+            db = torch.empty_like(b)
+            for j, ((start, size), row) in enumerate(zip(segments, rows)):
+                gemm(dy2[:, start:start + size].t(), u[:, j * r:(j + 1) * r], db[row:row + size],
+                     allow_tf32=allow_tf32)
+        dx, dw, dbias = linear_bwd(dy2, x2, weight, need_x, need_w, need_bias, allow_tf32)
+        if need_x:
+            dx = dx.view(-1, K)
+            if p > 0:
+                dropout(gemm(g, a.reshape(S * r, K), torch.empty_like(dx), allow_tf32=allow_tf32), p, seed, out=dx,
+                        accumulate=True)
+            else:
+                gemm(g, a.reshape(S * r, K), dx, accumulate=True, allow_tf32=allow_tf32)
+            dx = dx.view(x_shape)
+        dres = dy if need_res else None
+        return dx, dw, dbias, dres, da, db, None, None, None, None, None
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, segments, scale: float, *, dropout_p: float = 0.0,
+                seed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                allow_tf32: bool = True) -> torch.Tensor:
+    """``x W^T + bias (+ residual)`` with LoRA updates ``s * dropout(x) A_j^T B_j^T`` added to the
+    output columns ``segments[j] = (start_j, n_j)``; the math is in this module's docstring.
+
+    x [..., K]; weight [N, K]; bias [N] or None; lora_a [S, r, K]; lora_b [sum n_j, r] (B_j
+    stacked by rows in segment order); scale s (``alpha / r``); ``dropout_p`` with ``seed`` (a
+    1-element int64 tensor on x's device, needed when ``dropout_p > 0``). All tensors in x's
+    floating dtype; returns [..., N]. Gradients flow to every input that requires one (a frozen
+    ``weight`` gets none and costs no GEMM).
+    """
+    segments = tuple((int(s), int(n)) for s, n in segments)
+    _check_lora_args(x, weight, bias, lora_a, lora_b, segments, scale, float(dropout_p), seed, residual)
+    if needs_grad(x, weight, bias, residual, lora_a, lora_b):
+        return LoRALinearFunction.apply(x, weight, bias, residual, lora_a, lora_b, segments, float(scale),
+                                        float(dropout_p), seed, allow_tf32)
+    y, _, _ = _forward(as_matrix(x, weight.shape[1]), weight, bias, residual, lora_a, lora_b, segments,
+                       float(scale), float(dropout_p), seed, allow_tf32)
+    return y.view(*x.shape[:-1], weight.shape[0])

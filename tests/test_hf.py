@@ -1,0 +1,166 @@
+"""Hugging Face import/export (tritonllm.hf) against transformers' own tiny random models, fp32 on the CPU."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import ON_GPU
+
+import transformers  # a test dependency (pyproject [test])
+
+from tritonllm.hf import HFConfigError, config_from_hf, load_hf_model, read_hf_config, save_hf_model
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=32, max_position_embeddings=64)
+#: family -> (config class, model class, extra config): each exercises a different feature
+FAMILIES = {
+    "llama_llama3rope_untied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=False, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2_bias_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=5000.0)),
+    "qwen3_qknorm_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        tie_word_embeddings=True, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                "original_max_position_embeddings": 16})),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5, num_key_value_heads=2)),
+}
+
+
+def _randomize(model) -> None:
+    """Norm weights and biases away from their constant init, so a misplaced one shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+
+
+def make_hf(family: str, **overrides):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(hash(family) % 1000)
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_cls)(cfg).eval()
+    _randomize(model)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hf_folder(request, tmp_path_factory):
+    model = make_hf(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, model, str(path)
+
+
+def _ids(T=11, B=2, seed=0):
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_logits(name, ours, ref, tol=1e-5):
+    err = (ours - ref).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), f"{name}: max |tritonllm - transformers| = {err}"
+
+
+def test_import_logits_equal(hf_folder):
+    family, hf, path = hf_folder
+    model = load_hf_model(path)
+    assert model.cfg.qkv_bias == family.startswith("qwen2")
+    assert model.cfg.qk_norm == family.startswith("qwen3")
+    assert model.cfg.tie_embeddings == hf.config.tie_word_embeddings
+    idx = _ids()
+    with torch.no_grad():
+        assert_logits(family, model(idx), hf(idx).logits)
+
+
+def test_import_greedy_generation_equal(hf_folder):
+    family, hf, path = hf_folder
+    model = load_hf_model(path).eval()
+    prompt = _ids(T=4, B=1, seed=1)
+    ours = model.generate(prompt, 6, temperature=0.0)
+    ref = hf.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6, pad_token_id=0)
+    assert torch.equal(ours, ref), f"{family}: {ours.tolist()} != {ref.tolist()}"
+
+
+def test_export_round_trip(hf_folder, tmp_path):
+    family, hf, path = hf_folder
+    model = load_hf_model(path)
+    save_hf_model(model, str(tmp_path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(back).__name__ == type(hf).__name__
+    idx = _ids(seed=2)
+    with torch.no_grad():
+        ref = hf(idx).logits
+        assert_logits(family + " exported", back(idx).logits, ref)
+        assert_logits(family + " re-imported", load_hf_model(str(tmp_path))(idx), ref)
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf = make_hf("qwen3_qknorm_yarn")
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    idx = _ids(seed=3)
+    with torch.no_grad():
+        assert_logits("sharded", load_hf_model(str(tmp_path))(idx), hf(idx).logits)
+
+
+def test_sliding_window_is_used(tmp_path):
+    """The window changes the logits of late positions: importing without it would not match."""
+    hf = make_hf("mistral_window")
+    hf.save_pretrained(tmp_path)
+    model = load_hf_model(str(tmp_path))
+    assert model.cfg.window == 5
+    full = copy.deepcopy(model)
+    full.cfg.window = None
+    for block in full.blocks:
+        block.attn.window = None
+    idx = _ids(seed=4)
+    with torch.no_grad():
+        assert (model(idx) - full(idx)).abs().max() > 1e-3
+
+
+BASE = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(model_type="gemma"), "model_type"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_type"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8), "use_sliding_window"),
+    (dict(model_type="qwen3", layer_types=["sliding_attention", "full_attention"]), "layer_types"),
+    (dict(hidden_size=96, num_attention_heads=2), "head_dim"),
+    (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    (dict(attention_dropout=0.1), "attention_dropout"),
+], ids=["model_type", "hidden_act", "mlp_bias", "attention_bias", "rope_dynamic", "rope_longrope", "partial_rope",
+        "qwen_sliding", "mixed_layers", "head_dim48", "quantized", "dropout"])
+def test_unsupported_config_names_field(change, field):
+    with pytest.raises(HFConfigError, match=field):
+        config_from_hf({**BASE, **change})
+
+
+def test_config_mapping_and_errors(tmp_path):
+    cfg = config_from_hf({**BASE, "rope_theta": 5e5, "tie_word_embeddings": True}, max_seq_len=32)
+    assert (cfg.rope_theta, cfg.tie_embeddings, cfg.max_seq_len, cfg.head_dim) == (5e5, True, 32, 32)
+    v5 = config_from_hf({**BASE, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})
+    assert v5.rope_scaling == {"type": "linear", "factor": 2.0}
+    with pytest.raises(Exception, match="config.json"):
+        read_hf_config(str(tmp_path))
+    with pytest.raises(HFConfigError, match="intermediate_size"):
+        config_from_hf({k: v for k, v in BASE.items() if k != "intermediate_size"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_import_bf16_gpu(hf_folder):
+    family, hf, path = hf_folder
+    model = load_hf_model(path, device="cuda", dtype=torch.bfloat16)
+    ref = hf.to("cuda", torch.bfloat16)
+    idx = _ids().cuda()
+    with torch.no_grad():
+        ours, theirs = model(idx).float(), ref(idx).logits.float()
+    hf.to("cpu", torch.float32)
+    assert (ours - theirs).abs().max().item() < 0.05 * max(1.0, theirs.abs().max().item())

@@ -1,0 +1,250 @@
+"""LoRA adapters applied to a :class:`~tritonllm.models.Transformer` from outside.
+
+:func:`apply_lora` freezes every parameter of the model and replaces the linear layers named by
+``targets`` with :class:`LoRALinear` modules that hold the same frozen weight plus trainable
+low-rank adapters (Hu et al. 2021)::
+
+    y = x W^T + (alpha / r) * dropout(x) A^T B^T        A [r, in] (Kaiming-uniform), B [out, r] (zeros)
+
+so the adapted model computes what the base model computes until B moves. The Transformer packs
+q, k and v in one projection and gate and up in another; a :class:`LoRALinear` over a packed
+weight keeps one adapter per targeted segment of the output columns (``lora_A`` [S, r, in],
+``lora_B`` the B_j stacked by rows), all applied by :func:`tritonllm.kernels.lora.lora_linear`
+(Triton GEMMs, the base GEMM's output accumulated in place). Targets: ``q``, ``k``, ``v``
+(``attn.qkv``), ``o`` (``attn.proj``), ``gate``, ``up`` (``mlp.w13``, followed by the SwiGLU
+kernel), ``down`` (``mlp.w2``).
+
+The weights keep their state-dict names (``blocks.0.attn.qkv.weight``); the adapters add
+``...qkv.lora_A`` and ``...qkv.lora_B``. :func:`save_adapter` writes them as a PEFT adapter
+(``adapter_model.safetensors`` + ``adapter_config.json``, Hugging Face module names, which
+``peft.PeftModel.from_pretrained`` loads onto the Hugging Face model), :func:`load_adapter` reads
+one back, and :func:`merged_state_dict` gives the base state dict with ``W + s B A`` folded in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tritonllm.errors import CheckpointError, ConfigError
+from tritonllm.kernels.linear import linear
+from tritonllm.kernels.lora import lora_linear
+from tritonllm.kernels.swiglu import swiglu
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+#: target -> Hugging Face module name inside a decoder layer
+HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 16  # r, the adapters' inner width
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input during training
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))  # subset of TARGETS
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"lora.rank must be an int >= 1, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be a number > 0, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        self.targets = list(self.targets)
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets:
+            raise ConfigError(f"lora.targets must be a non-empty subset of {list(TARGETS)}, got {self.targets}")
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+    @classmethod
+    def from_dict(cls, d) -> LoRAConfig:
+        from tritonllm.models.config import _plain
+
+        d = dict(_plain(d))
+        unknown = sorted(set(d) - {"rank", "alpha", "dropout", "targets"})
+        if unknown:
+            raise ConfigError(f"unknown lora config key(s) {unknown}; valid: rank, alpha, dropout, targets")
+        return cls(**d)
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer (``weight`` [out, in], optional ``bias``) with LoRA adapters on the
+    output column ranges ``segments`` (``(name, start, width)`` each); ``swiglu`` applies the SwiGLU
+    to the packed [gate; up] output (the base was a ``LinearSwiGLU``)."""
+
+    def __init__(self, base: nn.Module, segments: list[tuple[str, int, int]], cfg: LoRAConfig, swiglu: bool = False):
+        super().__init__()
+        self.weight = base.weight
+        self.bias = getattr(base, "bias", None)
+        self.segments = [(name, int(start), int(width)) for name, start, width in segments]
+        self.rank, self.scale, self.dropout, self.swiglu = cfg.rank, cfg.scale, float(cfg.dropout), swiglu
+        out_features, in_features = self.weight.shape
+        w = self.weight
+        self.lora_A = nn.Parameter(torch.empty(len(segments), cfg.rank, in_features, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(sum(s[2] for s in segments), cfg.rank, device=w.device, dtype=w.dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A as PEFT initialises it (``kaiming_uniform_(a=sqrt(5))``: uniform in +-1/sqrt(in)), B zeros."""
+        bound = 1.0 / math.sqrt(self.lora_A.shape[-1])
+        with torch.no_grad():
+            self.lora_A.uniform_(-bound, bound)
+            self.lora_B.zero_()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        # the mask's seed is drawn on the device: a captured step draws a new one per replay
+        seed = torch.randint(0, 2 ** 62, (1,), device=x.device) if p > 0 else None
+        y = lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, [s[1:] for s in self.segments],
+                        self.scale, dropout_p=p, seed=seed, residual=residual)
+        return swiglu(y) if self.swiglu else y
+
+    def adapters(self):
+        """``(name, A_j [r, in], B_j [width, r])`` per segment (views of the parameters)."""
+        row = 0
+        for j, (name, _, width) in enumerate(self.segments):
+            yield name, self.lora_A[j], self.lora_B[row:row + width]
+            row += width
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """``W`` with ``scale * B_j A_j`` added to each segment's rows (Triton GEMMs)."""
+        w = self.weight.detach().clone()
+        for (_, start, width), (_, a, b) in zip(self.segments, self.adapters()):
+            w[start:start + width] = linear(b * self.scale, a.t(), residual=w[start:start + width])
+        return w
+
+    def extra_repr(self) -> str:
+        names = ",".join(s[0] for s in self.segments)
+        return (f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, targets={names}, rank={self.rank}, "
+                f"scale={self.scale:g}, dropout={self.dropout:g}, swiglu={self.swiglu}")
+
+
+def _slots(cfg_model) -> list[tuple[str, list[tuple[str, int, int]], bool]]:
+    """``(attribute path, [(target, start, width)], swiglu)`` of each adaptable linear of a block."""
+    q, kv, f = cfg_model.n_heads * cfg_model.head_dim, cfg_model.n_kv_heads * cfg_model.head_dim, cfg_model.d_ff
+    return [("attn.qkv", [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)], False),
+            ("attn.proj", [("o", 0, cfg_model.d_model)], False),
+            ("mlp.w13", [("gate", 0, f), ("up", f, f)], True),
+            ("mlp.w2", [("down", 0, cfg_model.d_model)], False)]
+
+
+def apply_lora(model: nn.Module, cfg) -> nn.Module:
+    """Freeze ``model`` (a dense Transformer) and put LoRA adapters on ``cfg.targets`` (a
+    :class:`LoRAConfig`, dict or DictConfig); returns the model, changed in place."""
+    if not isinstance(cfg, LoRAConfig):
+        cfg = LoRAConfig.from_dict(cfg)
+    if model.cfg.n_experts:
+        raise ConfigError("lora: MoE models are not supported (targets are dense attention and MLP layers)")
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ConfigError("lora: the model already has LoRA adapters")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.blocks:
+        for path, segments, is_swiglu in _slots(model.cfg):
+            chosen = [s for s in segments if s[0] in cfg.targets]
+            if not chosen:
+                continue
+            parent_name, attr = path.split(".")
+            parent = getattr(block, parent_name)
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), chosen, cfg, swiglu=is_swiglu))
+    model.lora_config = cfg
+    return model
+
+
+def lora_layers(model: nn.Module):
+    """``(layer index, LoRALinear)`` of every adapted linear of ``model``."""
+    for i, block in enumerate(model.blocks):
+        for m in block.modules():
+            if isinstance(m, LoRALinear):
+                yield i, m
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every LoRA update merged into its weight and the adapters left
+    out (the plain state dict for a model without adapters)."""
+    state = model.state_dict()
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            state[name + ".weight"] = m.merged_weight()
+            del state[name + ".lora_A"], state[name + ".lora_B"]
+    return state
+
+
+def _peft_name(layer: int, target: str, which: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{HF_MODULES[target]}.lora_{which}.weight"
+
+
+def save_adapter(model: nn.Module, path: str, base_model: str | None = None) -> str:
+    """Write the adapters as a PEFT LoRA adapter folder ``path`` (for the Hugging Face export of
+    the base model, ``base_model`` its name or folder)."""
+    from safetensors.torch import save_file
+
+    cfg = getattr(model, "lora_config", None)
+    if cfg is None:
+        raise ConfigError("save_adapter: the model has no LoRA adapters (apply_lora first)")
+    tensors = {}
+    for i, m in lora_layers(model):
+        for target, a, b in m.adapters():
+            tensors[_peft_name(i, target, "A")] = a.detach().to("cpu").contiguous()
+            tensors[_peft_name(i, target, "B")] = b.detach().to("cpu").contiguous()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+              "lora_dropout": cfg.dropout, "target_modules": sorted(HF_MODULES[t].split(".")[1] for t in cfg.targets),
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+              "base_model_name_or_path": base_model}
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, path: str) -> nn.Module:
+    """Apply the PEFT LoRA adapter in folder ``path`` to ``model`` (plain or already adapted with
+    the same settings) and copy its weights in."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        pc = json.load(f)
+    for key, ok in (("peft_type", "LORA"), ("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False)):
+        if pc.get(key, ok) != ok:
+            raise CheckpointError(f"{path}: adapter_config {key}={pc.get(key)!r} is not supported")
+    by_hf = {HF_MODULES[t].split(".")[1]: t for t in TARGETS}
+    modules = pc["target_modules"]
+    modules = [modules] if isinstance(modules, str) else modules
+    unknown = [m for m in modules if m not in by_hf]
+    if unknown:
+        raise CheckpointError(f"{path}: target_modules {unknown} are not LoRA targets of tritonllm "
+                              f"({sorted(by_hf)})")
+    cfg = LoRAConfig(rank=int(pc["r"]), alpha=float(pc["lora_alpha"]), dropout=float(pc.get("lora_dropout", 0.0)),
+                     targets=[by_hf[m] for m in modules])
+    if getattr(model, "lora_config", None) is None:
+        apply_lora(model, cfg)
+    elif (model.lora_config.rank, model.lora_config.scale, sorted(model.lora_config.targets)) != (
+            cfg.rank, cfg.scale, sorted(cfg.targets)):
+        raise CheckpointError(f"{path}: adapter rank/alpha/targets {cfg.rank}/{cfg.alpha}/{cfg.targets} differ "
+                              f"from the model's")
+    tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS))
+    for i, m in lora_layers(model):
+        for target, a, b in m.adapters():
+            for which, dst in (("A", a), ("B", b)):
+                name = _peft_name(i, target, which)
+                src = tensors.get(name, tensors.get(name.replace(".weight", ".default.weight")))
+                if src is None:
+                    raise CheckpointError(f"{path}: {ADAPTER_WEIGHTS} lacks {name}")
+                if src.shape != dst.shape:
+                    raise CheckpointError(f"{path}: {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(src)
+    return model
