@@ -25,6 +25,7 @@ from .rope import rope, rope_cos_sin  # noqa: E402
 from .embedding import embedding  # noqa: E402
 from .cross_entropy import cross_entropy  # noqa: E402
 from .adamw import adamw_step_, clip_grads_  # noqa: E402
+from .muon import muon_step_, orthogonalize  # noqa: E402
 # matrix products
 from .linear import linear, linear_swiglu  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
@@ -40,6 +41,7 @@ from .moe import moe  # noqa: E402
 __all__ = [
     "interpreting",
     "rms_norm", "swiglu", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_", "clip_grads_",
+    "muon_step_", "orthogonalize",
     "linear", "linear_swiglu", "linear_cross_entropy",
     "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "split_heads",
     "MoERouting", "moe_router", "MoEPlan", "moe_sort", "moe_gather", "moe_combine",

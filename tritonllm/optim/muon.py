@@ -1,0 +1,196 @@
+"""Muon (and NorMuon) whose step runs in Triton kernels, and an optimizer that combines several.
+
+``Muon`` updates weight matrices with their orthogonalised Nesterov momentum
+(``tritonllm.kernels.muon``: momentum, Polar Express or Newton-Schulz iterations in bf16 with fp32
+accumulation, optional NorMuon per-neuron normalisation, decoupled weight decay). It is meant for
+the hidden matrices of the blocks; embeddings, the LM head, norms and scalars go to AdamW
+(``build_optimizer`` in ``tritonllm.train.loop`` with ``optim=muon`` does the split and returns a
+:class:`CombinedOptimizer` of both).
+
+Made to be captured in a CUDA graph like :class:`tritonllm.optim.AdamW`: nothing in ``step()``
+reads the device; a group's ``lr`` may be a 0-d fp32 device tensor (the training step points every
+group at one), multiplied in the kernel by the group's float ``lr_scale`` (so Muon and AdamW can
+follow one schedule at different peak rates); ``step(found_inf=flag)`` leaves everything untouched
+when the int32 ``flag`` is non-zero.
+
+State per parameter: ``momentum_buffer`` (fp32, the parameter's shape), with NorMuon
+``second_moment`` (fp32, ``[..., max(m, n)]``), and for bf16/fp16 parameters (unless
+``master_weights=False``) an fp32 ``master`` copy. ``state_dict()`` / ``load_state_dict()``
+round-trip exactly (the fp32 state is restored in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonllm.kernels.muon import ADJUST_LR, COEFFICIENTS, muon_step_
+
+_FP32_STATE = ("momentum_buffer", "second_moment", "master")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon / NorMuon with Triton kernels, for parameters of at least 2 dims (the last two are the
+    matrix; leading dims index independent matrices).
+
+    Args:
+        params: parameters or parameter groups (dicts).
+        lr: learning rate (>= 0), times ``lr_scale``; may be a 0-d fp32 device tensor.
+        momentum: ``mu`` in ``[0, 1)``; ``nesterov``: update with ``G + mu (M - G)`` instead of ``M``.
+        weight_decay: decoupled, ``W *= 1 - lr * lr_scale * weight_decay``.
+        coefficients: ``"polar_express"`` or ``"newton_schulz"``; ``ns_steps``: iterations (>= 1).
+        normuon: per-neuron second-moment normalisation after the orthogonalisation (``beta2``).
+        adjust_lr: ``"original"`` (``sqrt(max(1, m / n))``), ``"match_rms_adamw"`` or ``"none"``.
+        eps: added to the scaled Frobenius norm of the normalisation.
+        lr_scale: multiplies ``lr`` (a float).
+        master_weights: None or True keeps an fp32 master copy of bf16/fp16 parameters.
+        work_dtype: dtype of the iterations (None: bf16 on a GPU, fp32 under the interpreter).
+    """
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, coefficients: str = "polar_express", ns_steps: int = 5,
+                 normuon: bool = False, beta2: float = 0.95, adjust_lr: str = "original", eps: float = 1e-7,
+                 lr_scale: float = 1.0, master_weights: bool | None = None, work_dtype: torch.dtype | None = None):
+        if not isinstance(lr, torch.Tensor) and not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if coefficients not in COEFFICIENTS:
+            raise ValueError(f"coefficients must be one of {sorted(COEFFICIENTS)}, got {coefficients!r}")
+        if not isinstance(ns_steps, int) or ns_steps < 1:
+            raise ValueError(f"ns_steps must be an int >= 1, got {ns_steps!r}")
+        if adjust_lr not in ADJUST_LR:
+            raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
+        if not lr_scale >= 0.0:
+            raise ValueError(f"lr_scale must be >= 0, got {lr_scale}")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                        coefficients=coefficients, ns_steps=ns_steps, normuon=normuon, beta2=beta2,
+                        adjust_lr=adjust_lr, eps=eps, lr_scale=lr_scale, master_weights=master_weights,
+                        work_dtype=work_dtype)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.dim() < 2:
+                    raise ValueError(f"params: Muon updates matrices; parameter {i} of a group has shape "
+                                     f"{tuple(p.shape)} (give vectors and scalars to AdamW)")
+
+    @staticmethod
+    def _init_state(p: torch.Tensor, state: dict, normuon: bool, use_master: bool) -> None:
+        """Create the state a parameter lacks."""
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        if normuon and "second_moment" not in state:
+            state["second_moment"] = torch.zeros((*p.shape[:-2], max(p.shape[-2:])), dtype=torch.float32,
+                                                 device=p.device)
+        if use_master and "master" not in state:
+            state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+    @torch.no_grad()
+    def step(self, closure=None, *, found_inf: torch.Tensor | None = None):
+        """One update of every parameter that has a gradient; returns ``closure()``'s loss.
+        ``found_inf``: None or a one-element int32 device tensor; non-zero skips the update."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            masters_on = group["master_weights"] is not False
+            normuon = bool(group["normuon"])
+            items = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("params: Muon does not support sparse gradients")
+                state = self.state[p]
+                use_master = masters_on and p.dtype != torch.float32
+                self._init_state(p, state, normuon, use_master)
+                items.append((p, state, use_master))
+            if not items:
+                continue
+            muon_step_([p for p, _, _ in items], [p.grad for p, _, _ in items],
+                       [s["momentum_buffer"] for _, s, _ in items],
+                       [s["master"] if m else None for _, s, m in items],
+                       [s["second_moment"] for _, s, _ in items] if normuon else None,
+                       lr=group["lr"], lr_scale=group["lr_scale"], momentum=group["momentum"],
+                       nesterov=group["nesterov"], weight_decay=group["weight_decay"],
+                       coefficients=group["coefficients"], steps=group["ns_steps"], eps=group["eps"],
+                       adjust_lr=group["adjust_lr"], beta2=group["beta2"], found_inf=found_inf,
+                       work_dtype=group["work_dtype"])
+        return loss
+
+    def state_dict(self) -> dict:
+        """As ``torch.optim.Optimizer.state_dict``, with a group's device-tensor ``lr`` saved as a float."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"] = float(group["lr"])
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``state_dict()``; the fp32 state is put back in fp32 on the parameter's device
+        (``torch.optim.Optimizer.load_state_dict`` casts it to the parameter's dtype)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if not saved:
+                continue
+            for key in _FP32_STATE:
+                if key in saved:
+                    self.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True).contiguous()
+
+
+class CombinedOptimizer:
+    """Several optimizers stepped as one (e.g. Muon for the block matrices and AdamW for the rest).
+
+    ``param_groups`` is the list of every optimizer's groups (the same dicts: setting a group's
+    ``lr`` sets it in its optimizer); ``step(found_inf=...)``, ``zero_grad`` and ``state`` go to each;
+    ``state_dict()`` holds one state dict per optimizer, in order.
+    """
+
+    def __init__(self, *optimizers):
+        if not optimizers:
+            raise ValueError("optimizers: give at least one")
+        self.optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+    @torch.no_grad()
+    def step(self, closure=None, *, found_inf: torch.Tensor | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            opt.step(found_inf=found_inf)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("optimizers")
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            raise ValueError(f"state_dict: expected the state of {len(self.optimizers)} optimizers (a "
+                             f"CombinedOptimizer's state_dict()), got "
+                             f"{'none' if saved is None else len(saved) if isinstance(saved, list) else type(saved)}")
+        for opt, sd in zip(self.optimizers, saved):
+            opt.load_state_dict(sd)
+
+    def __repr__(self) -> str:
+        return f"CombinedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
