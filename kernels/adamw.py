@@ -194,6 +194,26 @@ def _sq_norm_kernel(
 
 
 @triton.jit
+def _sum_partials(partial_ptr, n, BLOCK: tl.constexpr):
+    """Sum of ``partial_ptr[0 .. n)`` in fp32, in a fixed order (one program)."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(partial_ptr + offs, mask=offs < n, other=0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _sum_kernel(
+    partial_ptr,    # fp32 [n]: per-chunk sums of squares
+    n,
+    out_ptr,        # out: 0-d fp32, their sum
+    BLOCK: tl.constexpr,
+):
+    tl.store(out_ptr, _sum_partials(partial_ptr, n, BLOCK))
+
+
+@triton.jit
 def _clip_coef_kernel(
     partial_ptr,    # fp32 [n]: per-chunk sums of squares of every bucket
     n,
@@ -206,11 +226,7 @@ def _clip_coef_kernel(
     HAS_FLAG: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(partial_ptr + offs, mask=offs < n, other=0.0)
-    norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+    norm = tl.sqrt_rn(_sum_partials(partial_ptr, n, BLOCK))
     tl.store(norm_ptr, norm)
     tl.store(coef_ptr, tl.minimum(tl.div_rn(max_norm, norm + eps), 1.0, propagate_nan=tl.PropagateNan.ALL))
     if HAS_FLAG:
@@ -316,7 +332,7 @@ def _check_scalars(name: str, tensors: list, idx: list[int], device: torch.devic
                             f"{' on ' + str(t.device) if isinstance(t, torch.Tensor) else ''}")
 
 
-def _launches(names, dtypes, lists, chunk, scalars=None):
+def _launches(names, dtypes, lists, chunk, scalars=None, keep_empty=False):
     """Split the tensors into buckets and give each its device tables.
 
     ``lists[c][i]`` is column ``c`` of tensor ``i`` (``lists[0]``: the tensors whose numel counts);
@@ -326,7 +342,8 @@ def _launches(names, dtypes, lists, chunk, scalars=None):
     ``(column dtypes, aligned, table, chunk map, chunks)``: row ``i`` of the int64 table holds the
     addresses of tensor ``i``'s columns, its numel and its first chunk. Tables are cached by the
     addresses and sizes they encode (so a cached table is valid for as long as it is kept); the
-    inputs are checked when a table is built.
+    inputs are checked when a table is built. A bucket whose tensors are all empty is skipped,
+    unless ``keep_empty`` (its step counts still advance; such a bucket yields 0 chunks).
     """
     buckets = {}
     for i, row in enumerate(zip(*lists)):
@@ -359,7 +376,7 @@ def _launches(names, dtypes, lists, chunk, scalars=None):
             return _upload(torch.tensor(rows, dtype=torch.int64), device), chunk_map, n_chunks
 
         table, chunk_map, n_chunks = _cached(("table", device, chunk, numels, tuple(addrs)), build_table)
-        if n_chunks:
+        if n_chunks or keep_empty:
             yield key[:-1], key[-1], table, chunk_map, n_chunks
 
 
@@ -427,30 +444,39 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr
     dtypes = (FLOAT_DTYPES, FLOAT_DTYPES, fp32, fp32, FLOAT_DTYPES)
     has_skip = found_inf is not None
     for col_dtypes, aligned, table, chunk_map, n_chunks in _launches(
-            names, dtypes, (params, grads, exp_avgs, exp_avg_sqs, weights), sizes["CHUNK"], scalars=steps):
+            names, dtypes, (params, grads, exp_avgs, exp_avg_sqs, weights), sizes["CHUNK"], scalars=steps,
+            keep_empty=True):
         p_dtype, g_dtype, w_dtype = col_dtypes[0], col_dtypes[1], col_dtypes[4]
-        _adamw_kernel[(n_chunks,)](table, chunk_map, lr if lr_on_device else table,
-                                   found_inf if has_skip else table, *scalars, P_DTYPE=_TL_DTYPE[p_dtype],
-                                   G_DTYPE=_TL_DTYPE[g_dtype], HAS_MASTER=w_dtype != p_dtype,
-                                   LR_ON_DEVICE=lr_on_device, HAS_SKIP=has_skip, ALIGNED=aligned,
-                                   **sizes, num_warps=NUM_WARPS)
+        if n_chunks:  # a bucket of empty tensors (e.g. a rank's empty FSDP shards) only counts its steps
+            _adamw_kernel[(n_chunks,)](table, chunk_map, lr if lr_on_device else table,
+                                       found_inf if has_skip else table, *scalars, P_DTYPE=_TL_DTYPE[p_dtype],
+                                       G_DTYPE=_TL_DTYPE[g_dtype], HAS_MASTER=w_dtype != p_dtype,
+                                       LR_ON_DEVICE=lr_on_device, HAS_SKIP=has_skip, ALIGNED=aligned,
+                                       **sizes, num_warps=NUM_WARPS)
         _adamw_count_kernel[(table.shape[0],)](table, found_inf if has_skip else table, HAS_SKIP=has_skip,
                                                num_warps=1)
 
 
 def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.Tensor | None = None,
-                check: torch.Tensor | None = None) -> torch.Tensor:
+                check: torch.Tensor | None = None, reduce=None) -> torch.Tensor:
     """Scale ``grads`` (a list of fp32/fp16/bf16 tensors on one device) in place so that their
     global L2 norm is at most ``max_norm``: ``g *= min(1, max_norm / (norm + eps))``. Returns the
     norm before clipping as a 0-d fp32 tensor; nothing waits for the device.
 
     ``found_inf`` (a one-element int32 device tensor), when given, is set to 1 if the norm or
     ``check`` (a one-element fp32 device tensor, e.g. the loss; required with ``found_inf``) is not
-    finite, else 0: the flag :func:`adamw_step_` reads to skip a bad step on the device."""
+    finite, else 0: the flag :func:`adamw_step_` reads to skip a bad step on the device.
+
+    ``reduce``: None, or a function called with the 0-d fp32 sum of squares of ``grads`` that
+    replaces it in place with the sum over every holder of a part of the gradients (e.g. an
+    all-reduce over the ranks that each hold a shard); the norm and the scale then come from
+    that total, so every holder clips by the same global norm."""
     if not max_norm >= 0.0:
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
     grads = list(grads)
     if not grads:
+        if reduce is not None:
+            raise ValueError("grads is empty: with reduce, every holder must pass its (possibly empty) tensors")
         return torch.zeros((), dtype=torch.float32)
     device = grads[0].device
     _check_flag("found_inf", found_inf, device)
@@ -468,6 +494,11 @@ def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.T
         _sq_norm_kernel[(n_chunks,)](table, chunk_map, partials[start:], G_DTYPE=_TL_DTYPE[g_dtype],
                                      ALIGNED=aligned, **sizes, num_warps=NUM_WARPS)
         start += n_chunks
+    if reduce is not None:
+        total = torch.empty((), dtype=torch.float32, device=device)
+        _sum_kernel[(1,)](partials, n_partials, total, BLOCK=min(next_pow2(n_partials), _REDUCE_BLOCK), num_warps=4)
+        reduce(total)
+        partials, n_partials = total.view(1), 1
     has_flag = found_inf is not None
     _clip_coef_kernel[(1,)](partials, n_partials, norm, coef, check if has_flag else norm,
                             found_inf if has_flag else norm, float(max_norm), float(eps), HAS_FLAG=has_flag,

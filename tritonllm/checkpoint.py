@@ -79,6 +79,27 @@ def _fsync_dir_files(folder: str) -> None:
             os.fsync(f.fileno())
 
 
+def publish(tmp: str, final: str, state: dict, config_yaml: str | None = None,
+            tokenizer_path: str | None = None) -> None:
+    """Complete the checkpoint folder ``tmp`` (``state.json``, ``config.yaml``, the tokenizer), flush
+    every file to disk and rename the folder to ``final`` (``os.replace``); an existing ``final`` (the
+    same step saved again, e.g. after a resume) is swapped out and deleted."""
+    _write_json(os.path.join(tmp, STATE_FILE), state)
+    if config_yaml is not None:
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            f.write(config_yaml)
+    if tokenizer_path is not None:
+        shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER_FILE))
+    _fsync_dir_files(tmp)
+    if os.path.exists(final):
+        old = f"{tmp}.old"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
 def save_checkpoint(ckpt_dir: str, step: int, model: torch.nn.Module, optimizer, state: dict,
                     config_yaml: str | None = None, tokenizer_path: str | None = None,
                     keep_last: int | None = None) -> str:
@@ -98,20 +119,7 @@ def save_checkpoint(ckpt_dir: str, step: int, model: torch.nn.Module, optimizer,
         save_model(model, os.path.join(tmp, MODEL_FILE))
         torch.save(optimizer.state_dict(), os.path.join(tmp, OPTIM_FILE))
         torch.save(rng_state(), os.path.join(tmp, RNG_FILE))
-        _write_json(os.path.join(tmp, STATE_FILE), {**state, "step": step})
-        if config_yaml is not None:
-            with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-                f.write(config_yaml)
-        if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER_FILE))
-        _fsync_dir_files(tmp)
-        if os.path.exists(final):  # the same step saved again (e.g. after a resume): swap it out
-            old = f"{tmp}.old"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        publish(tmp, final, {**state, "step": step}, config_yaml, tokenizer_path)
     except Exception as e:
         raise CheckpointError(f"writing checkpoint {final} failed ({type(e).__name__}: {e}); "
                               f"earlier checkpoints in {ckpt_dir} are untouched") from e

@@ -120,6 +120,18 @@ class RunLogger:
             self.wandb = None
 
 
+class NullLogger:
+    """A :class:`RunLogger` that writes nothing: the ranks other than 0 of a multi-process run."""
+
+    wandb = None
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def plot_losses(metrics_path: str, png_path: str) -> None:
     """Training loss and validation loss against step from ``metrics.jsonl`` into ``png_path``."""
     import matplotlib

@@ -4,6 +4,7 @@ choice, and printing a :class:`~tritonllm.errors.TritonLLMError` as one clear li
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -36,12 +37,14 @@ def resolve_dtype(spec: str, device: torch.device, key: str = "trainer.dtype") -
 
 
 def exit_on_user_error(fn):
-    """Run ``fn``; a TritonLLMError is printed as ``tritonllm: error: <message>`` and exits with status 1."""
+    """Run ``fn``; a TritonLLMError is printed as ``tritonllm: error: <message>`` (``tritonllm: error on
+    rank <r>: ...`` in a multi-process torchrun run) and exits with status 1."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except TritonLLMError as e:
-            print(f"tritonllm: error: {e}", file=sys.stderr, flush=True)
+            where = f" on rank {os.environ['RANK']}" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+            print(f"tritonllm: error{where}: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
     return wrapper

@@ -36,15 +36,16 @@ class Corpus:
     vocab_size: int | None      # ids the data may hold (tokenizer or data.vocab_size); None if unknown
     description: str
 
-    def loaders(self, batch_size: int, seq_len: int, seed: int,
-                vocab_size: int | None) -> tuple[TokenLoader, TokenLoader]:
-        """Training loader (shuffled, seeded) and validation loader (in order)."""
+    def loaders(self, batch_size: int, seq_len: int, seed: int, vocab_size: int | None, rank: int = 0,
+                world_size: int = 1) -> tuple[TokenLoader, TokenLoader]:
+        """Training loader (shuffled, seeded) and validation loader (in order); with several ranks,
+        this ``rank``'s share of every global batch of ``world_size * batch_size`` windows."""
         if self.val_shards is None:
             train, val = split_stream(self.train_shards, self.val_fraction)
         else:
             train, val = TokenStream(self.train_shards), TokenStream(self.val_shards)
-        return (TokenLoader(train, batch_size, seq_len, seed, True, vocab_size, "train"),
-                TokenLoader(val, batch_size, seq_len, seed, False, vocab_size, "validation"))
+        return (TokenLoader(train, batch_size, seq_len, seed, True, vocab_size, "train", rank, world_size),
+                TokenLoader(val, batch_size, seq_len, seed, False, vocab_size, "validation", rank, world_size))
 
 
 def _tokenizer_path(cfg) -> str | None:

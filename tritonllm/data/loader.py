@@ -6,6 +6,12 @@ and next-token target, consecutive windows share one token); the training loader
 windows in a fresh permutation every epoch (``numpy.random.default_rng([seed, epoch])``), the
 validation loader always reads its first windows in order. Only the windows of the current batch
 are read from disk. The loader's whole state is ``(epoch, index)``, saved in checkpoints.
+
+Several ranks (``rank`` of ``world_size``): each batch is a rank's share of a global batch of
+``world_size * batch_size`` consecutive windows of the order, rank ``r`` taking rows
+``r * batch_size .. (r + 1) * batch_size - 1``; the shares are disjoint and together are what one
+loader of the global batch size reads. ``(epoch, index)`` counts global windows, the same on every
+rank, so a saved position resumes on any world size.
 """
 
 from __future__ import annotations
@@ -54,11 +60,15 @@ class TokenLoader:
 
     ``shuffle=False`` reads windows in order (validation). ``vocab_size``, when given, rejects a
     batch holding an id outside the model's vocabulary with a DataError instead of letting the
-    embedding read out of bounds. ``name`` labels the split in messages.
+    embedding read out of bounds. ``name`` labels the split in messages. ``rank`` / ``world_size``:
+    this loader's share of each global batch (module docstring).
     """
 
     def __init__(self, stream: TokenStream, batch_size: int, seq_len: int, seed: int, shuffle: bool = True,
-                 vocab_size: int | None = None, name: str = "train"):
+                 vocab_size: int | None = None, name: str = "train", rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.rank, self.world_size = int(rank), int(world_size)
         self.stream, self.batch_size, self.seq_len = stream, int(batch_size), int(seq_len)
         self.seed, self.shuffle, self.vocab_size, self.name = int(seed), shuffle, vocab_size, name
         self.n_windows = (len(stream) - 1) // self.seq_len if len(stream) > 0 else 0
@@ -86,18 +96,24 @@ class TokenLoader:
         return rows[:, :-1], rows[:, 1:]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the next global batch."""
         ids = []
-        for _ in range(self.batch_size):
+        first = self.rank * self.batch_size
+        for j in range(self.world_size * self.batch_size):
             if self.index == self.n_windows:
                 self.epoch, self.index = self.epoch + 1, 0
-            ids.append(self._window_id(self.epoch, self.index))
+            if first <= j < first + self.batch_size:
+                ids.append(self._window_id(self.epoch, self.index))
             self.index += 1
         return self._batch(ids)
 
     def batches(self, n: int):
-        """The first ``n`` batches in order (cycling when the split is short); leaves the state alone."""
+        """This rank's shares of the first ``n`` global batches in order (cycling when the split is
+        short); leaves the state alone."""
+        global_batch = self.world_size * self.batch_size
         for b in range(n):
-            yield self._batch([(b * self.batch_size + i) % self.n_windows for i in range(self.batch_size)])
+            first = b * global_batch + self.rank * self.batch_size
+            yield self._batch([(first + i) % self.n_windows for i in range(self.batch_size)])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "n_windows": self.n_windows,

@@ -16,6 +16,11 @@ Made to be captured in a CUDA graph (``tritonllm.train.step``): nothing in ``ste
 device; a group's ``lr`` may be a 0-d fp32 device tensor (its current value is read by the kernel
 at replay), and ``step(found_inf=flag)`` skips the whole update on the device when the int32
 ``flag`` is non-zero (see ``tritonllm.kernels.adamw.clip_grads_``).
+
+Sharded parameters (``torch.distributed`` DTensors, as FSDP2's ``fully_shard`` makes them): the
+state is created in the parameter's layout (DTensors sharded like it, so with fp32 sharded
+parameters the parameters are the sharded master weights) and the kernels update each rank's
+local shards; ``clip_grad_norm_`` sums the squared norm of the local shards over the ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ import torch
 from tritonllm.kernels.adamw import adamw_step_, clip_grads_
 
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "master")
+
+
+def _dtensor_type():
+    """``torch.distributed.tensor.DTensor``, or None when this PyTorch build has no torch.distributed."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _local(t: torch.Tensor, dtensor) -> torch.Tensor:
+    """The rank's own part of ``t``: its local shard when ``t`` is a DTensor, else ``t``."""
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
 class AdamW(torch.optim.Optimizer):
@@ -65,6 +84,15 @@ class AdamW(torch.optim.Optimizer):
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
     @torch.no_grad()
+    def init_state(self) -> None:
+        """Create every parameter's state (zero moments, step count 0, master copies) without an
+        update: the tensors a sharded checkpoint is loaded into in place."""
+        for group in self.param_groups:
+            masters_on = group["master_weights"] is not False
+            for p in group["params"]:
+                self._init_state(p, self.state[p], masters_on and p.dtype != torch.float32)
+
+    @torch.no_grad()
     def step(self, closure=None, *, found_inf: torch.Tensor | None = None):
         """One AdamW update of every parameter that has a gradient; returns ``closure()``'s loss.
 
@@ -89,9 +117,11 @@ class AdamW(torch.optim.Optimizer):
                     self._init_state(p, state, use_master)
                 items.append((p, g, state, use_master))
             if items:
-                adamw_step_([p for p, _, _, _ in items], [g for _, g, _, _ in items],
-                            [s["exp_avg"] for _, _, s, _ in items], [s["exp_avg_sq"] for _, _, s, _ in items],
-                            [s["master"] if m else None for _, _, s, m in items],
+                dt = _dtensor_type()
+                adamw_step_([_local(p, dt) for p, _, _, _ in items], [_local(g, dt) for _, g, _, _ in items],
+                            [_local(s["exp_avg"], dt) for _, _, s, _ in items],
+                            [_local(s["exp_avg_sq"], dt) for _, _, s, _ in items],
+                            [_local(s["master"], dt) if m else None for _, _, s, m in items],
                             steps=[s["step"] for _, _, s, _ in items], lr=group["lr"], betas=group["betas"],
                             eps=group["eps"], weight_decay=group["weight_decay"], found_inf=found_inf)
         return loss
@@ -135,8 +165,29 @@ def clip_grad_norm_(params, max_norm: float, eps: float = 1e-6, *, found_inf: to
     ``g *= min(1, max_norm / (norm + eps))``. Returns the total norm before clipping as a 0-d fp32
     tensor, computed in Triton (fp32, deterministic) without a host synchronisation.
     ``found_inf`` / ``check``: see :func:`tritonllm.kernels.adamw.clip_grads_` (sets the int32 flag
-    when the norm or ``check``, e.g. the loss, is not finite)."""
+    when the norm or ``check``, e.g. the loss, is not finite).
+
+    Gradients that are DTensors sharded over a 1-D device mesh (FSDP2) are clipped by the norm of
+    the whole gradient: each rank sums the squares of its local shards and the sums are
+    all-reduced over the mesh's process group (the one collective here; capturable with NCCL)."""
     if isinstance(params, torch.Tensor):
         params = [params]
-    return clip_grads_([p.grad for p in params if p.grad is not None], max_norm, eps, found_inf=found_inf,
-                       check=check)
+    grads = [p.grad for p in params if p.grad is not None]
+    dt = _dtensor_type()
+    sharded = [g for g in grads if dt is not None and isinstance(g, dt)]
+    reduce = None
+    if sharded:
+        mesh = sharded[0].device_mesh
+        is_shard = [any(pl.is_shard() for pl in g.placements) for g in sharded]
+        if len(sharded) != len(grads) or any(is_shard) != all(is_shard):
+            raise ValueError("params: some gradients are sharded and some are not: one norm over both is "
+                             "not supported")
+        if mesh.ndim != 1 or any(g.device_mesh != mesh for g in sharded):
+            raise ValueError("params: sharded gradients must all live on one 1-D device mesh")
+        if all(is_shard):
+            group = mesh.get_group()
+
+            def reduce(total):
+                torch.distributed.all_reduce(total, group=group)
+        grads = [g.to_local() for g in sharded]
+    return clip_grads_(grads, max_norm, eps, found_inf=found_inf, check=check, reduce=reduce)

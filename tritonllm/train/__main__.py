@@ -13,4 +13,6 @@ def main(cfg) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()  # under torchrun, an error's rank and traceback reach torchrun's failure summary

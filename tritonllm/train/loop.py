@@ -49,9 +49,11 @@ from omegaconf.errors import InterpolationResolutionError
 from tritonllm.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from tritonllm.data import load_corpus
 from tritonllm.errors import CheckpointError, ConfigError, TrainingError
-from tritonllm.logging_utils import RunLogger, hydra_job
-from tritonllm.runtime import resolve_device, resolve_dtype
+from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job
+from tritonllm.runtime import resolve_dtype
 from tritonllm.schedule import check_schedule, lr_multiplier
+from tritonllm.train.dist_checkpoint import is_sharded, load_sharded, save_sharded
+from tritonllm.train.parallel import barrier, broadcast_object, init_distributed, parallelize, resolve_parallel, shutdown
 from tritonllm.train.step import MetricsQueue, TrainStep, resolve_cuda_graph
 
 log = logging.getLogger("tritonllm.train")
@@ -143,14 +145,17 @@ def resume_path(tr, out_dir: str) -> str | None:
 
 
 @torch.no_grad()
-def evaluate(model, loader, n_batches: int, device) -> float:
-    """Mean cross-entropy of the model over the first ``n_batches`` validation batches."""
+def evaluate(model, loader, n_batches: int, device, parallel=None) -> float:
+    """Mean cross-entropy of the model over the first ``n_batches`` validation batches (with
+    ``parallel``, each rank's share of them, averaged over the ranks)."""
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float32)
     for x, y in loader.batches(n_batches):
         model(x.to(device), y.to(device))
         total += model.last_losses["ce"]
     model.train()
+    if parallel is not None:
+        parallel.mean_(total)
     return total.item() / n_batches
 
 
@@ -165,7 +170,8 @@ def train(cfg) -> float:
                 "max_bad_steps"):
         if tr[key] < 1:
             raise ConfigError(f"trainer.{key} must be >= 1, got {tr[key]}")
-    device = resolve_device(cfg.device)
+    env = init_distributed(cfg.device, tr.dist_timeout_s)  # torchrun: this rank's GPU; else cfg.device
+    device = env.device
     dtype = resolve_dtype(tr.dtype, device)
     try:
         cuda_graph = resolve_cuda_graph(tr.cuda_graph, device)
@@ -176,9 +182,17 @@ def train(cfg) -> float:
     except InterpolationResolutionError:
         raise ConfigError("out_dir is the Hydra run folder, which only exists under python -m tritonllm.train: "
                           "compose the config with out_dir=<folder> to call train(cfg) directly") from None
+    if env.distributed:  # Hydra names a run folder in every process: rank 0's is the run's
+        out_dir = broadcast_object(out_dir, env)
+        with open_dict(cfg):
+            cfg.out_dir = out_dir
     os.makedirs(out_dir, exist_ok=True)
 
+    if not env.main:  # rank 0 tokenizes and caches the corpus first, the others then read the cache
+        barrier(env)
     corpus = load_corpus(cfg.data)
+    if env.main:
+        barrier(env)
     log.info("data: %s", corpus.description)
     if corpus.vocab_size and corpus.vocab_size != model_cfg.vocab_size:
         log.info("model.vocab_size %d -> %d (the tokenizer's)", model_cfg.vocab_size, corpus.vocab_size)
@@ -188,45 +202,61 @@ def train(cfg) -> float:
     tok_path = None
     if corpus.tokenizer is not None:
         tok_path = os.path.join(out_dir, "tokenizer.model")
-        shutil.copyfile(corpus.tokenizer.path, tok_path)
+        if env.main:
+            shutil.copyfile(corpus.tokenizer.path, tok_path)
 
     from tritonllm.models import build_model
 
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, device=device, dtype=dtype)
+    mode = resolve_parallel(tr.parallel, env, model_cfg.param_count())
+    # FSDP2 shards fp32 weights (the master weights) and gathers them in `dtype` for compute
+    model = build_model(model_cfg, device=device, dtype=torch.float32 if mode == "fsdp" else dtype)
+    parallel = parallelize(model, mode, env, compute_dtype=dtype)
     master = cfg.optim.master_weights
     optimizer = build_optimizer(model, cfg.optim, dtype != torch.float32 if master == "auto" else bool(master))
-    train_loader, val_loader = corpus.loaders(tr.batch_size, tr.seq_len, cfg.seed, model_cfg.vocab_size)
-    tokens_per_step = tr.batch_size * tr.seq_len * tr.grad_accum
+    train_loader, val_loader = corpus.loaders(tr.batch_size, tr.seq_len, cfg.seed, model_cfg.vocab_size,
+                                              env.rank, env.world_size)
+    tokens_per_step = tr.batch_size * tr.seq_len * tr.grad_accum * env.world_size  # the global batch
     flops_per_token = model.flops_per_token(tr.seq_len)
-    log.info("model %s: %.2fM parameters (%.2fM active), %s on %s; %d tokens per step",
-             model_cfg.name, model.num_params() / 1e6, model.num_active_params() / 1e6,
-             str(dtype).replace("torch.", ""), device, tokens_per_step)
+    log.info("model %s: %.2fM parameters (%.2fM active), %s on %s; %d tokens per step (%d rank%s x %d x %d x %d "
+             "micro-batches, parallel=%s)", model_cfg.name, model.num_params() / 1e6, model.num_active_params() / 1e6,
+             str(dtype).replace("torch.", ""), device, tokens_per_step, env.world_size,
+             "s" if env.world_size > 1 else "", tr.batch_size, tr.seq_len, tr.grad_accum, mode)
 
     step, tokens_seen = 0, 0
     guard = NonFiniteGuard(tr.max_bad_steps)
-    ckpt = resume_path(tr, out_dir)
+    ckpt = broadcast_object(resume_path(tr, out_dir), env)
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer, model_config=model_cfg.to_dict())
+        if is_sharded(ckpt):
+            state = load_sharded(ckpt, env, model, optimizer, model_config=model_cfg.to_dict())
+        elif mode == "fsdp":
+            raise CheckpointError(f"checkpoint {ckpt} was written by a single-process run: resume it with "
+                                  f"trainer.parallel=ddp (or none), whose checkpoints FSDP2 runs can load")
+        else:
+            state = load_checkpoint(ckpt, model, optimizer, model_config=model_cfg.to_dict())
         train_loader.load_state_dict(state["data"])
         step, tokens_seen, guard.consecutive = state["step"], state["tokens_seen"], state["bad_steps"]
         log.info("resumed from %s at step %d", ckpt, step)
     # built after resuming: the optimizer's load_state_dict replaces the tensors a graph would hold
-    train_step = TrainStep(model, optimizer, grad_clip=tr.grad_clip, grad_accum=tr.grad_accum, cuda_graph=cuda_graph)
+    train_step = TrainStep(model, optimizer, grad_clip=tr.grad_clip, grad_accum=tr.grad_accum, cuda_graph=cuda_graph,
+                           parallel=parallel if env.distributed else None)
     metrics = MetricsQueue(lambda: train_step.metric_names, device)
 
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     run_log = RunLogger(out_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), cfg.logger,
-                        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+                        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") if env.main else NullLogger()
 
     def checkpoint():
         state = {"data": train_loader.state_dict(), "model_config": model_cfg.to_dict(), "tokens_seen": tokens_seen,
                  "bad_steps": guard.consecutive}
-        path = save_checkpoint(tr.ckpt_dir, step, model, optimizer, state, config_yaml, tok_path, tr.keep_last)
+        if env.distributed:
+            path = save_sharded(tr.ckpt_dir, step, env, model, optimizer, state, config_yaml, tok_path, tr.keep_last)
+        else:
+            path = save_checkpoint(tr.ckpt_dir, step, model, optimizer, state, config_yaml, tok_path, tr.keep_last)
         log.info("checkpoint %s", path)
 
     def validate() -> float:
-        val = evaluate(model, val_loader, tr.eval_batches, device)
+        val = evaluate(model, val_loader, tr.eval_batches, device, parallel if env.distributed else None)
         run_log.log({"kind": "val", "step": step, "val_loss": val, "tokens": tokens_seen})
         log.info("step %d: validation loss %.4f", step, val)
         return val
@@ -246,7 +276,7 @@ def train(cfg) -> float:
             latest.update(values, lr=lr)
 
     try:
-        with logging_redirect_tqdm(), tqdm(total=tr.max_steps, initial=step, disable=not tr.progress,
+        with logging_redirect_tqdm(), tqdm(total=tr.max_steps, initial=step, disable=not (tr.progress and env.main),
                                            dynamic_ncols=True, unit="step") as bar:
             while step < tr.max_steps:
                 lr = float(cfg.optim.lr) * lr_multiplier(step, tr.max_steps, cfg.sched)
@@ -269,7 +299,7 @@ def train(cfg) -> float:
                     window_tokens, window_time = 0, 0.0
                     record = {"kind": "train", "step": step, "loss": latest["loss"], "lr": lr,
                               "grad_norm": latest["grad_norm"], "tokens": tokens_seen, "tokens_per_s": tok_s,
-                              "mfu": flops_per_token * tok_s / tr.peak_flops,
+                              "mfu": flops_per_token * tok_s / (tr.peak_flops * env.world_size),  # per GPU
                               **{k: v for k, v in latest.items() if k not in ("loss", "grad_norm", "skipped", "lr")}}
                     if device.type == "cuda":
                         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
@@ -283,7 +313,7 @@ def train(cfg) -> float:
                     t0 = time.perf_counter()
         if val_loss is None:  # resumed at max_steps: nothing trained, still report the loss
             val_loss = validate()
-        if tr.sample_tokens > 0 and corpus.tokenizer is not None:
+        if tr.sample_tokens > 0 and corpus.tokenizer is not None and env.main and mode != "fsdp":
             from tritonllm.generate import generate_text
 
             text = generate_text(model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
@@ -291,5 +321,6 @@ def train(cfg) -> float:
     finally:
         run_log.close()
     log.info("done: validation loss %.4f; run folder %s", val_loss, out_dir)
+    shutdown(env)
     return val_loss
 

@@ -1,0 +1,194 @@
+"""Training on several processes (tritonllm.train.parallel, tritonllm.train.dist_checkpoint) on the CPU:
+gloo, the Triton interpreter, void_tiny shrunk, four steps of two micro-batches.
+
+One process with the global batch is the reference. Against it: DDP and FSDP2 on two processes
+(torchrun), FSDP2 on one process of a process group; sharded checkpoints saved on two ranks and
+resumed in one plain process, saved on one rank and resumed on two; the export that generation
+loads; and a rank that fails ending every rank within a minute with its rank and message. The data
+shares, the sharded norm reduction and AdamW on an empty shard are checked in process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from test_train import ROOT, TINY, compose_train, read_metrics
+
+from tritonllm.data.loader import TokenLoader, TokenStream
+from tritonllm.kernels.adamw import adamw_step_, clip_grads_
+from tritonllm.train import train
+from tritonllm.train.dist_checkpoint import export, is_sharded
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+WORKER = os.path.join(ROOT, "tests", "_dist_worker.py")
+#: the global batch: 4 sequences x 2 micro-batches; on two ranks 2 sequences each
+ONE = ["device=cpu", "trainer.batch_size=4", "trainer.grad_accum=2"]
+TWO = ["device=cpu", "trainer.batch_size=2", "trainer.grad_accum=2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(spec: dict, tmp, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    path = os.path.join(tmp, f"spec-{time.monotonic_ns()}.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", WORKER, path]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=env)
+
+
+def losses(out) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(str(out), "train")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_overrides):
+    """Every run's folder: ``ref`` (one process, global batch), ``fsdp1`` (FSDP2 on a one-rank group),
+    ``ddp`` / ``fsdp`` (two ranks), ``fsdp_from1`` (two ranks resuming fsdp1's step 2) and ``plain_from2``
+    (one plain process resuming the two-rank FSDP2 step 2)."""
+    tmp = tmp_path_factory.mktemp("parallel")
+    base = [*TINY, *data_overrides]
+    out = {name: tmp / name for name in ("ref", "fsdp1", "ddp", "fsdp", "fsdp_from1", "plain_from2")}
+    train(compose_train(*base, *ONE, f"out_dir={out['ref']}"))
+    group_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}
+    saved = {k: os.environ.get(k) for k in group_env}
+    os.environ.update(group_env)
+    try:  # as under torchrun --nproc_per_node=1: train() makes a one-rank gloo group and destroys it
+        train(compose_train(*base, *ONE, "trainer.parallel=fsdp", f"out_dir={out['fsdp1']}"))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    r = torchrun({"runs": [
+        [*base, *TWO, "trainer.parallel=ddp", f"out_dir={out['ddp']}"],
+        [*base, *TWO, "trainer.parallel=fsdp", f"out_dir={out['fsdp']}"],
+        [*base, *TWO, "trainer.parallel=fsdp", f"out_dir={out['fsdp_from1']}",
+         f"trainer.resume={out['fsdp1']}/checkpoints/step_00000002"]]}, tmp)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    train(compose_train(*base, *ONE, f"out_dir={out['plain_from2']}",
+                        f"trainer.resume={out['fsdp']}/checkpoints/step_00000002"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_overrides(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("texts")
+    with open(os.path.join(ROOT, "tritonllm", "train", "loop.py")) as f:
+        source = f.read()
+    for i in range(8):
+        (folder / f"part{i}.txt").write_text(source[i * 1000:] + source[:i * 1000])
+    return [f"data.files={folder}/*.txt", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+
+
+def assert_losses_close(got: dict, ref: dict, steps) -> None:
+    assert sorted(got) == list(steps), got
+    # the same sums in another order (gradients averaged over ranks, shards reduced): fp32 rounding
+    assert all(abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]) for s in steps), (got, ref)
+
+
+def test_ddp_and_fsdp_match_one_process(runs):
+    ref = losses(runs["ref"])
+    assert len(ref) == 4 and ref[4] < ref[1]
+    for name in ("ddp", "fsdp", "fsdp1"):
+        assert_losses_close(losses(runs[name]), ref, [1, 2, 3, 4])
+        val, ref_val = read_metrics(str(runs[name]), "val"), read_metrics(str(runs["ref"]), "val")
+        assert [v["step"] for v in val] == [2, 4]
+        assert all(abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * b["val_loss"] for a, b in zip(val, ref_val))
+        train_rec = read_metrics(str(runs[name]), "train")[0]
+        assert train_rec["tokens"] == 4 * 32 * 2  # the global batch, whatever the number of ranks
+
+
+def test_sharded_checkpoints_resume_on_another_world_size(runs):
+    ref = losses(runs["ref"])
+    for name in ("ddp", "fsdp", "fsdp1"):
+        ckpts = sorted(os.listdir(runs[name] / "checkpoints"))
+        assert ckpts == ["step_00000002", "step_00000004"], ckpts  # no temporary folder left
+        for c in ckpts:
+            path = str(runs[name] / "checkpoints" / c)
+            assert is_sharded(path) and os.path.isfile(os.path.join(path, "rng_rank0.pt"))
+    assert json.load(open(runs["fsdp"] / "checkpoints" / "step_00000002" / "state.json"))["world_size"] == 2
+    assert_losses_close(losses(runs["plain_from2"]), ref, [3, 4])  # saved on 2 ranks, resumed in 1 process
+    assert_losses_close(losses(runs["fsdp_from1"]), ref, [3, 4])  # saved on 1 rank, resumed on 2
+
+
+def test_export_for_generation(runs, tmp_path):
+    from tritonllm.generate import load_for_generation
+
+    models = []
+    for name in ("ddp", "fsdp"):
+        folder = export(str(runs[name] / "checkpoints" / "step_00000004"), str(tmp_path / name))
+        model, tokenizer = load_for_generation(folder, torch.device("cpu"), torch.float32)
+        models.append(model)
+    assert tokenizer.vocab_size == models[0].cfg.vocab_size
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_one_failing_rank_ends_every_rank(data_overrides, tmp_path):
+    start = time.monotonic()
+    r = torchrun({"runs": [[*TINY, *data_overrides, *TWO, "trainer.parallel=ddp", f"out_dir={tmp_path / 'run'}"]],
+                  "fail": {"rank": 1, "after": 3}}, tmp_path, timeout=120)
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0 and elapsed < 60, elapsed
+    assert "tritonllm: error on rank 1: injected failure: batch 4 is unreadable" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_loader_shares_are_disjoint_and_form_the_global_batch(world):
+    stream = TokenStream([np.arange(23 * 8 + 1, dtype=np.uint16)])  # 23 windows of 8: epochs wrap mid-batch
+    whole = TokenLoader(stream, 2 * world, 8, seed=5)
+    shares = [TokenLoader(stream, 2, 8, seed=5, rank=r, world_size=world) for r in range(world)]
+    for _ in range(30):
+        x, y = whole.next_batch()
+        parts = [s.next_batch() for s in shares]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+        assert len({tuple(row.tolist()) for p in parts for row in p[0]}) == 2 * world or whole.n_windows < 2 * world
+        assert all(s.state_dict() == whole.state_dict() for s in shares)
+    val = [list(s.batches(3)) for s in shares]
+    for b, (x, _) in enumerate(whole.batches(3)):
+        assert torch.equal(torch.cat([v[b][0] for v in val]), x)
+    with pytest.raises(ValueError, match="rank must be in"):
+        TokenLoader(stream, 2, 8, seed=5, rank=world, world_size=world)
+
+
+def test_clip_norm_reduced_over_holders(device):
+    """Two holders of halves of the gradients, each adding the other's sum of squares in ``reduce``:
+    both clip by the norm of the whole, as one holder of everything does."""
+    grads = [torch.randn(n, device=device) * 3 for n in (5, 300, 1, 64)]
+    whole = [g.clone() for g in grads]
+    norm = clip_grads_(whole, 1.0)
+    halves = [[g.clone() for g in grads[:2]], [g.clone() for g in grads[2:]]]
+    sq = [sum(float(g.double().square().sum()) for g in h) for h in halves]
+    for i, half in enumerate(halves):
+        got = clip_grads_(half, 1.0, reduce=lambda t, other=sq[1 - i]: t.add_(other))
+        torch.testing.assert_close(got, norm, rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.cat([*halves[0], *halves[1]]), torch.cat(whole), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="grads is empty"):
+        clip_grads_([], 1.0, reduce=lambda t: t)
+
+
+def test_adamw_counts_the_step_of_an_empty_shard(device):
+    """A rank's FSDP2 shard of a small parameter can be empty: its step count still advances."""
+    params = [torch.empty(0, device=device), torch.randn(7, device=device)]
+    grads = [torch.empty(0, device=device), torch.randn(7, device=device)]
+    steps = [torch.zeros((), device=device) for _ in params]
+    before = params[1].clone()
+    adamw_step_(params, grads, [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params],
+                steps=steps, lr=0.1)
+    assert [float(s) for s in steps] == [1.0, 1.0] and not torch.equal(params[1], before)
+    only_empty = [torch.zeros((), device=device)]
+    adamw_step_([torch.empty(0, device=device)], [torch.empty(0, device=device)], [torch.empty(0, device=device)],
+                [torch.empty(0, device=device)], steps=only_empty, lr=0.1)
+    assert float(only_empty[0]) == 1.0
