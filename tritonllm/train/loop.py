@@ -52,6 +52,7 @@ from tritonllm.errors import CheckpointError, ConfigError, TrainingError
 from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job
 from tritonllm.runtime import resolve_dtype
 from tritonllm.schedule import check_schedule, lr_multiplier
+from tritonllm.studio.hooks import RunHooks
 from tritonllm.train.dist_checkpoint import is_sharded, load_sharded, save_sharded
 from tritonllm.train.parallel import barrier, broadcast_object, init_distributed, parallelize, resolve_parallel, shutdown
 from tritonllm.train.step import MetricsQueue, TrainStep, resolve_cuda_graph
@@ -74,6 +75,10 @@ def model_config(cfg):
         raise ConfigError(f"no model chosen: add +model=<name> to the command line, one of: "
                           f"{', '.join(available_models())}")
     try:
+        if cfg.model.get("path") is not None:  # +model=hf model.path=<Hugging Face folder>
+            from tritonllm.hf import run_model_config
+
+            return run_model_config(cfg.model)
         return ModelConfig.from_dict(cfg.model)
     except (TypeError, ValueError, ConfigError) as e:
         raise ConfigError(f"model config ({cfg.model.get('name')}): {e}") from None
@@ -170,6 +175,9 @@ def train(cfg) -> float:
                 "max_bad_steps"):
         if tr[key] < 1:
             raise ConfigError(f"trainer.{key} must be >= 1, got {tr[key]}")
+    if tr.sample_interval and (tr.sample_interval % tr.log_interval or tr.sample_tokens < 1):
+        raise ConfigError(f"trainer.sample_interval={tr.sample_interval} needs trainer.sample_tokens >= 1 and must be "
+                          f"a multiple of trainer.log_interval={tr.log_interval}")
     env = init_distributed(cfg.device, tr.dist_timeout_s)  # torchrun: this rank's GPU; else cfg.device
     device = env.device
     dtype = resolve_dtype(tr.dtype, device)
@@ -200,17 +208,20 @@ def train(cfg) -> float:
     with open_dict(cfg):
         cfg.model.vocab_size = model_cfg.vocab_size
     tok_path = None
-    if corpus.tokenizer is not None:
+    # a SentencePiece model goes with the checkpoints (data=sft reads the model folder's tokenizer.json)
+    if corpus.tokenizer is not None and corpus.tokenizer.path.endswith(".model"):
         tok_path = os.path.join(out_dir, "tokenizer.model")
         if env.main:
             shutil.copyfile(corpus.tokenizer.path, tok_path)
 
+    from tritonllm.hf import init_run_model
     from tritonllm.models import build_model
 
     torch.manual_seed(cfg.seed)
     mode = resolve_parallel(tr.parallel, env, model_cfg.param_count())
     # FSDP2 shards fp32 weights (the master weights) and gathers them in `dtype` for compute
     model = build_model(model_cfg, device=device, dtype=torch.float32 if mode == "fsdp" else dtype)
+    init_run_model(model, cfg)  # Hugging Face weights (model.path), LoRA (+lora=...)
     parallel = parallelize(model, mode, env, compute_dtype=dtype)
     master = cfg.optim.master_weights
     optimizer = build_optimizer(model, cfg.optim, dtype != torch.float32 if master == "auto" else bool(master))
@@ -245,6 +256,7 @@ def train(cfg) -> float:
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     run_log = RunLogger(out_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), cfg.logger,
                         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") if env.main else NullLogger()
+    studio = RunHooks(out_dir, run_log, model, device, telemetry=tr.gpu_telemetry, control=tr.control)
 
     def checkpoint():
         state = {"data": train_loader.state_dict(), "model_config": model_cfg.to_dict(), "tokens_seen": tokens_seen,
@@ -279,7 +291,7 @@ def train(cfg) -> float:
         with logging_redirect_tqdm(), tqdm(total=tr.max_steps, initial=step, disable=not (tr.progress and env.main),
                                            dynamic_ncols=True, unit="step") as bar:
             while step < tr.max_steps:
-                lr = float(cfg.optim.lr) * lr_multiplier(step, tr.max_steps, cfg.sched)
+                lr = float(cfg.optim.lr) * lr_multiplier(step, tr.max_steps, cfg.sched) * studio.lr_scale
                 batches = [train_loader.next_batch() for _ in range(tr.grad_accum)]
                 metrics.push(step, train_step(batches, lr), lr)
                 step += 1
@@ -289,6 +301,8 @@ def train(cfg) -> float:
                 val_now = step % tr.eval_interval == 0 or step == tr.max_steps
                 ckpt_now = bool(tr.ckpt_interval and step % tr.ckpt_interval == 0) or step == tr.max_steps
                 consume(metrics.drain() if log_now or val_now or ckpt_now else metrics.ready())
+                requested = studio.poll(step) if log_now else set()  # Studio: stop / checkpoint now / lr
+                ckpt_now = ckpt_now or bool(requested)
                 if latest:
                     bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{latest['lr']:.2e}", refresh=False)
                 bar.update(1)
@@ -303,21 +317,28 @@ def train(cfg) -> float:
                               **{k: v for k, v in latest.items() if k not in ("loss", "grad_norm", "skipped", "lr")}}
                     if device.type == "cuda":
                         record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-                    run_log.log(record)
+                    run_log.log({**record, **studio.telemetry()})
                     bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
                 if val_now:
                     val_loss = validate()
                 if ckpt_now:
                     checkpoint()
+                if log_now and tr.sample_interval and step % tr.sample_interval == 0 and corpus.tokenizer is not None:
+                    studio.sample(step, model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
+                if "stop" in requested:
+                    log.info("step %d: stopped by a Studio request after a checkpoint", step)
+                    break
                 if log_now or val_now or ckpt_now:
                     t0 = time.perf_counter()
         if val_loss is None:  # resumed at max_steps: nothing trained, still report the loss
             val_loss = validate()
         if tr.sample_tokens > 0 and corpus.tokenizer is not None and env.main and mode != "fsdp":
-            from tritonllm.generate import generate_text
-
-            text = generate_text(model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
+            text = studio.sample(step, model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
             print(f"--- sample after {step} steps ---\n{tr.sample_prompt}{text}\n---", flush=True)
+        studio.finish(step, "stopped" if step < tr.max_steps else "finished")
+    except BaseException as e:
+        studio.finish(step, "failed", e)
+        raise
     finally:
         run_log.close()
     log.info("done: validation loss %.4f; run folder %s", val_loss, out_dir)
