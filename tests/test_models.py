@@ -19,7 +19,8 @@ from tritonllm.errors import ConfigError
 from tritonllm.models import KVCache, ModelConfig, ModelConfigError, build_model, sample_next
 
 CONF_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "model")
-YAMLS = sorted(glob.glob(os.path.join(CONF_MODEL, "*.yaml")))
+# hf.yaml names a Hugging Face folder whose config.json holds the architecture (tests/test_sft.py runs it)
+YAMLS = sorted(p for p in glob.glob(os.path.join(CONF_MODEL, "*.yaml")) if os.path.basename(p) != "hf.yaml")
 NAMES = [os.path.basename(p)[:-5] for p in YAMLS]
 
 #: tiny model of the parity tests: odd vocabulary, widths and sequence lengths.

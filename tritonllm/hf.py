@@ -347,3 +347,36 @@ def save_hf_model(model, path: str, tokenizer_from: str | None = None, architect
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(path, name))
     return path
+
+
+#: keys of conf/model/hf.yaml
+RUN_KEYS = {"name", "path", "max_seq_len"}
+
+
+def run_model_config(node) -> ModelConfig:
+    """The ModelConfig of a ``+model=hf model.path=<folder>`` run (keys ``path``, ``max_seq_len``, ``name``)."""
+    from tritonllm.models.config import _plain
+
+    d = _plain(node)
+    unknown = sorted(set(d) - RUN_KEYS)
+    if unknown:
+        raise HFConfigError(f"unknown key(s) {unknown} for a Hugging Face model; valid: {sorted(RUN_KEYS)} "
+                            f"(the architecture comes from the folder's config.json)")
+    path = os.path.expanduser(str(d["path"]))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise HFConfigError(f"model.path={path!r} is not a Hugging Face model folder (no config.json)")
+    name = d.get("name")
+    if name in (None, "hf"):
+        name = os.path.basename(os.path.normpath(path))
+    return config_from_hf(read_hf_config(path), max_seq_len=d.get("max_seq_len"), name=name)
+
+
+def init_run_model(model, cfg) -> None:
+    """Set up a freshly built run model from the run config ``cfg``: the Hugging Face weights of
+    ``cfg.model.path`` when given, then LoRA adapters when ``cfg.lora`` is set (``+lora=default``)."""
+    if cfg.model.get("path"):
+        load_hf_weights(model, os.path.expanduser(str(cfg.model.path)))
+    if cfg.get("lora") is not None:
+        from tritonllm.nn.lora import apply_lora
+
+        apply_lora(model, cfg.lora)

@@ -9,6 +9,8 @@ validation :class:`TokenLoader`. Data kinds:
 - ``text``: plain-text files matched by the glob ``files``, tokenized with the SentencePiece model
   ``tokenizer`` or one trained on them;
 - ``bin``: pre-tokenized llm.c / modded-nanogpt shards matched by ``files`` (and ``val_files``).
+- ``sft``: JSONL chat or instruction records for fine-tuning, loss on the responses only
+  (:mod:`tritonllm.data.sft`, the tokenizer of a Hugging Face model folder).
 """
 
 from __future__ import annotations
@@ -81,4 +83,8 @@ def load_corpus(cfg) -> Corpus:
         tok = Tokenizer(path) if path else None
         vocab = cfg.get("vocab_size") or (tok.vocab_size if tok else None)
         return Corpus(train, val, val_fraction, tok, vocab, f"bin: {len(train)} train shards ({cfg.files})")
-    raise ConfigError(f"data.kind={kind!r} is not one of stdlib, text, bin")
+    if kind == "sft":
+        from tritonllm.data.sft import load_sft_corpus
+
+        return load_sft_corpus(cfg)
+    raise ConfigError(f"data.kind={kind!r} is not one of stdlib, text, bin, sft")
