@@ -200,6 +200,10 @@ class TrainStep:
         self._static = [(torch.empty(x.shape, dtype=x.dtype, device=self.device),
                          torch.empty(y.shape, dtype=y.dtype, device=self.device)) for x, y in batches]
         self._load_static(batches)
+        # the warm-up's activations are cached for the side stream; release them so that the graph's
+        # private pool can use that memory (else a model that fits eagerly may not fit captured)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode="relaxed"):
@@ -213,6 +217,8 @@ class TrainStep:
         if failure is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.use_graph, self._static = False, None
+            del graph  # and its private memory pool, before the eager step allocates
+            torch.cuda.empty_cache()
             log.warning("CUDA graph capture of the training step failed (%s); training eagerly", failure)
             return self._run([(self._to_device(x), self._to_device(y)) for x, y in batches])
         self.graph, self._out = graph, out
