@@ -70,12 +70,13 @@ POLAR_EXPRESS_COEFFS = (
 COEFFICIENTS = {"newton_schulz": (NEWTON_SCHULZ_COEFFS, 1.0), "polar_express": (POLAR_EXPRESS_COEFFS, 1.01)}
 ADJUST_LR = ("original", "match_rms_adamw", "none")
 
-#: tiles of the elementwise kernels (momentum, NorMuon statistics, update); not measured yet
-_EW_BLOCK = 64
-#: tiles of the products on a GPU: (gram BS, gram BK, update BM, BN, BK); not measured yet
-_GPU_TILES = dict(gram=(64, 64), update=(64, 128, 64))
-#: the same under the interpreter (whole small matrices per program)
-_INTERPRET_TILES = dict(gram=(32, 32), update=(32, 64, 32))
+#: tiles on a GPU: elementwise kernels (momentum, NorMuon statistics, update) ``ew x ew``, the
+#: symmetric product ``BS x BS`` stepping ``BK``, the update GEMM ``BM x BN`` stepping ``BK``. Not
+#: measured yet.
+_GPU_TILES = dict(ew=64, gram=(64, 64), update=(64, 128, 64))
+#: the same under the interpreter, where the cost is per program: large (tests/test_muon.py shrinks
+#: them to cover several tiles, the mirrored ones included)
+_INTERPRET_TILES = dict(ew=128, gram=(128, 128), update=(128, 128, 128))
 
 
 def coefficient_schedule(coefficients: str, steps: int) -> tuple[list[tuple[float, float, float]], float]:
@@ -371,12 +372,13 @@ def _prepare(table, found_inf, shape, batch, g_dtype, work_dtype, momentum, nest
     m, n = shape
     tall = m >= n
     x = torch.empty((batch, min(m, n), max(m, n)), dtype=work_dtype, device=device)
-    tiles = triton.cdiv(m, _EW_BLOCK) * triton.cdiv(n, _EW_BLOCK)
+    ew = _tiles()["ew"]
+    tiles = triton.cdiv(m, ew) * triton.cdiv(n, ew)
     partials = torch.empty((batch, tiles), dtype=torch.float32, device=device)
     has_skip = found_inf is not None
     _muon_prepare_kernel[(tiles, batch)](table, found_inf if has_skip else table, x, partials, m, n, max(m, n),
                                          float(momentum), G_DTYPE=_TL_DTYPE[g_dtype], HAS_MOMENTUM=has_momentum,
-                                         NESTEROV=bool(nesterov), TALL=tall, HAS_SKIP=has_skip, BLOCK=_EW_BLOCK,
+                                         NESTEROV=bool(nesterov), TALL=tall, HAS_SKIP=has_skip, BLOCK=ew,
                                          num_warps=4)
     return x, partials
 
@@ -546,18 +548,19 @@ def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, 
         u, partials = _prepare(table, found_inf, shape, batch, g_dtype, work, momentum, nesterov, True, device)
         x = _polar(u, partials, schedule, factor, eps)
         S = min(m, n)
-        n_stats = triton.cdiv(big, _EW_BLOCK)
+        ew = _tiles()["ew"]
+        n_stats = triton.cdiv(big, ew)
         if normuon:
             cols = torch.empty((batch, big), dtype=torch.float32, device=device)
             stats = torch.empty((batch, n_stats, 2), dtype=torch.float32, device=device)
             _normuon_stats_kernel[(n_stats, batch)](table, found_inf if has_skip else table, x, cols, stats, S, big,
-                                                    float(beta2), HAS_SKIP=has_skip, BLOCK=_EW_BLOCK, num_warps=4)
+                                                    float(beta2), HAS_SKIP=has_skip, BLOCK=ew, num_warps=4)
         else:
             cols = stats = partials
-        tiles = triton.cdiv(m, _EW_BLOCK) * triton.cdiv(n, _EW_BLOCK)
+        tiles = triton.cdiv(m, ew) * triton.cdiv(n, ew)
         _muon_apply_kernel[(tiles, batch)](
             table, found_inf if has_skip else table, lr if lr_on_device else table, x, cols, stats, m, n, big, S,
             n_stats, 0.0 if lr_on_device else float(lr), float(lr_scale), lr_adjustment(adjust_lr, m, n),
             float(weight_decay), P_DTYPE=_TL_DTYPE[p_dtype], HAS_MASTER=has_master, NORMUON=normuon,
-            LR_ON_DEVICE=lr_on_device, TALL=m >= n, HAS_SKIP=has_skip, BLOCK=_EW_BLOCK,
+            LR_ON_DEVICE=lr_on_device, TALL=m >= n, HAS_SKIP=has_skip, BLOCK=ew,
             PBLOCK=min(next_pow2(n_stats), 1024), num_warps=4)

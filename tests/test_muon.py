@@ -18,6 +18,16 @@ COEFFS = ["polar_express", "newton_schulz"]
 WORK = torch.bfloat16 if ON_GPU else torch.float32
 
 
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 8 to 16 under the interpreter, so the test matrices span several tiles of every
+    kernel (mirrored off-diagonal tiles of the symmetric products, partial sums over tiles)."""
+    import tritonllm.kernels.muon as muon
+
+    if not ON_GPU:
+        monkeypatch.setattr(muon, "_INTERPRET_TILES", dict(ew=8, gram=(8, 16), update=(8, 16, 8)))
+
+
 def ref_polar(x: torch.Tensor, coefficients: str, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """The iteration of kernels/muon.py in plain PyTorch, in ``x``'s dtype."""
     schedule, factor = coefficient_schedule(coefficients, steps)
@@ -52,7 +62,7 @@ def ref_step(p, g, buf, v, *, lr, momentum, nesterov, weight_decay, coefficients
 
 @pytest.mark.parametrize("coefficients", COEFFS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_orthogonalize(shape, coefficients, poisoned_empty):
+def test_orthogonalize(shape, coefficients, poisoned_empty, small_tiles):
     x = randn(*shape)
     out = orthogonalize(x, coefficients=coefficients, work_dtype=WORK)
     assert out.shape == x.shape and out.dtype == WORK
@@ -79,7 +89,7 @@ def test_orthogonalize_is_near_orthogonal():
 
 
 @pytest.mark.parametrize("normuon", [False, True], ids=["muon", "normuon"])
-def test_step_matches_reference(normuon, poisoned_empty):
+def test_step_matches_reference(normuon, poisoned_empty, small_tiles):
     """Three steps over tall, wide, square, 1 x n and batched matrices (one without a gradient at
     step 2), device lr times lr_scale, weight decay, Nesterov; weights, momentum and second moments."""
     shapes = [(24, 10), (10, 24), (12, 12), (1, 17), (3, 6, 9)]
@@ -107,7 +117,7 @@ def test_step_matches_reference(normuon, poisoned_empty):
             assert_close(f"v{i}", vs[i], ref[i][2], atol=1e-4 if not ON_GPU else 2e-2, dtype=torch.float32)
 
 
-def test_master_weights_fp16():
+def test_master_weights_fp16(small_tiles):
     """An fp16 parameter with an fp32 master: the master follows the fp32 reference, the parameter
     is the master rounded to fp16."""
     p32 = randn(9, 14)
@@ -286,3 +296,91 @@ def test_gpu_bf16_step_and_graph_capture(normuon):
             p64, buf, v = ref_step(p64, g.double(), buf, v, lr=0.02, **hp)
         delta = (p64 - t.to(torch.bfloat16).double()).abs().max()
         assert (out.double() - p64).abs().max() <= 0.05 * delta
+
+
+def _tiny_model(n_experts=0):
+    from tritonllm.models import build_model
+    from tritonllm.models.config import ModelConfig
+
+    return build_model(ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, d_ff=48, max_seq_len=16,
+                                   n_experts=n_experts, d_expert=16, qk_norm=True), device=DEVICE)
+
+
+def _muon_cfg(*overrides):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("tritonllm.conf", version_base="1.3"):
+        return compose("train", overrides=["optim=muon", *overrides]).optim
+
+
+def test_build_optimizer_assigns_block_matrices_to_muon():
+    """optim=muon: block matrices (experts included, routers not) to Muon with lr_scale muon.lr / lr,
+    everything else to AdamW; bad settings are ConfigErrors naming optim.muon."""
+    from tritonllm.errors import ConfigError
+    from tritonllm.train.loop import build_optimizer
+
+    model = _tiny_model(n_experts=4)
+    opt = build_optimizer(model, _muon_cfg("optim.muon.normuon=true"), master_weights=False)
+    muon, adam = opt.optimizers
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = sorted(names[id(p)] for g in muon.param_groups for p in g["params"])
+    adam_names = sorted(names[id(p)] for g in adam.param_groups for p in g["params"])
+    assert muon_names == sorted(n for n in names.values() if n.startswith("blocks.") and
+                                any(k in n for k in ("qkv", "proj", "w13", "w2")))
+    assert "embed.weight" in adam_names and "blocks.0.mlp.router.weight" in adam_names
+    assert len(muon_names) + len(adam_names) == len(names)
+    assert muon.param_groups[0]["lr_scale"] == pytest.approx(0.02 / 8e-3) and muon.param_groups[0]["normuon"]
+    with pytest.raises(ConfigError, match="optim.muon"):
+        build_optimizer(model, _muon_cfg("optim.muon.coefficients=cubic"), master_weights=False)
+
+
+def test_train_step_with_muon_and_checkpointed_state():
+    """Eager TrainStep (clipping, found_inf, device lr) with optim=muon: the loss falls on a repeated
+    batch; the combined state dict restores into a fresh optimizer and the next steps agree."""
+    from tritonllm.train.loop import build_optimizer
+    from tritonllm.train.step import TrainStep
+
+    torch.manual_seed(0)
+    model = _tiny_model()
+    cfg = _muon_cfg("optim.lr=1e-2", "optim.muon.lr=0.05")
+    step = TrainStep(model, build_optimizer(model, cfg, master_weights=False), grad_clip=1.0, cuda_graph=False)
+    x = torch.randint(0, 64, (2, 16), device=DEVICE)
+    y = torch.roll(x, -1, dims=1)
+    losses = [step([(x, y)], 1e-2).loss.item() for _ in range(3)]
+    assert losses[-1] < losses[0] - 0.1, losses
+    twin = _tiny_model()
+    twin.load_state_dict(model.state_dict())
+    opt2 = build_optimizer(twin, cfg, master_weights=False)
+    buf = io.BytesIO()
+    torch.save(step.optimizer.state_dict(), buf)
+    opt2.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    step2 = TrainStep(twin, opt2, grad_clip=1.0, cuda_graph=False)
+    assert step([(x, y)], 5e-3).loss.item() == step2([(x, y)], 5e-3).loss.item()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_train_step_graphed_equals_eager():
+    """void_tiny in bf16 with optim=muon (NorMuon): the CUDA-graphed TrainStep equals the eager one
+    bit for bit over five steps, an lr change included."""
+    from tritonllm.models import build_model
+    from tritonllm.models.config import ModelConfig
+    from tritonllm.train.loop import build_optimizer
+    from tritonllm.train.step import TrainStep
+
+    cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, d_ff=512, max_seq_len=128)
+    x = torch.randint(0, 512, (4, 128), device=DEVICE)
+    y = torch.roll(x, -1, dims=1)
+    results = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg, device=DEVICE, dtype=torch.bfloat16)
+        opt = build_optimizer(model, _muon_cfg("optim.muon.normuon=true"), master_weights=True)
+        step = TrainStep(model, opt, grad_clip=1.0, cuda_graph=graphed)
+        losses = [step([(x, y)], lr).loss.clone() for lr in (1.0, 1.0, 1.0, 0.5, 0.5)]
+        assert step.graphed == graphed
+        results.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)

@@ -194,3 +194,50 @@ class CombinedOptimizer:
 
     def __repr__(self) -> str:
         return f"CombinedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """Whether ``build_muon_adamw`` gives parameter ``name`` to Muon: a matrix (or a stack of
+    matrices, e.g. experts) of a transformer block, not an MoE router."""
+    return p.dim() >= 2 and name.startswith("blocks.") and ".router." not in name
+
+
+def build_muon_adamw(model: torch.nn.Module, optim_cfg, master_weights: bool) -> CombinedOptimizer:
+    """``optim=muon`` (``conf/optim/muon.yaml``): :class:`Muon` for the matrices of the blocks
+    (:func:`is_muon_param`), AdamW for the rest (embeddings, LM head, norms, routers, scalars;
+    weight decay ``optim_cfg.weight_decay`` on its matrices, none on vectors).
+
+    ``optim_cfg.lr`` is AdamW's peak learning rate, the one the schedule scales; Muon's is
+    ``optim_cfg.muon.lr`` (its groups get ``lr_scale = muon.lr / lr``, so both follow the schedule
+    from one device learning rate). ``optim_cfg.muon`` also holds momentum, nesterov,
+    weight_decay, coefficients, ns_steps, normuon, beta2 and adjust_lr.
+    """
+    from tritonllm.errors import ConfigError
+    from tritonllm.optim.adamw import AdamW
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if any(type(p).__name__ == "DTensor" for _, p in named):
+        raise ConfigError("optim=muon does not support sharded (FSDP2) parameters yet: use trainer.parallel=ddp "
+                          "or optim=adamw")
+    lr, mu = float(optim_cfg.lr), optim_cfg.muon
+    if not lr > 0.0:
+        raise ConfigError(f"optim.lr (AdamW's peak learning rate) must be > 0 with optim=muon, got {lr}")
+    matrices = [p for n, p in named if is_muon_param(n, p)]
+    if not matrices:
+        raise ConfigError("optim=muon: the model has no block matrices for Muon (parameters named blocks.*)")
+    rest = [(n, p) for n, p in named if not is_muon_param(n, p)]
+    try:
+        muon = Muon(matrices, lr=lr, lr_scale=float(mu.lr) / lr, momentum=float(mu.momentum),
+                    nesterov=bool(mu.nesterov), weight_decay=float(mu.weight_decay),
+                    coefficients=str(mu.coefficients), ns_steps=int(mu.ns_steps), normuon=bool(mu.normuon),
+                    beta2=float(mu.beta2), adjust_lr=str(mu.adjust_lr), master_weights=master_weights)
+    except ValueError as e:
+        raise ConfigError(f"optim.muon: {e}") from None
+    groups = [{"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": float(optim_cfg.weight_decay)},
+              {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        return CombinedOptimizer(muon)
+    adam = AdamW(groups, lr=lr, betas=tuple(optim_cfg.betas), eps=float(optim_cfg.eps),
+                 weight_decay=float(optim_cfg.weight_decay), master_weights=master_weights)
+    return CombinedOptimizer(muon, adam)

@@ -116,8 +116,15 @@ class NonFiniteGuard:
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, master_weights: bool):
-    """tritonllm's AdamW; weight decay on matrices only (norm weights, biases and vectors get none)."""
+    """tritonllm's AdamW; weight decay on matrices only (norm weights, biases and vectors get none).
+    ``optim=muon`` (``optim_cfg.name``): Muon for the block matrices, AdamW for the rest
+    (:func:`tritonllm.optim.muon.build_muon_adamw`)."""
     from tritonllm.optim import AdamW
+
+    if optim_cfg.get("name", "adamw") == "muon":
+        from tritonllm.optim.muon import build_muon_adamw
+
+        return build_muon_adamw(model, optim_cfg, master_weights)
 
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
