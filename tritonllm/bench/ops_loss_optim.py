@@ -11,6 +11,14 @@ write dlogits.
 adamw ("default" only): one ``step`` over the parameters of GPT-2 124M (148 fp32 tensors,
 124.4M elements) with gradients set, against ``torch.optim.AdamW(foreach=True)`` and
 ``torch.optim.AdamW(fused=True)``. Bytes: per element read p, g, m, v and write p, m, v (28 fp32 bytes).
+
+muon ("default" only): one ``tritonllm.optim.Muon`` step (Newton-Schulz coefficients, 5 steps, bf16
+iterations, Nesterov, weight decay) over void125m's 48 block matrices (fp32; qkv 2304x768, proj
+768x768, w13 4096x768, w2 768x2048 per layer), against ``torch.optim.Muon`` with the same settings
+(one matrix at a time, bf16) and against the same update in plain PyTorch with the same-shape
+matrices stacked and batched, under ``torch.compile`` (:class:`StackedMuon`). FLOPs: per matrix
+with ``S = min(m, n)``, ``L = max(m, n)``, per iteration ``2 S^2 L`` (X X^T, counted in full) +
+``2 S^3`` (A A) + ``2 S^2 L`` (B X).
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import torch.nn.functional as F
 
 from tritonllm.bench.harness import Case, compiled, liger_available, with_host
 from tritonllm.kernels import cross_entropy
-from tritonllm.optim import AdamW
+from tritonllm.kernels.muon import NEWTON_SCHULZ_COEFFS, lr_adjustment
+from tritonllm.optim import AdamW, Muon
 
-OPS = ["cross_entropy", "adamw"]
+OPS = ["cross_entropy", "adamw", "muon"]
 
 #: [rows, vocab] of the cross-entropy per size.
 CE_SHAPES = {"default": (16384, 32000), "large": (8192, 131072)}
@@ -96,6 +105,70 @@ def _adamw_case() -> Case:
                 bytes={"step": 28 * numel}, passes=("step",))
 
 
+#: void125m's block matrices: qkv, attention proj, fused SwiGLU w13, w2; 12 layers
+VOID125M_MATRICES = [(2304, 768), (768, 768), (4096, 768), (768, 2048)] * 12
+MUON_HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+MUON_NS_STEPS = 5
+
+
+@torch.compile(fullgraph=True, dynamic=False)
+def _stacked_muon_update(p, g, buf, lr: float, adjust: float, weight_decay: float, momentum: float):
+    """One Muon update of stacked same-shape matrices ``p``/``g``/``buf`` ([B, m, n]) in plain PyTorch."""
+    buf.lerp_(g, 1 - momentum)
+    u = g.lerp(buf, momentum)
+    a, b, c = NEWTON_SCHULZ_COEFFS[0]
+    x = u.bfloat16()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(MUON_NS_STEPS):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if tall:
+        x = x.mT
+    return p * (1 - lr * weight_decay) - (lr * adjust) * x.float()
+
+
+class StackedMuon:
+    """The strong plain-PyTorch Muon: per shape, gradients stacked, one compiled batched update,
+    the weights copied back (``torch._foreach_copy_``)."""
+
+    def __init__(self, params, lr, weight_decay, momentum, nesterov):
+        if not nesterov:
+            raise ValueError("StackedMuon implements the Nesterov update only")
+        self.hp = dict(lr=lr, weight_decay=weight_decay, momentum=momentum)
+        by_shape: dict = {}
+        for p in params:
+            by_shape.setdefault(tuple(p.shape), []).append(p)
+        self.groups = [(ps, torch.zeros(len(ps), *shape, device=ps[0].device)) for shape, ps in by_shape.items()]
+
+    @torch.no_grad()
+    def step(self):
+        for ps, buf in self.groups:
+            new = _stacked_muon_update(torch.stack(ps), torch.stack([p.grad for p in ps]), buf,
+                                       adjust=lr_adjustment("original", *ps[0].shape), **self.hp)
+            torch._foreach_copy_(ps, list(new.unbind(0)))
+
+
+def _muon_case() -> Case:
+    shapes = VOID125M_MATRICES
+    numel = sum(m * n for m, n in shapes)
+    flops = sum(MUON_NS_STEPS * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3) for m, n in shapes)
+
+    def make_inputs():
+        params = [0.02 * torch.randn(s, device="cuda") for s in shapes]
+        for p in params:
+            p.grad = 1e-3 * torch.randn_like(p)
+        return (params,)
+
+    baselines = {"torch.optim.Muon": _stepper(lambda ps: torch.optim.Muon(ps, ns_steps=MUON_NS_STEPS, **MUON_HPARAMS)),
+                 "torch.compile stacked": _stepper(lambda ps: StackedMuon(ps, **MUON_HPARAMS))}
+    ours = _stepper(lambda ps: Muon(ps, coefficients="newton_schulz", ns_steps=MUON_NS_STEPS, **MUON_HPARAMS))
+    return Case("muon", f"{round(numel / 1e6)}M params/{len(shapes)} matrices", torch.float32, make_inputs,
+                ours=ours, baselines=baselines, flops={"step": flops}, passes=("step",))
+
+
 def cases(size: str, dtype: torch.dtype):
     n, v = CE_SHAPES[size]
     case = _cross_entropy_case(n, v, dtype)
@@ -104,3 +177,4 @@ def cases(size: str, dtype: torch.dtype):
     yield case
     if size == "default":
         yield _adamw_case()
+        yield _muon_case()
