@@ -31,6 +31,11 @@ else (outside multirun) the newest one of the earlier runs of the same name
 (``outputs/<name>/*/checkpoints``); ``trainer.resume=<path>`` from that checkpoint or folder. A
 resumed run restores weights, optimizer state, RNG states and the data position, so its losses
 are those of the uninterrupted run (bit for bit in fp32 on the CPU, and with the graph on a GPU).
+
+Studio (:mod:`tritonllm.studio.hooks`): at each log interval the loop reads ``control.json`` if it
+changed (stop after a checkpoint, checkpoint now, learning-rate multiplier) and adds the GPU's NVML
+figures to the ``kind: train`` record; every ``trainer.sample_interval`` steps it logs a generated
+sample (``kind: sample``), and it ends ``metrics.jsonl`` with ``kind: end`` (finished, stopped, failed).
 """
 
 from __future__ import annotations

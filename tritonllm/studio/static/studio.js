@@ -17,9 +17,14 @@ const CHARTS = [
   {id: "gpu_util", title: "GPU utilisation (%)", series: [["train", "gpu_util", "util"]]},
   {id: "gpu_temp", title: "GPU temperature (°C)", series: [["train", "gpu_temp_c", "temp"]]},
   {id: "gpu_power", title: "GPU power (W)", series: [["train", "gpu_power_w", "power"]]},
-  {id: "moe", title: "MoE load", series: [["train", "moe_max_load", "max load"], ["train", "moe_aux", "aux"], ["train", "moe_z", "z"]]},
-  {id: "z_loss", title: "z-loss and auxiliary loss", series: [["train", "z_loss", "z"], ["train", "aux", "aux"]]},
+  {id: "moe", title: "MoE load", hideZero: true,
+   series: [["train", "moe_max_load", "max load"], ["train", "moe_aux", "aux"], ["train", "moe_z", "z"]]},
+  {id: "z_loss", title: "z-loss and auxiliary loss", hideZero: true, series: [["train", "z_loss", "z"], ["train", "aux", "aux"]]},
 ];
+// axis tick labels with three significant digits, so MFU 3e-8 or lr 6e-4 read as such
+const fmtTick = (v) => (v === 0 ? "0" : Math.abs(v) >= 1e5 || Math.abs(v) < 1e-3 ? v.toExponential(1) : String(+v.toPrecision(3)));
+const ticks = (u, vals) => vals.map(fmtTick);
+const STEP_INCRS = [1, 2, 5].flatMap((m) => [1, 10, 100, 1e3, 1e4, 1e5, 1e6].map((p) => m * p)).sort((x, y) => x - y);  // whole steps
 
 const state = {
   runs: new Map(),        // id -> summary
@@ -130,7 +135,7 @@ function renderCharts() {
   const host = document.getElementById("charts");
   for (const spec of CHARTS) {
     const tables = [], series = [{label: "step"}];
-    let points = 0;
+    let points = 0, nonzero = false;
     for (const id of state.overlay) {
       const d = state.data.get(id);
       if (!d) continue;
@@ -138,6 +143,7 @@ function renderCharts() {
         const [xs, ys] = seriesPoints(d.records, kind, field);
         if (!xs.length) return;
         points += xs.length;
+        nonzero = nonzero || ys.some((y) => y !== 0);
         tables.push([xs, ys]);
         // a run's colour throughout; its second and third series of a chart dashed
         series.push({label: state.overlay.size > 1 ? `${id} ${label}` : label, stroke: colorOf(id), width: 1.5,
@@ -145,7 +151,7 @@ function renderCharts() {
       });
     }
     let chart = state.charts.get(spec.id);
-    if (!tables.length) {
+    if (!tables.length || spec.hideZero && !nonzero) {
       if (chart) { chart.plot.destroy(); chart.box.remove(); state.charts.delete(spec.id); }
       continue;
     }
@@ -154,12 +160,14 @@ function renderCharts() {
     if (chart && chart.key !== key) { chart.plot.destroy(); chart.box.remove(); state.charts.delete(spec.id); chart = null; }
     if (!chart) {
       const box = el("div", {class: "chart", "data-chart": spec.id}, el("h3", {}, spec.title));
-      host.append(box);
+      // keep the order of CHARTS: before the first chart that comes later in the list
+      const later = CHARTS.slice(CHARTS.indexOf(spec) + 1).map((c) => state.charts.get(c.id)).find(Boolean);
+      host.insertBefore(box, later ? later.box : null);
       chart = {key, zoomed: false, box};
       const width = Math.max(300, box.clientWidth - 16);
       chart.plot = new uPlot({
         width, height: 220, series, legend: {live: false},
-        scales: {x: {time: false}}, axes: [{label: "step"}, {size: 60}],
+        scales: {x: {time: false}}, axes: [{label: "step", incrs: STEP_INCRS}, {size: 64, values: ticks}],
         cursor: {sync: {key: "steps"}, drag: {x: true, y: false}},
         hooks: {setSelect: [(u) => { if (u.select.width > 0) chart.zoomed = true; }]},
       }, data, box);
@@ -240,7 +248,7 @@ function renderEvolve(ev) {
   if (!pts.length) return;
   pts.sort((a, b) => a[0] - b[0]);
   new uPlot({width: 560, height: 240, scales: {x: {time: false}}, legend: {live: false},
-    axes: [{label: "tokens/s"}, {label: "val loss", size: 60}],
+    axes: [{label: "tokens/s", values: ticks}, {label: "val loss", size: 64, values: ticks}],
     series: [{label: "tokens/s"},
       {label: "candidates", stroke: "#9ca3af", paths: () => null, points: {show: true, size: 6}},
       {label: "Pareto front", stroke: "#16a34a", width: 2, spanGaps: true, points: {show: true, size: 8}}]},
