@@ -1,12 +1,13 @@
 """One rank of the multi-process training tests (tests/test_parallel.py), started by torchrun.
 
 ``python -m torch.distributed.run --nproc_per_node=N tests/_dist_worker.py <spec.json>``: the spec
-is ``{"runs": [[override, ...], ...], "fail": {"rank": r, "after": k} | null}``; every run is one
-``train(cfg)`` over the same gloo process group, in order. With ``fail``, rank ``r``'s loader raises
+is ``{"runs": [[override, ...], ...], "fail": {"rank": r, "after": k} | null, "backend": "gloo" | "nccl"}``;
+every run is one ``train(cfg)`` over the same process group (gloo by default), in order. With ``fail``, rank ``r``'s loader raises
 a DataError at its ``k``-th training batch (the message names it), as bad data would.
 """
 
 import json
+import logging
 import os
 import sys
 
@@ -41,9 +42,14 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     if spec.get("fail"):
         inject_failure(spec["fail"]["rank"], spec["fail"]["after"])
+    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")  # shared by every run below (train() uses an existing group)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    backend = spec.get("backend", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)  # shared by every run below (train() uses an existing group)
     for overrides in spec["runs"]:
         with initialize_config_module("tritonllm.conf", version_base="1.3"):
             train(compose("train", overrides=overrides))
