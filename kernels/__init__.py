@@ -21,6 +21,7 @@ from ._common import interpreting  # noqa: E402
 # memory-bound ops
 from .rms_norm import rms_norm  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
+from .relu2 import relu2  # noqa: E402
 from .rope import rope, rope_cos_sin  # noqa: E402
 from .embedding import embedding  # noqa: E402
 from .cross_entropy import cross_entropy  # noqa: E402
@@ -40,7 +41,7 @@ from .moe import moe  # noqa: E402
 
 __all__ = [
     "interpreting",
-    "rms_norm", "swiglu", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_", "clip_grads_",
+    "rms_norm", "swiglu", "relu2", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_", "clip_grads_",
     "muon_step_", "orthogonalize",
     "linear", "linear_swiglu", "linear_cross_entropy",
     "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "split_heads",

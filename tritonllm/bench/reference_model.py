@@ -70,9 +70,9 @@ class _Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, sdpa=False):
+    def __init__(self, cfg, sdpa=False, layer=0):
         super().__init__()
-        self.cfg, self.sdpa = cfg, sdpa
+        self.cfg, self.sdpa, self.window = cfg, sdpa, cfg.layer_window(layer)
         self.qkv = _Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.d_model)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = _Norm(cfg.head_dim), _Norm(cfg.head_dim)
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = rms_norm(q, self.q_norm.weight, cfg.norm_eps), rms_norm(k, self.k_norm.weight, cfg.norm_eps)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        y = attention(q, k, v, cfg.window, self.sdpa)
+        y = attention(q, k, v, self.window, self.sdpa)
         return F.linear(y.reshape(B, T, -1), self.proj.weight)
 
 
@@ -101,12 +101,23 @@ class MLP(nn.Module):
         return F.linear(F.silu(gate) * up, self.w2.weight)
 
 
+class ReLU2MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.w1 = _Linear(cfg.d_ff, cfg.d_model)
+        self.w2 = _Linear(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x):
+        return F.linear(F.relu(F.linear(x, self.w1.weight)).square(), self.w2.weight)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg, sdpa=False):
+    def __init__(self, cfg, sdpa=False, layer=0):
         super().__init__()
         self.cfg = cfg
         self.attn_norm, self.mlp_norm = _Norm(cfg.d_model), _Norm(cfg.d_model)
-        self.attn, self.mlp = Attention(cfg, sdpa), MLP(cfg)
+        self.attn = Attention(cfg, sdpa, layer)
+        self.mlp = ReLU2MLP(cfg) if cfg.mlp_act == "relu2" else MLP(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(rms_norm(x, self.attn_norm.weight, self.cfg.norm_eps), cos, sin)
@@ -121,7 +132,7 @@ class ReferenceTransformer(nn.Module):
         assert cfg.n_experts == 0, "the reference has the dense MLP only"
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, sdpa) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, sdpa, i) for i in range(cfg.n_layers))
         self.norm = _Norm(cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else _Linear(cfg.vocab_size, cfg.d_model)
 

@@ -18,6 +18,7 @@ from tritonllm.errors import ConfigError
 
 MOE_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = ("ntk", "yarn", "linear", "llama3")
+MLP_ACTS = ("swiglu", "relu2")
 
 
 class ModelConfigError(ConfigError, ValueError):
@@ -40,6 +41,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     window: int | None = None  # sliding-window attention span in tokens; None = full causal
+    window_schedule: list | None = None  # per-layer windows (int, or null: full causal), cycled over the layers
+    mlp_act: str = "swiglu"  # dense MLP: swiglu (packed gate and up) or relu2 (relu(x W1^T)^2, one up projection)
     norm_eps: float = 1e-6  # epsilon of every RMSNorm
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
     init_std: float = 0.02  # std of the normal init; output projections get init_std / sqrt(2 * n_layers)
@@ -71,6 +74,18 @@ class ModelConfig:
             raise ModelConfigError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.window is not None and self.window < 1:
             raise ModelConfigError(f"window must be None or >= 1, got {self.window}")
+        if self.window_schedule is not None:
+            if self.window is not None:
+                raise ModelConfigError("window and window_schedule are both set: give one")
+            if not self.window_schedule or any(
+                    w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1)
+                    for w in self.window_schedule):
+                raise ModelConfigError(f"window_schedule must be a non-empty list of ints >= 1 or nulls, "
+                                       f"got {self.window_schedule}")
+        if self.mlp_act not in MLP_ACTS:
+            raise ModelConfigError(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
+        if self.mlp_act != "swiglu" and self.n_experts:
+            raise ModelConfigError(f"mlp_act={self.mlp_act!r} is for the dense MLP; MoE experts are SwiGLU")
         if self.rope_scaling is not None and self.rope_scaling.get("type") not in ROPE_SCALINGS:
             raise ModelConfigError(f"rope_scaling must be None or a dict with type in {ROPE_SCALINGS}, "
                              f"got {self.rope_scaling}")
@@ -96,6 +111,12 @@ class ModelConfig:
             raise ModelConfigError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
         return cls(**d)
 
+    def layer_window(self, layer: int) -> int | None:
+        """Attention window of block ``layer``: ``window_schedule[layer % len]`` when set, else ``window``."""
+        if self.window_schedule is not None:
+            return self.window_schedule[layer % len(self.window_schedule)]
+        return self.window
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -116,7 +137,7 @@ class ModelConfig:
             experts = self.moe_top_k if active else self.n_experts
             mlp = d * self.n_experts + (experts + self.n_shared_experts) * 3 * d * self.d_expert
         else:
-            mlp = 3 * d * self.d_ff
+            mlp = (2 if self.mlp_act == "relu2" else 3) * d * self.d_ff
         total = self.n_layers * (attn + mlp + 2 * d) + d
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d

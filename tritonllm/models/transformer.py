@@ -34,6 +34,7 @@ from tritonllm.kernels.flash_attention import flash_attention, flash_attention_d
 from tritonllm.kernels.kv_cache import kv_cache_write_
 from tritonllm.kernels.linear import linear
 from tritonllm.kernels.linear_cross_entropy import linear_cross_entropy
+from tritonllm.kernels.relu2 import relu2
 from tritonllm.kernels.rope import rope, rope_cos_sin
 from tritonllm.kernels.split_heads import split_heads
 from tritonllm.models.config import ModelConfig
@@ -91,7 +92,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim, self.window = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.window
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.layer_window(layer_idx)
         self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias,
                           init_std=cfg.init_std)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -131,15 +133,28 @@ class MLP(nn.Module):
         return self.w2(self.w13(x))
 
 
+class ReLU2MLP(nn.Module):
+    """Dense squared-ReLU MLP (``mlp_act: relu2``): ``w2(relu(x W1^T)^2)``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = Linear(cfg.d_model, cfg.d_ff, init_std=cfg.init_std)
+        self.w2 = Linear(cfg.d_ff, cfg.d_model, init_std=_out_std(cfg))
+
+    def forward(self, x):
+        return self.w2(relu2(self.w1(x)))
+
+
 def build_mlp(cfg: ModelConfig) -> nn.Module:
-    """The MLP slot of a block: dense SwiGLU when ``cfg.n_experts == 0``, else ``tritonllm.nn.moe.MoE``.
+    """The MLP slot of a block: dense SwiGLU (or squared ReLU, ``cfg.mlp_act``) when
+    ``cfg.n_experts == 0``, else ``tritonllm.nn.moe.MoE``.
 
     An MLP module maps ``[B, T, d_model] -> [B, T, d_model]`` (the block adds the residual) and may
     set, during forward, ``self.aux_loss`` (0-d fp32, already scaled by its coefficient,
     differentiable: added to the training loss) and ``self.stats`` (dict of detached floats to log).
     """
     if cfg.n_experts == 0:
-        return MLP(cfg)
+        return ReLU2MLP(cfg) if cfg.mlp_act == "relu2" else MLP(cfg)
     from tritonllm.nn.moe import MoE
 
     return MoE(cfg)
