@@ -16,7 +16,7 @@ from _studio import KEY, read_records, request, serving, start_training, wait_fo
 from test_train import TINY, compose_train, data_overrides  # noqa: F401  (data_overrides is a fixture)
 
 from tritonllm.studio.hooks import GpuTelemetry, RunHooks
-from tritonllm.studio.runs import Run, pareto_front
+from tritonllm.studio.runs import Run, pareto_front, read_evolve
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -76,11 +76,10 @@ def fabricated(tmp_path):
     _write(str(tmp_path / "runs" / "stale" / "metrics.jsonl"), _lines(*train), mtime=old)
     _write(str(tmp_path / "runs" / "stale" / "run_info.json"),
            json.dumps({"name": "stale", "config": {"trainer": {"max_steps": 100}}}), mtime=old)
-    _write(str(tmp_path / "runs" / "search" / "results.jsonl"), _lines(
-        {"candidate": 0, "val_loss": 3.0, "tokens_per_s": 100.0, "peak_mem_gb": 1.0},
-        {"candidate": 1, "val_loss": 2.5, "tokens_per_s": 80.0, "peak_mem_gb": 1.0},
-        {"candidate": 2, "val_loss": 3.2, "tokens_per_s": 90.0, "peak_mem_gb": 1.5},  # dominated by 0
-        {"candidate": 3, "status": "failed", "error": "out of memory"}))
+    _write(str(tmp_path / "runs" / "search" / "results.csv"),  # as tritonllm.evolve writes it
+           "trial,status,reason,val_loss,tokens_per_s,peak_mem_gb,pareto\n0,ok,,3.0,100.0,1.0,True\n"
+           "1,ok,,2.5,80.0,1.0,True\n2,ok,,3.2,90.0,1.5,False\n3,failed,out of memory,,,,False\n")
+    _write(str(tmp_path / "runs" / "search" / "best.json"), json.dumps({"memory_cap_gb": 1.2, "best": {"trial": 1}}))
     return str(tmp_path / "runs"), str(live)
 
 
@@ -152,7 +151,10 @@ def test_fabricated_runs_are_served_and_problems_named(fabricated):
             for path in (f"/api/run?id={run['id']}", f"/api/metrics?id={run['id']}&since=0"):
                 assert request(server, "GET", path)[0] == 200, path
         _, _, search = request(server, "GET", f"/api/run?id={runs['search']['id']}")
-        assert len(search["evolve"]["rows"]) == 4 and search["evolve"]["pareto"] == [0, 1]
+        ev = search["evolve"]
+        assert len(ev["rows"]) == 4 and ev["pareto"] == [0, 1] and ev["best"]["best"] == {"trial": 1}
+        assert ev["rows"][3] == {"trial": 3, "status": "failed", "reason": "out of memory", "val_loss": "",
+                                 "tokens_per_s": "", "peak_mem_gb": "", "pareto": "False"}
         assert request(server, "GET", "/api/run?id=nope")[0] == 404
         assert request(server, "GET", "/api/metrics?id=nope&since=0")[0] == 404
 
@@ -169,12 +171,16 @@ def test_live_run_grows_as_lines_are_completed(fabricated):
         assert [(r["step"], r["loss"]) for r in more["records"]] == [(3, 4.7), (4, 4.6)] and more["count"] == 4
 
 
-def test_pareto_front():
+def test_pareto_front_without_a_pareto_column(tmp_path):
     rows = [{"val_loss": 2.0, "tokens_per_s": 10}, {"val_loss": 1.0, "tokens_per_s": 5},
             {"val_loss": 2.5, "tokens_per_s": 9}, {"val_loss": 1.0, "tokens_per_s": 5, "status": "failed"},
             {"tokens_per_s": 100}]
     assert pareto_front(rows) == [0, 1]
     assert pareto_front([]) == []
+    _write(str(tmp_path / "results.csv"), "trial,val_loss,tokens_per_s\n0,2.0,10\n1,1.0,5\n2,2.5,9\n3,nan,100\n")
+    problems = []
+    ev = read_evolve(str(tmp_path), problems)
+    assert ev["pareto"] == [0, 1] and ev["rows"][3]["val_loss"] is None and ev["best"] is None and problems == []
 
 
 # ----------------------------------------------------------------------------- security
@@ -341,3 +347,22 @@ def test_stop_request_ends_a_running_training_with_a_checkpoint(tmp_path, data_o
         assert ckpts[-1] == f"step_{end['step']:08d}" and len(ckpts) == 2
         assert request(server, "GET", "/api/runs")[2]["runs"][0]["status"] == "stopped"
         assert request(server, "POST", path, {"action": "stop"}, token)[0] == 409
+
+
+@pytest.mark.gpu
+def test_gpu_run_logs_nvml_telemetry_and_samples_do_not_change_training(tmp_path, data_overrides):  # noqa: F811
+    """On a CUDA device: NVML figures in every train record; a run that samples mid-training (the decode
+    graph captured beside the training step's graph) has the same losses as one that does not."""
+    from tritonllm.train import train
+
+    common = [*TINY, *data_overrides, "device=cuda", "trainer.max_steps=8", "trainer.eval_interval=4",
+              "trainer.ckpt_interval=null", "trainer.sample_tokens=8"]
+    train(compose_train(*common, f"out_dir={tmp_path / 'plain'}"))
+    train(compose_train(*common, f"out_dir={tmp_path / 'sampled'}", "trainer.sample_interval=2"))
+    plain, sampled = read_records(str(tmp_path / "plain")), read_records(str(tmp_path / "sampled"))
+    losses = [[(r["step"], r["loss"]) for r in recs if r["kind"] == "train"] for recs in (plain, sampled)]
+    assert losses[0] == losses[1] and len(losses[0]) == 8
+    assert [r["step"] for r in sampled if r["kind"] == "sample"] == [2, 4, 6, 8]
+    for r in (r for r in plain if r["kind"] == "train"):
+        assert 0 < r["gpu_mem_gb"] <= r["gpu_mem_total_gb"] and 0 <= r["gpu_util"] <= 100
+        assert 0 < r["gpu_temp_c"] < 120 and r["gpu_power_w"] > 0

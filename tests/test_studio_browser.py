@@ -1,6 +1,6 @@
 """Studio in a real headless Chromium driven by Playwright: the page loads without console errors,
-lists the runs, a chart grows while a real void_tiny run (in a thread) appends metrics, and the
-stop button ends that run with a checkpoint. A screenshot goes to the test's folder
+lists the runs, a chart grows while a real void_tiny run (in a thread) appends metrics, the
+stop button ends that run with a checkpoint, and an evolution search's front is shown. A screenshot goes to the test's folder
 (``TRITONLLM_STUDIO_SCREENSHOT=docs/studio.png`` writes it there as well).
 
 Needs Chromium (Debian: ``apt-get install chromium``; or set ``TRITONLLM_CHROMIUM`` to a Chrome or
@@ -94,6 +94,14 @@ def test_page_follows_a_live_run_and_stops_it(page, tmp_path, data_overrides):  
             page.screenshot(path=str(shot), full_page=True)
             if os.environ.get("TRITONLLM_STUDIO_SCREENSHOT"):
                 shutil.copyfile(shot, os.environ["TRITONLLM_STUDIO_SCREENSHOT"])
+            # an evolution search's folder: its candidates, the front highlighted and plotted
+            (root / "search").mkdir()
+            (root / "search" / "results.csv").write_text(
+                "trial,status,val_loss,tokens_per_s,peak_mem_gb,pareto\n0,ok,3.0,100,1.0,True\n1,ok,2.5,80,1.0,True\n"
+                "2,ok,3.2,90,1.5,False\n3,failed,,,,False\n")
+            page.locator("#runs tbody tr", has_text="search").click()
+            page.wait_for_selector('#evolve-box:not([hidden]) [data-chart="pareto"] canvas')
+            assert page.locator("#evolve tr.pareto").count() == 2
     finally:
         if thread.is_alive():  # the page failed to stop it: stop it through the control file
             (live / "control.json").write_text('{"stop": true}')

@@ -3,8 +3,8 @@
 A **run folder** is any folder under the roots holding one of ``metrics.jsonl``, ``run_info.json``,
 ``.hydra/``, ``checkpoints/`` or ``studio.json`` (what ``python -m tritonllm.train`` writes: see
 :mod:`tritonllm.logging_utils`, :mod:`tritonllm.checkpoint`, :mod:`tritonllm.studio.hooks`), or an
-empty leaf folder (a run that died before writing anything). An **evolution search** folder holds
-``results.jsonl`` or ``results.csv``, one candidate per row. Folders are searched down to
+empty leaf folder (a run that died before writing anything). An **evolution search** folder
+(``python -m tritonllm.evolve``) holds ``results.csv``, one candidate per row. Folders are searched down to
 :data:`MAX_DEPTH` levels; a run folder's own subfolders are not searched.
 
 Everything is read defensively: a file that is missing, unreadable or half written becomes a line
@@ -36,7 +36,7 @@ from tritonllm.studio.hooks import CONTROL_FILE, LR_SCALE_RANGE, STUDIO_FILE, TO
 
 MAX_DEPTH = 6
 RUN_MARKERS = ("metrics.jsonl", "run_info.json", ".hydra", "checkpoints", STUDIO_FILE)
-EVOLVE_FILES = ("results.jsonl", "results.csv")
+EVOLVE_FILES = ("results.csv",)
 SKIP_DIRS = {"checkpoints", ".hydra", "wandb", "__pycache__", ".git", "node_modules"}
 #: objectives of an evolution search's Pareto front: column and direction (+1 minimise, -1 maximise)
 OBJECTIVES = (("val_loss", 1), ("tokens_per_s", -1), ("peak_mem_gb", 1))
@@ -140,7 +140,7 @@ def safetensors_params(path: str) -> list[dict]:
 def pareto_front(rows: list[dict]) -> list[int]:
     """Indices of the rows no other row dominates on :data:`OBJECTIVES` (those present in every
     complete row; a row missing ``val_loss`` or marked failed is never on the front)."""
-    ok = [i for i, r in enumerate(rows) if _number(r.get("val_loss")) and r.get("status", "ok") in ("ok", "done")]
+    ok = [i for i, r in enumerate(rows) if _number(r.get("val_loss")) and r.get("status", "ok") == "ok"]
     objs = [(k, s) for k, s in OBJECTIVES if all(_number(rows[i].get(k)) for i in ok)]
 
     def dominates(a, b):
@@ -150,30 +150,25 @@ def pareto_front(rows: list[dict]) -> list[int]:
 
 
 def read_evolve(path: str, problems: list) -> dict | None:
-    """``{"file", "rows", "pareto"}`` from an evolution search's results table, or None."""
-    for name in EVOLVE_FILES:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            continue
+    """``{"file", "rows", "pareto", "best"}`` from an evolution search's folder (what
+    ``python -m tritonllm.evolve`` writes: ``results.csv``, one row per trial with a ``pareto`` column,
+    and ``best.json``), or None when it holds no results table. Without a ``pareto`` column the
+    front is computed over :data:`OBJECTIVES`."""
+    file = os.path.join(path, "results.csv")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, newline="") as f:
+            rows = [{k: _parse_cell(v) for k, v in row.items() if k is not None} for row in csv.DictReader(f)]
+    except (OSError, csv.Error, UnicodeDecodeError) as e:
+        problems.append(f"results.csv is unreadable: {type(e).__name__}: {e}")
         rows = []
-        try:
-            with open(file, newline="") as f:
-                if name.endswith(".jsonl"):
-                    for i, line in enumerate(f, 1):
-                        if line.strip():
-                            try:
-                                rows.append(json.loads(line, parse_constant=_no_constant))
-                            except ValueError:
-                                problems.append(f"{name} line {i} is unreadable")
-                else:
-                    for row in csv.DictReader(f):
-                        rows.append({k: _parse_cell(v) for k, v in row.items()})
-        except OSError as e:
-            problems.append(f"{name} is unreadable: {e}")
-        rows = [r for r in rows if isinstance(r, dict)]
-        front = [i for i, r in enumerate(rows) if r.get("pareto") in (True, "True", "true", 1)] or pareto_front(rows)
-        return {"file": name, "rows": rows, "pareto": front}
-    return None
+    if rows and "pareto" in rows[0]:
+        front = [i for i, r in enumerate(rows) if r.get("pareto") in ("True", "true", 1)]
+    else:
+        front = pareto_front(rows)
+    best = _read_json(os.path.join(path, "best.json"), problems, "best.json")
+    return {"file": "results.csv", "rows": rows, "pareto": front, "best": best if isinstance(best, dict) else None}
 
 
 def _parse_cell(v):

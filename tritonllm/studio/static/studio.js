@@ -238,12 +238,19 @@ function renderEvolve(ev) {
   const box = document.getElementById("evolve-box");
   box.hidden = !ev;
   if (!ev) return;
-  const cols = [...new Set(ev.rows.flatMap((r) => Object.keys(r)))].slice(0, 14);
+  // the objectives first, then every other column that has a value somewhere
+  const first = ["trial", "generation", "status", "val_loss", "tokens_per_s", "peak_mem_gb", "params"];
+  const all = [...new Set(ev.rows.flatMap((r) => Object.keys(r)))].filter((c) => ev.rows.some((r) => r[c] !== "" && r[c] !== null));
+  const cols = [...first.filter((c) => all.includes(c)), ...all.filter((c) => !first.includes(c))];
   const front = new Set(ev.pareto);
   const rows = ev.rows.map((r, i) => el("tr", {class: front.has(i) ? "pareto" : ""}, ...cols.map((c) => el("td", {}, fmt(r[c])))));
   const plotBox = el("div", {class: "chart", "data-chart": "pareto"}, el("h3", {}, "validation loss against tokens/s (Pareto front in green)"));
-  document.getElementById("evolve").replaceChildren(el("p", {}, `${ev.rows.length} candidates from ${ev.file}, ${front.size} on the Pareto front`),
-                                                    plotBox, table(cols, rows));
+  const b = ev.best && ev.best.best;
+  const best = b ? `; best under the memory cap (${ev.best.memory_cap_gb ?? "none"} GB): trial ${b.trial}, val loss ${fmt(b.val_loss)}, `
+    + `${fmtInt(b.tokens_per_s)} tokens/s, ${fmt(b.peak_mem_gb, 3)} GB` : "";
+  document.getElementById("evolve").replaceChildren(
+    el("p", {}, `${ev.rows.length} candidates from ${ev.file}, ${front.size} on the Pareto front${best}`),
+    plotBox, el("div", {style: "overflow-x:auto"}, table(cols, rows)));
   const pts = ev.rows.map((r, i) => [r.tokens_per_s, r.val_loss, front.has(i)]).filter((p) => typeof p[0] === "number" && typeof p[1] === "number");
   if (!pts.length) return;
   pts.sort((a, b) => a[0] - b[0]);
