@@ -1,0 +1,33 @@
+"""``python -m tritonllm.evolve +model=<seed> [space=<preset>] evolve.budget=... [overrides]``: architecture
+search (see :mod:`tritonllm.evolve.search`). Resume a run: the same command with ``hydra.run.dir=<its folder>``."""
+
+import logging
+
+import hydra
+
+from tritonllm.runtime import exit_on_user_error
+
+
+@hydra.main(version_base="1.3", config_path="pkg://tritonllm.conf", config_name="evolve")
+@exit_on_user_error
+def main(cfg) -> float | None:
+    from tritonllm.evolve.search import run_search
+
+    summary = run_search(cfg)
+    best = summary["best"]
+    c = summary["counts"]
+    log = logging.getLogger("tritonllm.evolve")
+    log.info("done: %d evaluated, %d failed, %d rejected before training, %d duplicates; Pareto front of %d",
+             c["ok"], c["failed"], c["rejected"], c["duplicate"], len(summary["front"]))
+    if best is None:
+        log.info("no candidate fits the memory cap")
+        return None
+    log.info("best under the cap: trial %d (%s), val_loss %.4f, %.0f tokens/s, %.2f GB; train it with "
+             "python -m tritonllm.train hydra.searchpath=[file://%s] +model=best optim.lr=%.4g",
+             best["trial"], best["name"], best["val_loss"], best["tokens_per_s"], best["peak_mem_gb"], cfg.out_dir,
+             best["lr"])
+    return best["val_loss"]
+
+
+if __name__ == "__main__":
+    main()
