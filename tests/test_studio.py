@@ -73,6 +73,9 @@ def fabricated(tmp_path):
     _write(str(tmp_path / "runs" / "dead" / "metrics.jsonl"), _lines(*train))
     _write(str(tmp_path / "runs" / "dead" / "studio.json"),
            json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename}))
+    for job in ("0", "1"):  # a Hydra multirun sweep: one folder per job under the sweep's
+        _write(str(tmp_path / "runs" / "multirun" / "sweep" / job / ".hydra" / "overrides.yaml"), f"- optim.lr={job}\n")
+    _write(str(tmp_path / "runs" / "multirun" / "sweep" / "multirun.yaml"), "hydra: {}\n")
     _write(str(tmp_path / "runs" / "stale" / "metrics.jsonl"), _lines(*train), mtime=old)
     _write(str(tmp_path / "runs" / "stale" / "run_info.json"),
            json.dumps({"name": "stale", "config": {"trainer": {"max_steps": 100}}}), mtime=old)
@@ -133,7 +136,8 @@ def test_fabricated_runs_are_served_and_problems_named(fabricated):
         status, _, got = request(server, "GET", "/api/runs")
         assert status == 200
         runs = {r["id"].split("/", 1)[1]: r for r in got["runs"]}
-        assert set(runs) == {"empty/x", "truncated", "live", "dead", "stale", "search"}
+        assert set(runs) == {"empty/x", "truncated", "live", "dead", "stale", "search", "multirun/sweep/0",
+                             "multirun/sweep/1"}
         assert runs["empty/x"]["status"] == "empty" and "nothing readable" in runs["empty/x"]["problems"][0]
         t = runs["truncated"]
         assert t["status"] == "failed" and t["step"] == 2
@@ -157,6 +161,26 @@ def test_fabricated_runs_are_served_and_problems_named(fabricated):
                                  "tokens_per_s": "", "peak_mem_gb": "", "pareto": "False"}
         assert request(server, "GET", "/api/run?id=nope")[0] == 404
         assert request(server, "GET", "/api/metrics?id=nope&since=0")[0] == 404
+
+
+def test_cli_prints_the_address_and_serves(fabricated, tmp_path):
+    root, _ = fabricated
+    missing = subprocess.run([sys.executable, "-m", "tritonllm.studio", str(tmp_path / "nope")], capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 1 and "not a folder" in missing.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "tritonllm.studio", root, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().startswith("tritonllm Studio: 8 runs under")
+        address = proc.stdout.readline().split()[-1]
+        assert address.startswith("http://127.0.0.1:") and "/?key=" in address
+        import urllib.request
+
+        with urllib.request.urlopen(address.split("?")[0] + "api/runs", timeout=30) as r:
+            assert len(json.load(r)["runs"]) == 8
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_live_run_grows_as_lines_are_completed(fabricated):
