@@ -306,6 +306,26 @@ def test_hooks_poll_reads_each_request_once(tmp_path):
     assert not (tmp_path / "control.json").exists() and (tmp_path / "studio_token").read_text() != token
 
 
+def test_every_rank_acts_on_rank_zeros_requests(tmp_path):
+    """Under several processes rank 0 reads control.json and ``share`` (a broadcast) hands its
+    decision to the others, which write nothing into the run folder."""
+    sent = []
+    rank0 = RunHooks(str(tmp_path), _Log(), torch.nn.Linear(3, 2), torch.device("cpu"),
+                     share=lambda obj: sent.append(obj) or obj)
+    files = sorted(os.listdir(tmp_path))
+    rank1 = RunHooks(str(tmp_path), _Log(), torch.nn.Linear(3, 2), torch.device("cpu"), main=False,
+                     share=lambda obj: sent[-1])
+    assert sorted(os.listdir(tmp_path)) == files == ["studio.json", "studio_token"]
+    token = (tmp_path / "studio_token").read_text()
+    Run("r", str(tmp_path), 600).control(token, {"action": "lr_scale", "value": 2.0})
+    Run("r", str(tmp_path), 600).control(token, {"action": "stop"})
+    assert rank0.poll(7) == {"stop"}
+    os.remove(tmp_path / "control.json")  # rank 1 learns of the requests from rank 0 alone
+    assert rank1.poll(7) == {"stop"}
+    assert rank0.lr_scale == rank1.lr_scale == 2.0
+    assert rank1.run_log.records == [] and len(rank0.run_log.records) == 2
+
+
 def test_gpu_telemetry_through_nvml(monkeypatch, caplog):
     calls = []
     fake = types.SimpleNamespace(

@@ -107,17 +107,24 @@ class RunHooks:
     """Studio's files in the run folder ``out_dir``; ``run_log`` is the run's :class:`RunLogger`.
 
     ``lr_scale`` is the multiplier the last control request set (1.0 until one does).
+    Under several processes only the ``main`` one (rank 0) writes and reads the files and reads
+    NVML; ``share(obj)`` hands rank 0's ``obj`` to every rank (a broadcast, called by every rank at
+    each poll), so that all ranks stop, checkpoint and scale the learning rate at the same step.
     """
 
     def __init__(self, out_dir: str, run_log, model: torch.nn.Module, device: torch.device, *,
-                 telemetry: bool = True, control: bool = True):
+                 telemetry: bool = True, control: bool = True, main: bool = True, share=None):
         self.out_dir, self.run_log = out_dir, run_log
         self.lr_scale = 1.0
-        self.control_path = os.path.join(out_dir, CONTROL_FILE) if control else None
+        self.control, self.main = control, main
+        self.share = share or (lambda obj: obj)
+        self.control_path = os.path.join(out_dir, CONTROL_FILE)
         self._seen: tuple | None = None
         self._checkpoints_done = 0
         self._last_sample: tuple[int, str] | None = None  # (step, text)
-        self._gpu = GpuTelemetry(device) if telemetry and device.type == "cuda" else None
+        self._gpu = GpuTelemetry(device) if telemetry and main and device.type == "cuda" else None
+        if not main:
+            return
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "control": control,
                 "params": parameter_table(model)}
         with open(os.path.join(out_dir, STUDIO_FILE), "w") as f:
@@ -134,8 +141,13 @@ class RunHooks:
     def poll(self, step: int) -> set[str]:
         """Read ``control.json`` if it changed; returns the requested actions among ``{"checkpoint", "stop"}``
         (a new ``lr_scale`` takes effect at once) and logs a ``kind: control`` record for each."""
-        if self.control_path is None:
+        if not self.control:
             return set()
+        actions = self._read_control(step) if self.main else set()
+        actions, self.lr_scale = self.share((actions, self.lr_scale))
+        return actions
+
+    def _read_control(self, step: int) -> set[str]:
         try:
             st = os.stat(self.control_path)
         except FileNotFoundError:

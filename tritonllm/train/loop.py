@@ -268,7 +268,8 @@ def train(cfg) -> float:
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     run_log = RunLogger(out_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), cfg.logger,
                         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") if env.main else NullLogger()
-    studio = RunHooks(out_dir, run_log, model, device, telemetry=tr.gpu_telemetry, control=tr.control)
+    studio = RunHooks(out_dir, run_log, model, device, telemetry=tr.gpu_telemetry, control=tr.control, main=env.main,
+                      share=lambda obj: broadcast_object(obj, env))
 
     def checkpoint():
         state = {"data": train_loader.state_dict(), "model_config": model_cfg.to_dict(), "tokens_seen": tokens_seen,
@@ -335,7 +336,8 @@ def train(cfg) -> float:
                     val_loss = validate()
                 if ckpt_now:
                     checkpoint()
-                if log_now and tr.sample_interval and step % tr.sample_interval == 0 and corpus.tokenizer is not None:
+                if (log_now and tr.sample_interval and step % tr.sample_interval == 0 and corpus.tokenizer is not None
+                        and env.main and mode != "fsdp"):
                     studio.sample(step, model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
                 if "stop" in requested:
                     log.info("step %d: stopped by a Studio request after a checkpoint", step)
