@@ -65,6 +65,8 @@ def fabricated(tmp_path):
                                                                               "error": "TrainingError: boom"})
            + '{"kind": "tra', mtime=old)
     _write(str(tmp_path / "runs" / "truncated" / "run_info.json"), "{not json")
+    _write(str(tmp_path / "runs" / "truncated" / "train.log"), "x" * 10000 + "\nTrainingError: boom\n")
+    _write(str(tmp_path / "runs" / "starting" / ".hydra" / "config.yaml"), "trainer: {max_steps: 10}\n")
     live = tmp_path / "runs" / "live"
     _write(str(live / "metrics.jsonl"), _lines(*train[:2]) + '{"kind": "train", "step": 3, "lo')
     _write(str(live / "studio.json"), json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
@@ -137,7 +139,8 @@ def test_fabricated_runs_are_served_and_problems_named(fabricated):
         assert status == 200
         runs = {r["id"].split("/", 1)[1]: r for r in got["runs"]}
         assert set(runs) == {"empty/x", "truncated", "live", "dead", "stale", "search", "multirun/sweep/0",
-                             "multirun/sweep/1"}
+                             "multirun/sweep/1", "starting"}
+        assert runs["starting"]["status"] == "running" and runs["starting"]["step"] is None  # building its model
         assert runs["empty/x"]["status"] == "empty" and "nothing readable" in runs["empty/x"]["problems"][0]
         t = runs["truncated"]
         assert t["status"] == "failed" and t["step"] == 2
@@ -155,6 +158,11 @@ def test_fabricated_runs_are_served_and_problems_named(fabricated):
             for path in (f"/api/run?id={run['id']}", f"/api/metrics?id={run['id']}&since=0"):
                 assert request(server, "GET", path)[0] == 200, path
         _, _, search = request(server, "GET", f"/api/run?id={runs['search']['id']}")
+        _, _, truncated = request(server, "GET", f"/api/run?id={runs['truncated']['id']}")
+        assert truncated["log"]["file"] == "train.log" and truncated["log"]["text"].endswith("TrainingError: boom\n")
+        assert len(truncated["log"]["text"]) == 8192 and truncated["config"] is None
+        _, _, starting = request(server, "GET", f"/api/run?id={runs['starting']['id']}")
+        assert starting["config"] == {"trainer": {"max_steps": 10}} and starting["log"] is None
         ev = search["evolve"]
         assert len(ev["rows"]) == 4 and ev["pareto"] == [0, 1] and ev["best"]["best"] == {"trial": 1}
         assert ev["rows"][3] == {"trial": 3, "status": "failed", "reason": "out of memory", "val_loss": "",
@@ -171,13 +179,13 @@ def test_cli_prints_the_address_and_serves(fabricated, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tritonllm.studio", root, "--port", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
-        assert proc.stdout.readline().startswith("tritonllm Studio: 8 runs under")
+        assert proc.stdout.readline().startswith("tritonllm Studio: 9 runs under")
         address = proc.stdout.readline().split()[-1]
         assert address.startswith("http://127.0.0.1:") and "/?key=" in address
         import urllib.request
 
         with urllib.request.urlopen(address.split("?")[0] + "api/runs", timeout=30) as r:
-            assert len(json.load(r)["runs"]) == 8
+            assert len(json.load(r)["runs"]) == 9
     finally:
         proc.terminate()
         proc.wait(30)

@@ -277,7 +277,7 @@ class Run:
 
     def _updated(self) -> float | None:
         times = []
-        for name in ("metrics.jsonl", "run_info.json", STUDIO_FILE):
+        for name in ("metrics.jsonl", "run_info.json", STUDIO_FILE, os.path.join(".hydra", "config.yaml")):
             try:
                 times.append(os.path.getmtime(self._file(name)))
             except OSError:
@@ -305,7 +305,7 @@ class Run:
         out.update(config=config, overrides=overrides if isinstance(overrides, list) else None,
                    meta={k: info.get(k) for k in ("git", "versions", "device", "host", "argv")},
                    checkpoints=self._checkpoints(overrides, info, problems), params=self._params(studio, problems),
-                   evolve=read_evolve(self.path, problems))
+                   evolve=read_evolve(self.path, problems), log=self._log_tail())
         if with_token and out["controllable"]:
             try:
                 with open(self._file(TOKEN_FILE)) as f:
@@ -313,6 +313,18 @@ class Run:
             except OSError as e:
                 problems.append(f"{TOKEN_FILE} is unreadable: {e}")
         return out
+
+    def _log_tail(self, max_bytes: int = 8192) -> dict | None:
+        """``{"file", "text"}``: the end of the job's log (Hydra writes ``<task>.log`` into the run folder)."""
+        try:
+            logs = sorted(n for n in os.listdir(self.path) if n.endswith(".log"))
+            if not logs:
+                return None
+            with open(self._file(logs[0]), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - max_bytes))
+                return {"file": logs[0], "text": f.read().decode("utf-8", "replace")}
+        except OSError:
+            return None
 
     def _params(self, studio: dict, problems: list) -> list[dict] | None:
         if isinstance(studio.get("params"), list):

@@ -219,6 +219,9 @@ function renderRun() {
                               c.resume ? el("code", {class: "cmd"}, c.resume)
                               : el("span", {class: "hint"}, "unknown: the run folder has no .hydra/overrides.yaml")]))
     : el("p", {class: "hint"}, "No checkpoints yet."));
+  document.getElementById("log").replaceChildren(d.log ? el("div", {}, el("p", {class: "hint"}, `end of ${d.log.file}`),
+                                                            el("pre", {}, d.log.text))
+    : el("p", {class: "hint"}, "No log file in the run folder (python -m tritonllm.train writes one through Hydra)."));
   const cfg = [];
   if (d.overrides) cfg.push(el("p", {}, "overrides: ", el("code", {}, d.overrides.join(" ") || "(none)")));
   if (d.meta && d.meta.device) cfg.push(el("p", {class: "hint"}, `device ${d.meta.device} on ${d.meta.host}` +
