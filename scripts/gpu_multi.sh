@@ -2,7 +2,8 @@
 # Multi-GPU session (2 GPUs, e.g. nvidia-h200-x2), under 9 minutes: install (as scripts/gpu_run.sh),
 # the GPU tests of tests/test_parallel.py, then void1b (MODEL) throughput through torchrun on 1 and 2
 # GPUs: tritonllm DDP (CUDA-graphed step) and FSDP2 (eager), and the plain-PyTorch baseline
-# (tritonllm.bench.baseline_model, torch.compile per block) with FSDP2 and DDP, side by side.
+# (tritonllm.bench.baseline_model, torch.compile per block) with FSDP2, side by side (6 runs of at most
+# RUN_TIMEOUT=65 s; scripts/dist_bench.py --side baseline --parallel ddp gives the DDP baseline).
 # Rows: $OUT/dist-<model>.jsonl (one per run); summary with scaling efficiency: $OUT/dist-<model>.json.
 # Usage: scripts/gpu_multi.sh [tests] [bench]   (default: both)
 set -uo pipefail
@@ -21,16 +22,16 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 for stage in ${*:-tests bench}; do
     case $stage in
         tests)
-            timeout -s INT -k 15 ${TEST_TIMEOUT:-150} python3 -m pytest -q -rfE --tb=short tests/test_parallel.py -p no:cacheprovider \
+            timeout -s INT -k 15 ${TEST_TIMEOUT:-90} python3 -m pytest -q -rfE --tb=short tests/test_parallel.py -p no:cacheprovider \
                 --junitxml="$OUT/tests-parallel.xml" > "$OUT/tests-parallel.log" 2>&1; tail -15 "$OUT/tests-parallel.log" ;;
         bench)
             rm -f "$OUT/dist-$MODEL.jsonl"
             for n in 1 2; do
                 [ "$n" -le "$NGPU" ] || continue
-                for run in "tritonllm ddp" "tritonllm fsdp" "baseline fsdp" "baseline ddp"; do
+                for run in "tritonllm ddp" "tritonllm fsdp" "baseline fsdp"; do
                     set -- $run
                     echo "== $1 $2 on $n GPU(s)"
-                    timeout -k 10 ${RUN_TIMEOUT:-75} torchrun --standalone --nproc_per_node=$n scripts/dist_bench.py \
+                    timeout -k 10 ${RUN_TIMEOUT:-65} torchrun --standalone --nproc_per_node=$n scripts/dist_bench.py \
                         --model "$MODEL" --side $1 --parallel $2 --out "$OUT" ${BENCH_ARGS:-} \
                         > "$OUT/dist-$MODEL-$1-$2-$n.log" 2>&1 || { echo "   failed or timed out:"; tail -4 "$OUT/dist-$MODEL-$1-$2-$n.log"; }
                     grep '^{' "$OUT/dist-$MODEL-$1-$2-$n.log" | tail -1

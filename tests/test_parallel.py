@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _checks import ON_GPU
-from test_train import ROOT, TINY, compose_train, read_metrics
+from test_train import ROOT, TINY, compose_train, data_overrides, read_metrics  # noqa: F401 (fixture)
 
 from tritonllm.data.loader import TokenLoader, TokenStream
 from tritonllm.kernels.adamw import adamw_step_, clip_grads_
@@ -83,16 +83,6 @@ def runs(tmp_path_factory, data_overrides):
     train(compose_train(*base, *ONE, f"out_dir={out['plain_from2']}",
                         f"trainer.resume={out['fsdp']}/checkpoints/step_00000002"))
     return out
-
-
-@pytest.fixture(scope="module")
-def data_overrides(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("texts")
-    with open(os.path.join(ROOT, "tritonllm", "train", "loop.py")) as f:
-        source = f.read()
-    for i in range(8):
-        (folder / f"part{i}.txt").write_text(source[i * 1000:] + source[:i * 1000])
-    return [f"data.files={folder}/*.txt", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
 
 
 def assert_losses_close(got: dict, ref: dict, steps) -> None:
