@@ -5,8 +5,10 @@
 
 - ``config``: the candidate's whole training config (``conf/train.yaml`` resolved, with its model,
   ``optim.lr`` and, for a token budget, ``trainer.max_steps`` already set);
-- ``budget_s``: a time budget in seconds, or null. The deadline starts when training does (the
-  trainer's ``studio.json`` appears: data loaded, model built); when it passes, a stop request
+- ``budget_s``: a time budget in seconds, or null. The deadline starts at the run's first
+  training record in ``metrics.jsonl`` (after the first log window: data loading, model build,
+  kernel compilation and autotuning and CUDA-graph capture, which differ between shapes, are not
+  counted; the window's steps are, as a small equal head start); when it passes, a stop request
   goes to the trainer through its Studio control file, which it reads at each log interval,
   checkpoints and stops; the validation loss is then measured on the weights it stopped with;
 - ``gpu_memory_gb``: on a CUDA device, the allocator is capped at this much
@@ -36,11 +38,27 @@ from tritonllm.errors import TrainingError
 _POLL_S = 0.2
 
 
-def _stop_after(run_dir: str, budget_s: float, done: threading.Event) -> None:
-    """Once training has started in ``run_dir``, wait ``budget_s`` seconds and ask the trainer to stop."""
-    from tritonllm.studio.hooks import CONTROL_FILE, STUDIO_FILE
+def _first_log_written(metrics_path: str) -> bool:
+    try:
+        with open(metrics_path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            if json.loads(line).get("kind") == "train":
+                return True
+        except json.JSONDecodeError:  # a line being written
+            return False
+    return False
 
-    while not os.path.exists(os.path.join(run_dir, STUDIO_FILE)):
+
+def _stop_after(run_dir: str, budget_s: float, done: threading.Event) -> None:
+    """Once the run in ``run_dir`` has logged its first training record, wait ``budget_s`` seconds
+    and ask the trainer to stop (through its Studio control file)."""
+    from tritonllm.studio.hooks import CONTROL_FILE
+
+    while not _first_log_written(os.path.join(run_dir, "metrics.jsonl")):
         if done.wait(_POLL_S):
             return
     if done.wait(budget_s):

@@ -49,7 +49,7 @@ from omegaconf import OmegaConf, open_dict
 from tritonllm.errors import ConfigError
 from tritonllm.evolve import results
 from tritonllm.evolve.sandbox import run_sandboxed
-from tritonllm.evolve.space import GENES, Candidate, Limits, SearchSpace
+from tritonllm.evolve.space import GENES, Candidate, Limits, SearchSpace, SpaceExhausted
 
 log = logging.getLogger("tritonllm.evolve")
 
@@ -346,7 +346,11 @@ class Search:
         if start:
             log.info("resuming %s: %d of %d candidates done", self.out_dir, start, self.total)
         for slot in range(start, self.total):
-            trial, cand, origin, parent = self._propose(slot, records)
+            try:
+                trial, cand, origin, parent = self._propose(slot, records)
+            except SpaceExhausted as e:
+                log.warning("search ends after %d of %d candidates: %s", slot, self.total, e)
+                break
             records.append(self._evaluate(slot, trial, cand, origin, parent))
             summary = results.write_all(self.out_dir, records, self.ev, self.seed)
             if summary["best"] is not None:

@@ -81,9 +81,14 @@ class Candidate:
 
     @property
     def key(self) -> str:
-        """Hash of the model and lr: two genomes that repair to the same run share it."""
-        blob = json.dumps({"model": self.model.to_dict(), "lr": self.lr}, sort_keys=True)
+        """Hash of the model (its name aside) and lr: two genomes that repair to the same run share it."""
+        model = {k: v for k, v in self.model.to_dict().items() if k != "name"}
+        blob = json.dumps({"model": model, "lr": self.lr}, sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+class SpaceExhausted(ConfigError):
+    """No valid candidate that was not evaluated already could be drawn."""
 
 
 @dataclass
@@ -214,24 +219,27 @@ class SearchSpace:
                tries: int = 50) -> Candidate:
         """A valid child of ``genome``: one to ``max_genes`` searched genes moved one step up or down
         their sorted choices (a layer inserted or removed, heads added or pruned, a width scaled, ...),
-        repaired; drawn again while the child is rejected, repairs to its parent's model or to one
-        whose :attr:`Candidate.key` is in ``avoid``. Raises ConfigError when ``tries`` draws found none."""
+        repaired; drawn again, with longer steps as the draws go on, while the child is rejected,
+        repairs to its parent's model or to one whose :attr:`Candidate.key` is in ``avoid``. Raises
+        :class:`SpaceExhausted` when ``tries`` draws found none."""
         parent = self.repair(genome)
         if isinstance(parent, Candidate):
             avoid = set(avoid) | {parent.key}
-        for _ in range(tries):
+        for attempt in range(tries):
             child = dict(genome)
+            reach = 1 + attempt * 4 // tries  # steps of up to 4 choices once the near neighbours are used up
             for gene in rng.sample(self.genes, k=rng.randint(1, min(max_genes, len(self.genes)))):
                 values = self.choices[gene]
                 if len(values) < 2:
                     continue
                 i = values.index(child[gene]) if child[gene] in values else 0
-                j = i + rng.choice((-1, 1))
-                child[gene] = values[j if 0 <= j < len(values) else i - (j - i)]
+                j = i + rng.choice((-1, 1)) * rng.randint(1, reach)
+                child[gene] = values[min(max(j if 0 <= j < len(values) else 2 * i - j, 0), len(values) - 1)]
             cand = self.repair(child)
             if isinstance(cand, Candidate) and cand.key not in avoid:
                 return cand
-        raise ConfigError(f"no valid mutation of {genome} in {tries} draws: widen evolve.space or raise the ceilings")
+        raise SpaceExhausted(f"no valid new mutation of {genome} in {tries} draws: widen evolve.space or raise "
+                             f"the ceilings")
 
 
 def violations(model: ModelConfig, limits: Limits) -> list[str]:
