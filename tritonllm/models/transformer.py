@@ -243,6 +243,7 @@ class Transformer(nn.Module):
             if getattr(m, "aux_loss", None) is not None:
                 loss = loss + m.aux_loss
                 aux = aux + m.aux_loss.detach()
+                m.aux_loss = None  # consumed: kept, it would hold the step's autograd graph past the backward
             if getattr(m, "stats", None):
                 stats.append(m.stats)
         self.last_losses = {"ce": ce, "z_loss": z_loss.detach(), "aux": aux}

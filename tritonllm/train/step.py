@@ -37,6 +37,7 @@ FSDP2 step runs eagerly (one log line says so).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 from collections import deque
@@ -218,6 +219,7 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             self.use_graph, self._static = False, None
             del graph  # and its private memory pool, before the eager step allocates
+            gc.collect()
             torch.cuda.empty_cache()
             log.warning("CUDA graph capture of the training step failed (%s); training eagerly", failure)
             return self._run([(self._to_device(x), self._to_device(y)) for x, y in batches])
