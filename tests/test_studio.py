@@ -153,7 +153,7 @@ def test_fabricated_runs_are_served_and_problems_named(fabricated):
         assert live["controllable"]
         assert runs["dead"]["status"] == "failed" and "exited without writing its end record" in runs["dead"]["problems"][0]
         assert runs["stale"]["status"] == "stale" and runs["stale"]["name"] == "stale"
-        assert runs["search"]["evolve"]
+        assert runs["search"]["evolve"] and runs["search"]["status"] == "running" and runs["search"]["problems"] == []
         for run in got["runs"]:  # every run's detail and records are served
             for path in (f"/api/run?id={run['id']}", f"/api/metrics?id={run['id']}&since=0"):
                 assert request(server, "GET", path)[0] == 200, path
@@ -209,10 +209,14 @@ def test_pareto_front_without_a_pareto_column(tmp_path):
             {"tokens_per_s": 100}]
     assert pareto_front(rows) == [0, 1]
     assert pareto_front([]) == []
+    assert Run("s", str(tmp_path), 600).summary()["status"] == "empty"
     _write(str(tmp_path / "results.csv"), "trial,val_loss,tokens_per_s\n0,2.0,10\n1,1.0,5\n2,2.5,9\n3,nan,100\n")
     problems = []
     ev = read_evolve(str(tmp_path), problems)
     assert ev["pareto"] == [0, 1] and ev["rows"][3]["val_loss"] is None and ev["best"] is None and problems == []
+    old = time.time() - 7200
+    os.utime(tmp_path / "results.csv", (old, old))
+    assert Run("s", str(tmp_path), 600).summary()["status"] == "finished"
 
 
 # ----------------------------------------------------------------------------- security

@@ -16,7 +16,8 @@ Status: the ``status`` of the run's ``kind: end`` record (finished, stopped, fai
 one; else, when ``studio.json`` names a trainer on this host, ``running`` while that process lives
 and ``failed`` once it is gone; else ``running`` while a file changed within ``stale_after``
 seconds, ``finished`` when the last record reached ``trainer.max_steps``, and ``stale`` otherwise;
-``empty`` when the folder holds nothing readable.
+``empty`` when the folder holds nothing readable. An evolution search's folder is ``running`` while
+its table changed within ``stale_after`` seconds, else ``finished``.
 """
 
 from __future__ import annotations
@@ -273,11 +274,13 @@ class Run:
             return "running"
         if step is not None and max_steps is not None and step >= max_steps:
             return "finished"
+        if step is None and any(os.path.isfile(self._file(n)) for n in EVOLVE_FILES):
+            return "finished"  # an evolution search rewrites its table after every trial: not for a while now
         return "stale"
 
     def _updated(self) -> float | None:
         times = []
-        for name in ("metrics.jsonl", "run_info.json", STUDIO_FILE, os.path.join(".hydra", "config.yaml")):
+        for name in ("metrics.jsonl", "run_info.json", STUDIO_FILE, os.path.join(".hydra", "config.yaml"), *EVOLVE_FILES):
             try:
                 times.append(os.path.getmtime(self._file(name)))
             except OSError:
