@@ -36,3 +36,9 @@ def test_every_kernel_module_is_in_the_wheel(wheel_names):
     for f in os.listdir(os.path.join(ROOT, "kernels")):
         if f.endswith(".py"):
             assert f"tritonllm/kernels/{f}" in wheel_names, f
+
+
+def test_wheel_ships_the_studio_page_and_its_vendored_charts(wheel_names):
+    for f in ("index.html", "studio.js", "studio.css", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css",
+              "vendor/uPlot.LICENSE"):
+        assert f"tritonllm/studio/static/{f}" in wheel_names, f
