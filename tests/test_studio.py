@@ -353,6 +353,14 @@ def test_gpu_telemetry_through_nvml(monkeypatch, caplog):
                           "gpu_power_w": 612.0}
     gpu.read()
     assert calls == ["init", "GPU-abc-123"]  # NVML started once
+
+    def unsupported(h):
+        raise RuntimeError("Not Supported")
+
+    monkeypatch.setattr(fake, "nvmlDeviceGetPowerUsage", unsupported)
+    with caplog.at_level("INFO", logger="tritonllm.studio"):
+        assert set(gpu.read()) == set(gpu.read()) == {"gpu_mem_gb", "gpu_mem_total_gb", "gpu_util", "gpu_temp_c"}
+    assert caplog.text.count("no power from NVML") == 1  # dropped after the first failure
     monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-ml-py not installed
     missing = GpuTelemetry(torch.device("cuda", 0))
     with caplog.at_level("INFO", logger="tritonllm.studio"):

@@ -59,48 +59,48 @@ class GpuTelemetry:
     """Memory, utilisation, temperature and power of one CUDA device through NVML.
 
     ``nvidia-ml-py`` is imported on first use; when it is missing or NVML cannot start, one log line
-    says so and :meth:`read` returns ``{}`` from then on.
+    says so and :meth:`read` returns ``{}`` from then on. A query the GPU does not support (power on
+    some boards, utilisation under MIG) is dropped after its first failure, with one log line.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._nvml = None
-        self._handle = None
-        self._failed = False
+        self._queries: dict | None = None  # name -> () -> {field: value}; None until NVML started
 
-    def _start(self) -> bool:
+    def _start(self) -> dict:
         try:
-            import pynvml
+            import pynvml as nv
         except ImportError:
             log.info("GPU telemetry off: nvidia-ml-py is not installed (pip install 'tritonllm[studio]')")
-            return False
+            return {}
         try:
-            pynvml.nvmlInit()
+            nv.nvmlInit()
             uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            h = nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
         except Exception as e:  # NVML absent from the driver, or a device NVML does not list
             log.info("GPU telemetry off: NVML could not start (%s: %s)", type(e).__name__, e)
-            return False
-        self._nvml = pynvml
-        return True
+            return {}
+
+        def memory():
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            return {"gpu_mem_gb": mem.used / 1e9, "gpu_mem_total_gb": mem.total / 1e9}
+
+        return {"memory": memory,
+                "utilisation": lambda: {"gpu_util": nv.nvmlDeviceGetUtilizationRates(h).gpu},
+                "temperature": lambda: {"gpu_temp_c": nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)},
+                "power": lambda: {"gpu_power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0}}
 
     def read(self) -> dict:
-        if self._failed:
-            return {}
-        if self._nvml is None and not self._start():
-            self._failed = True
-            return {}
-        nv, h = self._nvml, self._handle
-        try:
-            mem = nv.nvmlDeviceGetMemoryInfo(h)
-            return {"gpu_mem_gb": mem.used / 1e9, "gpu_mem_total_gb": mem.total / 1e9,
-                    "gpu_util": nv.nvmlDeviceGetUtilizationRates(h).gpu,
-                    "gpu_temp_c": nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
-                    "gpu_power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0}
-        except Exception as e:  # a query this GPU does not support: stop asking
-            log.info("GPU telemetry off: NVML query failed (%s: %s)", type(e).__name__, e)
-            self._failed = True
-            return {}
+        if self._queries is None:
+            self._queries = self._start()
+        out = {}
+        for name, query in list(self._queries.items()):
+            try:
+                out.update(query())
+            except Exception as e:  # not supported on this GPU: stop asking
+                log.info("GPU telemetry: no %s from NVML (%s: %s)", name, type(e).__name__, e)
+                del self._queries[name]
+        return out
 
 
 class RunHooks:
