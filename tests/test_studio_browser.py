@@ -1,6 +1,6 @@
 """Studio in a real headless Chromium driven by Playwright: the page loads without console errors,
 lists the runs, a chart grows while a real void_tiny run (in a thread) appends metrics, the
-stop button ends that run with a checkpoint, and an evolution search's front is shown. A screenshot goes to the test's folder
+lr multiplier reaches the trainer, the stop button ends that run with a checkpoint, and an evolution search's front is shown. A screenshot goes to the test's folder
 (``TRITONLLM_STUDIO_SCREENSHOT=docs/studio.png`` writes it there as well).
 
 Needs Chromium (Debian: ``apt-get install chromium``; or set ``TRITONLLM_CHROMIUM`` to a Chrome or
@@ -83,6 +83,10 @@ def test_page_follows_a_live_run_and_stops_it(page, tmp_path, data_overrides):  
                      "the finished run overlaid on the loss chart")
             page.wait_for_selector("#samples pre")
             page.wait_for_function("() => !document.getElementById('btn-stop').disabled")
+            page.fill("#lr-scale", "0.5")
+            page.click("#btn-lr")
+            wait_for(lambda: any(r.get("action") == "lr_scale" and r["lr_scale"] == 0.5 for r in read_records(str(live))),
+                     60, "the trainer to take the new lr multiplier")
             page.click("#btn-stop")
             assert page.text_content("#btn-stop") == "Click again to stop"
             page.click("#btn-stop")
