@@ -85,6 +85,7 @@ def fabricated(tmp_path):
            "trial,status,reason,val_loss,tokens_per_s,peak_mem_gb,pareto\n0,ok,,3.0,100.0,1.0,True\n"
            "1,ok,,2.5,80.0,1.0,True\n2,ok,,3.2,90.0,1.5,False\n3,failed,out of memory,,,,False\n")
     _write(str(tmp_path / "runs" / "search" / "best.json"), json.dumps({"memory_cap_gb": 1.2, "best": {"trial": 1}}))
+    _write(str(tmp_path / "runs" / "search" / "candidates" / "0000" / "run" / "metrics.jsonl"), _lines(*train))
     return str(tmp_path / "runs"), str(live)
 
 
@@ -139,7 +140,7 @@ def test_fabricated_runs_are_served_and_problems_named(fabricated):
         assert status == 200
         runs = {r["id"].split("/", 1)[1]: r for r in got["runs"]}
         assert set(runs) == {"empty/x", "truncated", "live", "dead", "stale", "search", "multirun/sweep/0",
-                             "multirun/sweep/1", "starting"}
+                             "multirun/sweep/1", "starting", "search/candidates/0000/run"}
         assert runs["starting"]["status"] == "running" and runs["starting"]["step"] is None  # building its model
         assert runs["empty/x"]["status"] == "empty" and "nothing readable" in runs["empty/x"]["problems"][0]
         t = runs["truncated"]
@@ -179,13 +180,13 @@ def test_cli_prints_the_address_and_serves(fabricated, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tritonllm.studio", root, "--port", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
-        assert proc.stdout.readline().startswith("tritonllm Studio: 9 runs under")
+        assert proc.stdout.readline().startswith("tritonllm Studio: 10 runs under")
         address = proc.stdout.readline().split()[-1]
         assert address.startswith("http://127.0.0.1:") and "/?key=" in address
         import urllib.request
 
         with urllib.request.urlopen(address.split("?")[0] + "api/runs", timeout=30) as r:
-            assert len(json.load(r)["runs"]) == 9
+            assert len(json.load(r)["runs"]) == 10
     finally:
         proc.terminate()
         proc.wait(30)

@@ -4,8 +4,9 @@ A **run folder** is any folder under the roots holding one of ``metrics.jsonl``,
 ``.hydra/``, ``checkpoints/`` or ``studio.json`` (what ``python -m tritonllm.train`` writes: see
 :mod:`tritonllm.logging_utils`, :mod:`tritonllm.checkpoint`, :mod:`tritonllm.studio.hooks`), or an
 empty leaf folder (a run that died before writing anything). An **evolution search** folder
-(``python -m tritonllm.evolve``) holds ``results.csv``, one candidate per row. Folders are searched down to
-:data:`MAX_DEPTH` levels; a run folder's own subfolders are not searched.
+(``python -m tritonllm.evolve``) holds ``results.csv``, one candidate per row; its candidates' run
+folders (``candidates/<n>/run``) are listed as runs. Folders are searched down to :data:`MAX_DEPTH`
+levels; a run folder's own subfolders are not searched.
 
 Everything is read defensively: a file that is missing, unreadable or half written becomes a line
 in the run's ``problems`` and the rest of the run is still served. ``metrics.jsonl`` is read
@@ -443,9 +444,11 @@ class RunIndex:
         except OSError:
             return
         names = {e.name for e in entries}
-        if any(m in names for m in RUN_MARKERS + EVOLVE_FILES):
+        if any(m in names for m in RUN_MARKERS):
             yield folder
             return
+        if any(m in names for m in EVOLVE_FILES):
+            yield folder  # and on into it: its candidates' run folders are runs too
         subdirs = [e.path for e in entries if e.is_dir() and e.name not in SKIP_DIRS and not e.name.startswith(".")]
         if not subdirs and depth > 0 and not any(e.is_file() for e in entries):
             yield folder  # an empty leaf: a run that died before writing anything
