@@ -86,6 +86,7 @@ def fabricated(tmp_path):
            "1,ok,,2.5,80.0,1.0,True\n2,ok,,3.2,90.0,1.5,False\n3,failed,out of memory,,,,False\n")
     _write(str(tmp_path / "runs" / "search" / "best.json"), json.dumps({"memory_cap_gb": 1.2, "best": {"trial": 1}}))
     _write(str(tmp_path / "runs" / "search" / "candidates" / "0000" / "run" / "metrics.jsonl"), _lines(*train))
+    _write(str(tmp_path / "runs" / "search" / ".hydra" / "config.yaml"), "evolve: {population: 3, generations: 2}\n")
     return str(tmp_path / "runs"), str(live)
 
 
@@ -154,7 +155,9 @@ def test_fabricated_runs_are_served_and_problems_named(fabricated):
         assert live["controllable"]
         assert runs["dead"]["status"] == "failed" and "exited without writing its end record" in runs["dead"]["problems"][0]
         assert runs["stale"]["status"] == "stale" and runs["stale"]["name"] == "stale"
-        assert runs["search"]["evolve"] and runs["search"]["status"] == "running" and runs["search"]["problems"] == []
+        search = runs["search"]  # 4 of 6 candidates evaluated (the failed one counts)
+        assert search["evolve"] and search["status"] == "running" and search["problems"] == []
+        assert (search["step"], search["max_steps"]) == (4, 6)
         for run in got["runs"]:  # every run's detail and records are served
             for path in (f"/api/run?id={run['id']}", f"/api/metrics?id={run['id']}&since=0"):
                 assert request(server, "GET", path)[0] == 200, path
@@ -217,7 +220,9 @@ def test_pareto_front_without_a_pareto_column(tmp_path):
     assert ev["pareto"] == [0, 1] and ev["rows"][3]["val_loss"] is None and ev["best"] is None and problems == []
     old = time.time() - 7200
     os.utime(tmp_path / "results.csv", (old, old))
-    assert Run("s", str(tmp_path), 600).summary()["status"] == "finished"
+    assert Run("s", str(tmp_path), 600).summary()["status"] == "stale"  # no config: how many were due is unknown
+    _write(str(tmp_path / ".hydra" / "config.yaml"), "evolve: {population: 2, generations: 2}\n")
+    assert Run("s", str(tmp_path), 600).summary()["status"] == "finished"  # 4 of 4 candidates, at once
 
 
 # ----------------------------------------------------------------------------- security

@@ -4,9 +4,9 @@ A **run folder** is any folder under the roots holding one of ``metrics.jsonl``,
 ``.hydra/``, ``checkpoints/`` or ``studio.json`` (what ``python -m tritonllm.train`` writes: see
 :mod:`tritonllm.logging_utils`, :mod:`tritonllm.checkpoint`, :mod:`tritonllm.studio.hooks`), or an
 empty leaf folder (a run that died before writing anything). An **evolution search** folder
-(``python -m tritonllm.evolve``) holds ``results.csv``, one candidate per row; its candidates' run
-folders (``candidates/<n>/run``) are listed as runs. Folders are searched down to :data:`MAX_DEPTH`
-levels; a run folder's own subfolders are not searched.
+(``python -m tritonllm.evolve``) holds ``results.csv`` (one candidate per row) or ``evolve.lock``;
+its candidates' run folders (``candidates/<n>/run``) are listed as runs too. Folders are searched
+down to :data:`MAX_DEPTH` levels; a run folder's own subfolders are not searched.
 
 Everything is read defensively: a file that is missing, unreadable or half written becomes a line
 in the run's ``problems`` and the rest of the run is still served. ``metrics.jsonl`` is read
@@ -17,8 +17,8 @@ Status: the ``status`` of the run's ``kind: end`` record (finished, stopped, fai
 one; else, when ``studio.json`` names a trainer on this host, ``running`` while that process lives
 and ``failed`` once it is gone; else ``running`` while a file changed within ``stale_after``
 seconds, ``finished`` when the last record reached ``trainer.max_steps``, and ``stale`` otherwise;
-``empty`` when the folder holds nothing readable. An evolution search's folder is ``running`` while
-its table changed within ``stale_after`` seconds, else ``finished``.
+``empty`` when the folder holds nothing readable. An evolution search's "step" is the number of
+candidates evaluated, of ``evolve.population x evolve.generations``: ``finished`` once all are.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tritonllm.studio.hooks import CONTROL_FILE, LR_SCALE_RANGE, STUDIO_FILE, TO
 
 MAX_DEPTH = 6
 RUN_MARKERS = ("metrics.jsonl", "run_info.json", ".hydra", "checkpoints", STUDIO_FILE)
-EVOLVE_FILES = ("results.csv",)
+EVOLVE_FILES = ("results.csv", "evolve.lock")  # what marks a search folder of tritonllm.evolve
 SKIP_DIRS = {"checkpoints", ".hydra", "wandb", "__pycache__", ".git", "node_modules"}
 #: objectives of an evolution search's Pareto front: column and direction (+1 minimise, -1 maximise)
 OBJECTIVES = (("val_loss", 1), ("tokens_per_s", -1), ("peak_mem_gb", 1))
@@ -235,6 +235,8 @@ class Run:
         train, end = last.get("train", {}), last.get("end")
         max_steps = (config.get("trainer") or {}).get("max_steps")
         step = max([r["step"] for r in records if _number(r.get("step"))], default=None)
+        if self._is_search():  # an evolution search: candidates evaluated of population x generations
+            step, max_steps = self._search_progress(problems)
         problems += self._metrics_problems(end is not None)
         status = self._status(end, studio, step, max_steps, problems)
         if end is not None and end.get("error"):
@@ -246,7 +248,7 @@ class Run:
                 "mfu": train.get("mfu"), "records": len(records), "skipped": skipped, "lr_scale": lr_scale,
                 "checkpoints": len(self._checkpoint_dirs()), "updated": self._updated(),
                 "controllable": status == "running" and os.path.isfile(self._file(TOKEN_FILE)),
-                "evolve": any(os.path.isfile(self._file(n)) for n in EVOLVE_FILES), "problems": problems}
+                "evolve": self._is_search(), "problems": problems}
 
     def _metrics_problems(self, ended: bool) -> list[str]:
         m, out = self.metrics, []
@@ -271,13 +273,28 @@ class Run:
             if not any(os.path.exists(self._file(m)) for m in RUN_MARKERS):
                 problems.append("nothing readable here: no metrics.jsonl, run_info.json, .hydra/ or checkpoints/")
             return "empty"
+        complete = step is not None and max_steps is not None and step >= max_steps
+        if complete and self._is_search():
+            return "finished"  # every candidate evaluated (the table is written after the last one)
         if time.time() - updated < self.stale_after:
             return "running"
-        if step is not None and max_steps is not None and step >= max_steps:
-            return "finished"
-        if step is None and any(os.path.isfile(self._file(n)) for n in EVOLVE_FILES):
-            return "finished"  # an evolution search rewrites its table after every trial: not for a while now
-        return "stale"
+        return "finished" if complete else "stale"
+
+    def _is_search(self) -> bool:
+        return any(os.path.isfile(self._file(n)) for n in EVOLVE_FILES)
+
+    def _search_progress(self, problems: list) -> tuple[int | None, int | None]:
+        """``(evaluated, population x generations)`` of an evolution search (rejected and duplicate
+        proposals take no slot); None for what its files do not tell."""
+        ev = read_evolve(self.path, problems)
+        done = sum(r.get("status", "ok") in ("ok", "failed") for r in ev["rows"]) if ev else None
+        cfg = _read_yaml(self._file(os.path.join(".hydra", "config.yaml")), problems, ".hydra/config.yaml")
+        search = cfg.get("evolve") if isinstance(cfg, dict) else None
+        try:
+            total = int(search["population"]) * int(search["generations"])
+        except (TypeError, KeyError, ValueError):
+            total = None
+        return done, total
 
     def _updated(self) -> float | None:
         times = []
@@ -444,11 +461,11 @@ class RunIndex:
         except OSError:
             return
         names = {e.name for e in entries}
-        if any(m in names for m in RUN_MARKERS):
-            yield folder
-            return
         if any(m in names for m in EVOLVE_FILES):
             yield folder  # and on into it: its candidates' run folders are runs too
+        elif any(m in names for m in RUN_MARKERS):
+            yield folder
+            return
         subdirs = [e.path for e in entries if e.is_dir() and e.name not in SKIP_DIRS and not e.name.startswith(".")]
         if not subdirs and depth > 0 and not any(e.is_file() for e in entries):
             yield folder  # an empty leaf: a run that died before writing anything
