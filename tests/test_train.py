@@ -166,7 +166,7 @@ def test_unreadable_checkpoint(tmp_path):
     path = save_checkpoint(str(tmp_path), 5, model, opt, {})
     with open(os.path.join(path, "model.safetensors"), "wb") as f:
         f.write(b"garbage, not safetensors")
-    with pytest.raises(CheckpointError, match="model.safetensors is unreadable"):
+    with pytest.raises(CheckpointError, match="is corrupt: model.safetensors does not match the checksum"):
         load_checkpoint(path, model, opt)
     os.remove(os.path.join(path, "state.json"))
     with pytest.raises(CheckpointError, match="step_00000005 is unreadable: state.json"):
@@ -202,17 +202,21 @@ def test_resume_reproduces_the_straight_run(straight_run, data_overrides, tmp_pa
     assert val2 == val
 
 
-def test_resume_auto_finds_the_previous_run(straight_run, data_overrides):
+def test_resume_latest_of_name_finds_the_previous_run(straight_run, data_overrides):
     out, val = straight_run
     sibling = os.path.join(os.path.dirname(out), "later")
-    assert train(compose_train(*TINY, *data_overrides, f"out_dir={sibling}", "trainer.resume=auto")) == val
+    assert train(compose_train(*TINY, *data_overrides, f"out_dir={sibling}", "trainer.resume=latest_of_name")) == val
+    assert read_metrics(sibling, "train") == [] and read_metrics(sibling, "val")[-1]["step"] == 4  # nothing trained
 
 
 def test_resume_with_another_model_shape_is_an_error(straight_run, data_overrides, tmp_path):
     out, _ = straight_run
-    with pytest.raises(CheckpointError, match=r"different model shape.*d_model=64 saved vs 96"):
+    with pytest.raises(ConfigError, match=r"config differs .* in 1 key\(s\): model.d_model: 64 -> 96.*resume_force"):
         train(compose_train(*TINY, *data_overrides, "model.d_model=96", f"out_dir={tmp_path}",
                             f"trainer.resume={out}/checkpoints"))
+    with pytest.raises(CheckpointError, match=r"different model shape.*d_model=64 saved vs 96"):
+        train(compose_train(*TINY, *data_overrides, "model.d_model=96", f"out_dir={tmp_path}",
+                            f"trainer.resume={out}/checkpoints", "trainer.resume_force=true"))
 
 
 def test_generate_cli(straight_run):

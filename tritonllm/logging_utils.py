@@ -4,7 +4,8 @@ Every run writes, in its folder:
 
 - ``run_info.json``: the resolved config, the git commit of the tritonllm checkout (and whether it
   had local changes), library versions, the device and the command line;
-- ``metrics.jsonl``: one JSON object per line, ``{"kind": "train" | "val" | "skip", "step": ..., ...}``;
+- ``metrics.jsonl``: one JSON object per line, ``{"kind": "train" | "val" | "skip", "step": ..., ...}``,
+  strict JSON (a NaN or an infinity is written as null; W&B gets the numbers as they are);
 - ``loss.png``: training and validation loss against step (matplotlib, Agg), redrawn at the end.
 
 ``logger=wandb`` also logs to Weights & Biases (``wandb`` is imported only then; ``logger.mode``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import socket
@@ -76,6 +78,38 @@ def hydra_job() -> dict:
         return {}
 
 
+def json_safe(value):
+    """``value`` with every non-finite float (in dicts, lists and tuples too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def rewind_metrics(path: str, step: int) -> None:
+    """Drop the records after ``step`` and the ``kind: end`` records from ``metrics.jsonl`` at
+    ``path`` (a run resumed at ``step`` logs those steps again: one record per step stays); the
+    file is replaced atomically. Nothing happens when it does not exist."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a kill
+                continue
+            if record.get("kind") != "end" and not (isinstance(record.get("step"), int) and record["step"] > step):
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 class RunLogger:
     """Writes the run's metrics and metadata; ``log(record)`` per event, ``close()`` at the end."""
 
@@ -105,7 +139,7 @@ class RunLogger:
         return run
 
     def log(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self._file.flush()
         if self.wandb is not None:
             kind = record["kind"]
@@ -144,9 +178,9 @@ def plot_losses(metrics_path: str, png_path: str) -> None:
         for line in f:
             r = json.loads(line)
             if r["kind"] == "train":
-                train.append((r["step"], r["loss"]))
+                train.append((r["step"], math.nan if r["loss"] is None else r["loss"]))
             elif r["kind"] == "val":
-                val.append((r["step"], r["val_loss"]))
+                val.append((r["step"], math.nan if r["val_loss"] is None else r["val_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         ax.plot(*zip(*train), label="train", lw=1)

@@ -28,11 +28,17 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device, key: str = "trainer.dtype") -> torch.dtype:
-    """``auto`` -> bf16 on CUDA, fp32 on CPU (the interpreter cannot do bf16 ``tl.dot``)."""
+    """``auto`` -> bf16 on CUDA, fp32 on CPU. bf16 on the CPU is a ConfigError naming ``key``: the
+    kernels run there in Triton's interpreter, which has no bfloat16 ``tl.dot`` (it multiplies the
+    raw bit patterns, triton issue 11584: a first loss of 1e10, not a slow run)."""
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if spec not in DTYPES:
         raise ConfigError(f"{key}={spec!r} is not one of auto, {', '.join(DTYPES)}")
+    if DTYPES[spec] == torch.bfloat16 and device.type != "cuda":
+        raise ConfigError(f"{key}={spec} cannot be computed on {device}: the kernels run there in Triton's interpreter, "
+                          f"whose bfloat16 matrix products are wrong (triton issue 11584); use {key}=fp32 (or auto) "
+                          f"on the CPU, bf16 on a CUDA GPU")
     return DTYPES[spec]
 
 

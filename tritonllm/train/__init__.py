@@ -5,8 +5,8 @@ Multi-GPU training (process groups, DDP / FSDP2 wrapping) goes beside these as i
 applied to the model from outside (DESIGN.md section 9)."""
 
 from tritonllm.train.loop import (NonFiniteGuard, available_models, build_optimizer, evaluate, model_config,
-                                  resume_path, train)
+                                  resume_candidates, train)
 from tritonllm.train.step import MetricsQueue, StepOutput, TrainStep, resolve_cuda_graph
 
 __all__ = ["MetricsQueue", "NonFiniteGuard", "StepOutput", "TrainStep", "available_models", "build_optimizer",
-           "evaluate", "model_config", "resolve_cuda_graph", "resume_path", "train"]
+           "evaluate", "model_config", "resolve_cuda_graph", "resume_candidates", "train"]

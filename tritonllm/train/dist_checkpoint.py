@@ -31,8 +31,9 @@ import shutil
 
 import torch
 
-from tritonllm.checkpoint import (CONFIG_FILE, MODEL_FILE, STATE_FILE, TOKENIZER_FILE, _write_json, list_checkpoints,
-                                  publish, read_state, rng_state, set_rng_state)
+from tritonllm.checkpoint import (CONFIG_FILE, MODEL_FILE, STATE_FILE, TMP_PREFIX, TOKENIZER_FILE, _write_json,
+                                  prune, publish, read_state, rng_state, set_rng_state, verify_checkpoint,
+                                  with_checksums)
 from tritonllm.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -64,16 +65,16 @@ def _agree(env, error: str | None) -> list[str]:
 
 def save_sharded(ckpt_dir: str, step: int, env, module: torch.nn.Module, optimizer, state: dict,
                  config_yaml: str | None = None, tokenizer_path: str | None = None,
-                 keep_last: int | None = None) -> str:
+                 keep_last: int | None = None, run_id: str | None = None) -> str:
     """Write checkpoint ``step`` of every rank's shards into ``ckpt_dir`` (collective: every rank
-    calls it) and keep the newest ``keep_last``. Returns the checkpoint's path. A CheckpointError
+    calls it) and keep the newest ``keep_last`` of the run ``run_id`` (:func:`tritonllm.checkpoint.prune`). Returns the checkpoint's path. A CheckpointError
     naming the ranks that failed is raised on every rank; nothing under ``step_*`` changes then."""
     import torch.distributed.checkpoint as dcp
 
     from tritonllm.train.parallel import barrier
 
     final = os.path.join(ckpt_dir, f"step_{step:08d}")
-    tmp = os.path.join(ckpt_dir, f".tmp-step_{step:08d}")
+    tmp = os.path.join(ckpt_dir, f"{TMP_PREFIX}{step:08d}")
     if env.main:
         os.makedirs(ckpt_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -91,10 +92,9 @@ def save_sharded(ckpt_dir: str, step: int, env, module: torch.nn.Module, optimiz
     errors = _agree(env, error)
     if not errors and env.main:
         try:
-            publish(tmp, final, {**state, "step": step, "world_size": env.world_size}, config_yaml, tokenizer_path)
-            if keep_last:
-                for _, old in list_checkpoints(ckpt_dir)[:-int(keep_last)]:
-                    shutil.rmtree(old, ignore_errors=True)
+            publish(tmp, final, {**state, "step": step, "world_size": env.world_size,
+                                 **({"run_id": run_id} if run_id is not None else {})}, config_yaml, tokenizer_path)
+            prune(ckpt_dir, keep_last, run_id)
         except Exception as e:  # noqa: BLE001 -- reported on every rank below
             error = f"{type(e).__name__}: {e}"
     errors = errors or _agree(env, error if env.main else None)
@@ -138,7 +138,7 @@ def load_sharded(path: str, env, module: torch.nn.Module, optimizer=None, restor
     is missing, unreadable or does not fit."""
     import torch.distributed.checkpoint as dcp
 
-    state = read_state(path)
+    state = verify_checkpoint(path)
     saved = _saved_shapes(path)
     model_sd = module.state_dict()
     _check_model(path, saved, model_sd, state.get("model_config"), model_config)
@@ -191,11 +191,14 @@ def export(path: str, out_dir: str) -> str:
     load_sharded(path, DistEnv(), model, restore_rng=False, model_config=state["model_config"])
     os.makedirs(out_dir, exist_ok=True)
     save_model(model, os.path.join(out_dir, MODEL_FILE))
-    _write_json(os.path.join(out_dir, STATE_FILE), {"step": state.get("step"), "model_config": state["model_config"],
-                                                    "exported_from": os.path.abspath(path)})
+    written = [MODEL_FILE]
     for name in (CONFIG_FILE, TOKENIZER_FILE):
         if os.path.isfile(os.path.join(path, name)):
             shutil.copyfile(os.path.join(path, name), os.path.join(out_dir, name))
+            written.append(name)
+    _write_json(os.path.join(out_dir, STATE_FILE), with_checksums(out_dir, {
+        "step": state.get("step"), "model_config": state["model_config"], "exported_from": os.path.abspath(path)},
+        written))
     return out_dir
 
 

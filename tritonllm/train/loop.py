@@ -26,11 +26,19 @@ last micro-batch: ``z_loss``, ``aux`` (the MoE auxiliary losses as added to the 
 MoE models, ``moe_aux``, ``moe_z`` (unscaled, mean over layers) and ``moe_max_load``.
 
 Checkpoints (``tritonllm.checkpoint``) every ``ckpt_interval`` steps and at the end, the last
-``keep_last`` kept. ``trainer.resume=auto`` continues from the newest checkpoint in ``ckpt_dir``,
-else (outside multirun) the newest one of the earlier runs of the same name
-(``outputs/<name>/*/checkpoints``); ``trainer.resume=<path>`` from that checkpoint or folder. A
-resumed run restores weights, optimizer state, RNG states and the data position, so its losses
-are those of the uninterrupted run (bit for bit in fp32 on the CPU, and with the graph on a GPU).
+``keep_last`` of this run kept (a run id in each checkpoint: other runs' are never pruned, and a
+fresh run refuses a ``ckpt_dir`` holding another run's checkpoints). ``ckpt_dir`` is created and
+test-written at start, and leftovers of a killed save are removed. A non-finite validation loss
+stops the run with an error instead of a checkpoint. ``trainer.resume=auto`` continues from the
+newest checkpoint in ``ckpt_dir`` that verifies (checksums, finite weights; each one skipped is
+logged), ``trainer.resume=latest_of_name`` also looks in the earlier runs of the same name
+(``outputs/<name>/*/checkpoints``, outside multirun), ``trainer.resume=<path>`` from that
+checkpoint or folder. A resume whose config differs from the checkpoint's in more than the
+schedule length, logging and checkpointing keys (:data:`RESUME_FREE_KEYS`) lists the keys and
+stops unless ``trainer.resume_force=true``. A resumed run restores weights, optimizer state, RNG
+states and the data position, so its losses are those of the uninterrupted run (bit for bit in
+fp32 on the CPU, and with the graph on a GPU); its ``metrics.jsonl`` drops the records after the
+resumed step, so each step keeps one record.
 
 Studio (:mod:`tritonllm.studio.hooks`): at each log interval the loop reads ``control.json`` if it
 changed (stop after a checkpoint, checkpoint now, learning-rate multiplier) and adds the GPU's NVML
@@ -46,15 +54,17 @@ import math
 import os
 import shutil
 import time
+import uuid
 
 import torch
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
-from tritonllm.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from tritonllm.checkpoint import (CONFIG_FILE, STATE_FILE, list_checkpoints, load_checkpoint, load_first_valid,
+                                  prepare_ckpt_dir, run_id_of, save_checkpoint)
 from tritonllm.data import load_corpus
 from tritonllm.errors import CheckpointError, ConfigError, TrainingError
-from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job
+from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job, rewind_metrics
 from tritonllm.runtime import resolve_dtype
 from tritonllm.schedule import check_schedule, lr_multiplier
 from tritonllm.studio.hooks import RunHooks
@@ -139,26 +149,68 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, master_weights: bool):
                  eps=float(optim_cfg.eps), weight_decay=float(optim_cfg.weight_decay), master_weights=master_weights)
 
 
-def resume_path(tr, out_dir: str) -> str | None:
-    """The checkpoint ``trainer.resume`` asks for (None: start fresh)."""
+def _newest_first(ckpt_dir: str) -> list[str]:
+    return [p for _, p in reversed(list_checkpoints(ckpt_dir))]
+
+
+def resume_candidates(tr, out_dir: str) -> list[str]:
+    """The checkpoints ``trainer.resume`` asks for, newest first: the run resumes from the first that
+    loads (empty: start fresh). ``auto``: this run's ``ckpt_dir``; ``latest_of_name``: that, else the
+    earlier run of the same name (``<out_dir>/../*/checkpoints``) whose newest checkpoint is the most
+    recent; a path: that checkpoint alone, or the checkpoints of that folder."""
     if tr.resume is None:
-        return None
-    if tr.resume == "auto":
-        found = find_checkpoint(tr.ckpt_dir)
-        if found is None and not hydra_job():
-            earlier = [c for d in glob.glob(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "*", "checkpoints"))
-                       if (c := find_checkpoint(d))]
-            found = max(earlier, key=lambda c: os.path.getmtime(os.path.join(c, "state.json")), default=None)
-        if found is None:
-            log.info("trainer.resume=auto: no checkpoint found, starting from scratch")
+        return []
+    if tr.resume in ("auto", "latest_of_name"):
+        found = _newest_first(tr.ckpt_dir)
+        if not found and tr.resume == "latest_of_name":
+            if hydra_job():
+                raise ConfigError("trainer.resume=latest_of_name looks beside the run folder, which in a multirun "
+                                  "holds the sweep's other jobs: give each job trainer.resume=<path> instead")
+            runs = [c for d in glob.glob(os.path.join(os.path.dirname(os.path.abspath(out_dir)), "*", "checkpoints"))
+                    if (c := _newest_first(d))]
+            found = max(runs, key=lambda c: os.path.getmtime(os.path.join(c[0], STATE_FILE)), default=[])
+        if not found:
+            log.info("trainer.resume=%s: no checkpoint in %s, starting from scratch", tr.resume, tr.ckpt_dir)
         return found
     path = os.path.expanduser(str(tr.resume))
     if not os.path.exists(path):
         raise CheckpointError(f"trainer.resume={path!r} does not exist")
-    found = find_checkpoint(path)
-    if found is None:
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return [path]
+    found = _newest_first(path)
+    if not found:
         raise CheckpointError(f"trainer.resume={path!r} holds no checkpoint (a step_* folder with state.json)")
     return found
+
+
+#: config keys a resume may change: the schedule length, logging, checkpointing and where/how it runs
+RESUME_FREE_KEYS = ("out_dir", "device", "logger.", "data.cache_dir", "trainer.max_steps", "trainer.resume",
+                    "trainer.resume_force", "trainer.ckpt_dir", "trainer.ckpt_interval", "trainer.keep_last",
+                    "trainer.log_interval", "trainer.eval_interval", "trainer.eval_batches", "trainer.progress",
+                    "trainer.sample_", "trainer.gpu_telemetry", "trainer.control", "trainer.peak_flops",
+                    "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel")
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        return {k: v for key, val in node.items() for k, v in _flat(val, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def config_differences(path: str, config: dict) -> list[str]:
+    """``key: saved -> now`` for each key of the resolved run ``config`` that differs from the
+    ``config.yaml`` of the checkpoint ``path`` (keys of :data:`RESUME_FREE_KEYS` excepted)."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        return []
+    try:
+        saved = _flat(OmegaConf.to_container(OmegaConf.load(file)))
+    except Exception as e:  # a corrupt config.yaml: the checkpoint's checksums say which file
+        raise CheckpointError(f"checkpoint {path} is unreadable: {CONFIG_FILE}: {e}") from None
+    now = _flat(config)
+    free = lambda k: any(k == f or (f.endswith((".", "_")) and k.startswith(f)) for f in RESUME_FREE_KEYS)  # noqa: E731
+    return [f"{k}: {saved.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}" for k in sorted(set(saved) | set(now))
+            if not free(k) and saved.get(k, "<absent>") != now.get(k, "<absent>")]
 
 
 @torch.no_grad()
@@ -207,6 +259,8 @@ def train(cfg) -> float:
         with open_dict(cfg):
             cfg.out_dir = out_dir
     os.makedirs(out_dir, exist_ok=True)
+    if env.main:
+        prepare_ckpt_dir(str(tr.ckpt_dir))
 
     if not env.main:  # rank 0 tokenizes and caches the corpus first, the others then read the cache
         barrier(env)
@@ -248,18 +302,39 @@ def train(cfg) -> float:
 
     step, tokens_seen = 0, 0
     guard = NonFiniteGuard(tr.max_bad_steps)
-    ckpt = broadcast_object(resume_path(tr, out_dir), env)
-    if ckpt is not None:
+    candidates = broadcast_object(resume_candidates(tr, out_dir), env)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+
+    def load(ckpt: str) -> dict:
+        differences = config_differences(ckpt, resolved)
+        if differences and not tr.get("resume_force", False):
+            raise ConfigError(f"trainer.resume: this run's config differs from that of checkpoint {ckpt} in "
+                              f"{len(differences)} key(s): {'; '.join(differences[:8])}; resume with the same "
+                              f"settings, or add trainer.resume_force=true to resume anyway")
+        if differences:
+            log.warning("trainer.resume_force=true: resuming %s with %d config change(s): %s", ckpt,
+                        len(differences), "; ".join(differences))
         if is_sharded(ckpt):
-            state = load_sharded(ckpt, env, model, optimizer, model_config=model_cfg.to_dict())
-        elif mode == "fsdp":
+            return load_sharded(ckpt, env, model, optimizer, model_config=model_cfg.to_dict())
+        if mode == "fsdp":
             raise CheckpointError(f"checkpoint {ckpt} was written by a single-process run: resume it with "
                                   f"trainer.parallel=ddp (or none), whose checkpoints FSDP2 runs can load")
-        else:
-            state = load_checkpoint(ckpt, model, optimizer, model_config=model_cfg.to_dict())
+        return load_checkpoint(ckpt, model, optimizer, model_config=model_cfg.to_dict())
+
+    run_id = broadcast_object(uuid.uuid4().hex[:12], env)  # a resumed run keeps its checkpoint's id
+    if candidates:
+        ckpt, state = load_first_valid(candidates, load)
         train_loader.load_state_dict(state["data"])
         step, tokens_seen, guard.consecutive = state["step"], state["tokens_seen"], state["bad_steps"]
+        run_id = str(state.get("run_id", ""))
         log.info("resumed from %s at step %d", ckpt, step)
+        if env.main:
+            rewind_metrics(os.path.join(out_dir, "metrics.jsonl"), step)
+    foreign = [p for _, p in list_checkpoints(tr.ckpt_dir) if run_id_of(p) not in (None, run_id)]
+    if foreign:
+        raise CheckpointError(f"trainer.ckpt_dir={tr.ckpt_dir!r} holds {len(foreign)} checkpoint(s) of another run "
+                              f"({', '.join(map(os.path.basename, foreign[:3]))}): continue that run with "
+                              f"trainer.resume=auto, or give this one its own trainer.ckpt_dir (nothing was changed)")
     # built after resuming: the optimizer's load_state_dict replaces the tensors a graph would hold
     train_step = TrainStep(model, optimizer, grad_clip=tr.grad_clip, grad_accum=tr.grad_accum, cuda_graph=cuda_graph,
                            parallel=parallel if env.distributed else None)
@@ -275,15 +350,21 @@ def train(cfg) -> float:
         state = {"data": train_loader.state_dict(), "model_config": model_cfg.to_dict(), "tokens_seen": tokens_seen,
                  "bad_steps": guard.consecutive}
         if env.distributed:
-            path = save_sharded(tr.ckpt_dir, step, env, model, optimizer, state, config_yaml, tok_path, tr.keep_last)
+            path = save_sharded(tr.ckpt_dir, step, env, model, optimizer, state, config_yaml, tok_path, tr.keep_last,
+                                run_id)
         else:
-            path = save_checkpoint(tr.ckpt_dir, step, model, optimizer, state, config_yaml, tok_path, tr.keep_last)
+            path = save_checkpoint(tr.ckpt_dir, step, model, optimizer, state, config_yaml, tok_path, tr.keep_last,
+                                   run_id)
         log.info("checkpoint %s", path)
 
     def validate() -> float:
         val = evaluate(model, val_loader, tr.eval_batches, device, parallel if env.distributed else None)
         run_log.log({"kind": "val", "step": step, "val_loss": val, "tokens": tokens_seen})
         log.info("step %d: validation loss %.4f", step, val)
+        if not math.isfinite(val):
+            raise TrainingError(f"step {step}: the validation loss is {val}; stopping without a checkpoint, so the "
+                                f"checkpoints in {tr.ckpt_dir} stay those of finite weights. Lower optim.lr, raise "
+                                f"sched.warmup_steps or check the data")
         return val
 
     from tqdm.auto import tqdm
@@ -295,9 +376,10 @@ def train(cfg) -> float:
 
     def consume(records) -> None:
         """Feed the metrics that reached the host to the guard (in step order) and the progress bar."""
-        for done, values, lr in records:
-            if not guard.observe(done, values["skipped"] != 0, values["loss"], values["grad_norm"]):
-                run_log.log({"kind": "skip", "step": done, "loss": values["loss"], "grad_norm": values["grad_norm"]})
+        for done, values, lr in records:  # `done` counts the steps before this one: it is step done + 1
+            if not guard.observe(done + 1, values["skipped"] != 0, values["loss"], values["grad_norm"]):
+                run_log.log({"kind": "skip", "step": done + 1, "loss": values["loss"],
+                             "grad_norm": values["grad_norm"]})
             latest.update(values, lr=lr)
 
     try:

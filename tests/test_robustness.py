@@ -1,0 +1,206 @@
+"""Nothing silently wrong: corrupt checkpoints are refused and resume falls back to one that verifies,
+runs own their checkpoints, impossible settings and bad values end in one clear line, data problems
+are found at start. The model and data are test_train's (void_tiny shrunk, a few text files)."""
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from _checks import DEVICE
+from test_train import TINY, compose_train, data_overrides, read_metrics  # noqa: F401 (fixture)
+
+from tritonllm.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint
+from tritonllm.errors import CheckpointError, ConfigError, TrainingError
+from tritonllm.logging_utils import rewind_metrics
+from tritonllm.train import train
+
+#: every step checkpointed, all kept: the straight run leaves step_1 .. step_4
+EVERY_STEP = ["trainer.ckpt_interval=1", "trainer.keep_last=10"]
+
+
+def snapshot(folder) -> dict:
+    """``{relative path: bytes}`` of every file under ``folder``."""
+    out = {}
+    for root, _, names in os.walk(folder):
+        for n in names:
+            path = os.path.join(root, n)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
+def flip_byte(path: str, where: float = 0.5) -> None:
+    """Flip the lowest bit of the byte at fraction ``where`` of the file."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        i = min(len(data) - 1, int(len(data) * where))
+        data[i] ^= 1
+        f.seek(0)
+        f.write(data)
+
+
+def steps(ckpt_dir) -> list[int]:
+    return [s for s, _ in list_checkpoints(str(ckpt_dir))]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_overrides):  # noqa: F811
+    """Four steps in one go, a checkpoint after each; returns the run folder and its train losses."""
+    out = tmp_path_factory.mktemp("robust") / "straight"
+    train(compose_train(*TINY, *data_overrides, *EVERY_STEP, f"out_dir={out}"))
+    return str(out), {r["step"]: r["loss"] for r in read_metrics(str(out), "train")}
+
+
+def copy_run(straight_dir: str, dest) -> str:
+    """A copy of the straight run's folder (metrics and checkpoints) at ``dest``."""
+    shutil.copytree(straight_dir, dest)
+    return str(dest)
+
+
+# ----------------------------------------------------------------------------- checkpoint integrity
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.yaml",
+                                  "tokenizer.model"])
+def test_flipped_byte_falls_back_to_the_previous_checkpoint(straight, data_overrides, tmp_path, caplog, name):  # noqa: F811
+    """One flipped bit in any file of the newest checkpoint: resume=auto says so, resumes from the one
+    before and trains the same step 4 as the uninterrupted run; the older checkpoints are untouched."""
+    out = copy_run(straight[0], tmp_path / "run")
+    ckpts = os.path.join(out, "checkpoints")
+    flip_byte(os.path.join(ckpts, "step_00000004", name))
+    before = snapshot(os.path.join(ckpts, "step_00000003"))
+    with caplog.at_level(logging.WARNING, logger="tritonllm.checkpoint"):
+        train(compose_train(*TINY, *data_overrides, *EVERY_STEP, f"out_dir={out}", "trainer.resume=auto"))
+    fallback = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(fallback) == 1 and "step_00000004" in fallback[0] and name in fallback[0], fallback
+    assert fallback[0].endswith("step_00000003")
+    assert snapshot(os.path.join(ckpts, "step_00000003")) == before
+    verify_checkpoint(os.path.join(ckpts, "step_00000004"))  # rewritten by the resumed run, whole again
+    losses = {r["step"]: r["loss"] for r in read_metrics(out, "train")}
+    assert losses == straight[1]  # steps 1-3 kept from before, step 4 trained again: bit-identical in fp32
+
+
+def test_flipped_byte_is_an_error_naming_the_file(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    path = save_checkpoint(str(tmp_path), 1, model, opt, {})
+    flip_byte(os.path.join(path, "model.safetensors"), 0.9)  # inside the tensor data: still loadable
+    with pytest.raises(CheckpointError, match=r"step_00000001 is corrupt: model.safetensors does not match the "
+                                              r"checksum written at save time"):
+        load_checkpoint(path, model, opt)
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.no_grad():
+        model.bias[1] = float("nan")
+    path = save_checkpoint(str(tmp_path), 1, model, opt, {})
+    with pytest.raises(CheckpointError, match=r"non-finite weights \(NaN or inf\) in 1 tensor\(s\): bias"):
+        load_checkpoint(path, torch.nn.Linear(4, 3), opt)
+
+
+def test_diverged_run_stops_before_checkpointing(data_overrides, tmp_path, monkeypatch):  # noqa: F811
+    """lr 1e30: the first update blows the weights up and every later step is skipped (kind: skip with
+    the step of its train record; the NaN gradient norms written as null: strict JSON). The validation
+    loss at step 2, made NaN here, stops the run before its checkpoint: step_1 stays the newest."""
+    from tritonllm.train import loop
+
+    monkeypatch.setattr(loop, "evaluate", lambda *a, **k: float("nan"))
+    with pytest.raises(TrainingError, match=r"step 2: the validation loss is nan; stopping without a checkpoint"):
+        train(compose_train(*TINY, *data_overrides, *EVERY_STEP, "optim.lr=1e30", f"out_dir={tmp_path}"))
+    assert steps(tmp_path / "checkpoints") == [1]
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in f]
+    assert [(r["step"], r["grad_norm"]) for r in records if r["kind"] == "skip"] == [(2, None)]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert [r["val_loss"] for r in records if r["kind"] == "val"] == [None]
+
+
+# ----------------------------------------------------------------------------- runs own their checkpoints
+
+def test_reused_checkpoint_folder_is_refused_untouched(straight, data_overrides, tmp_path):  # noqa: F811
+    ckpts = os.path.join(straight[0], "checkpoints")
+    before = snapshot(ckpts)
+    with pytest.raises(CheckpointError, match=r"holds 4 checkpoint\(s\) of another run \(step_00000001, "
+                                              r"step_00000002, step_00000003\): continue that run with "
+                                              r"trainer.resume=auto"):
+        train(compose_train(*TINY, *data_overrides, "trainer.max_steps=2", "trainer.keep_last=2",
+                            f"out_dir={tmp_path}", f"trainer.ckpt_dir={ckpts}"))
+    assert snapshot(ckpts) == before
+
+
+def test_pruning_keeps_other_runs_checkpoints(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    for step in (3, 4):
+        save_checkpoint(str(tmp_path), step, model, opt, {}, keep_last=2, run_id="first")
+    for step in (1, 2):
+        save_checkpoint(str(tmp_path), step, model, opt, {}, keep_last=1, run_id="second")
+    assert steps(tmp_path) == [2, 3, 4]
+
+
+def test_resume_auto_ignores_a_sibling_run(straight, data_overrides, tmp_path, caplog):  # noqa: F811
+    """resume=auto looks only in its own ckpt_dir: beside another run of the same name it starts
+    fresh (it resumed the sibling before), and the sibling's checkpoints stay as they were."""
+    sibling_ckpts = os.path.join(straight[0], "checkpoints")
+    before = snapshot(sibling_ckpts)
+    out = os.path.join(os.path.dirname(straight[0]), "beside")
+    with caplog.at_level(logging.INFO, logger="tritonllm.train"):
+        train(compose_train(*TINY, *data_overrides, "trainer.max_steps=1", "optim.lr=1e-3", "seed=7",
+                            f"out_dir={out}", "trainer.resume=auto"))
+    assert any("trainer.resume=auto: no checkpoint in" in r.getMessage() for r in caplog.records)
+    assert [r["step"] for r in read_metrics(out, "train")] == [1]
+    assert snapshot(sibling_ckpts) == before
+
+
+def test_resume_with_another_config_is_refused(straight, data_overrides, tmp_path):  # noqa: F811
+    with pytest.raises(ConfigError, match=r"differs from that of checkpoint .*step_00000004 in 2 key\(s\): "
+                                          r"optim.lr: 0.02 -> 0.001; seed: 1337 -> 7; .*trainer.resume_force=true"):
+        train(compose_train(*TINY, *data_overrides, "optim.lr=1e-3", "seed=7", f"out_dir={tmp_path}",
+                            f"trainer.resume={straight[0]}/checkpoints"))
+
+
+def test_kill_mid_save_leftovers(straight, data_overrides, tmp_path, caplog):  # noqa: F811
+    """A kill during the save of step 3: its .tmp-step_ folder is removed at the next start, the run
+    resumes from step 2, and metrics.jsonl keeps one record per step (the killed run had logged
+    steps 3 and 4 already)."""
+    out = copy_run(straight[0], tmp_path / "run")
+    ckpts = os.path.join(out, "checkpoints")
+    for s in (3, 4):
+        os.rename(os.path.join(ckpts, f"step_0000000{s}"), os.path.join(ckpts, f".tmp-step_0000000{s}-4242"))
+    with caplog.at_level(logging.INFO, logger="tritonllm.checkpoint"):
+        train(compose_train(*TINY, *data_overrides, *EVERY_STEP, f"out_dir={out}", "trainer.resume=auto"))
+    assert sum("left by a checkpoint save that did not finish" in r.getMessage() for r in caplog.records) == 2
+    assert sorted(os.listdir(ckpts)) == [f"step_0000000{s}" for s in (1, 2, 3, 4)]
+    assert [r["step"] for r in read_metrics(out, "train")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(out, "val")] == [2, 4]
+    assert {r["step"]: r["loss"] for r in read_metrics(out, "train")} == straight[1]
+
+
+def test_rewind_metrics_drops_later_records_and_cut_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "val", "step": 2}\n{"kind": "end", "step": 2}\n'
+                    '{"kind": "train", "step": 3}\n{"kind": "tr')
+    rewind_metrics(str(path), 2)
+    assert path.read_text() == '{"kind": "train", "step": 1}\n{"kind": "val", "step": 2}\n'
+
+
+def test_unwritable_checkpoint_folder_fails_at_start(data_overrides, tmp_path):  # noqa: F811
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match=r"trainer.ckpt_dir=.*a_file/checkpoints' is not writable"):
+        train(compose_train(*TINY, *data_overrides, f"out_dir={tmp_path}/run",
+                            f"trainer.ckpt_dir={blocker}/checkpoints"))
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")  # before any training
+
+
+# ----------------------------------------------------------------------------- impossible settings
+
+def test_bf16_on_the_cpu_is_refused(data_overrides, tmp_path):  # noqa: F811
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's limitation")
+    with pytest.raises(ConfigError, match=r"trainer.dtype=bf16 cannot be computed on cpu.*use trainer.dtype=fp32"):
+        train(compose_train(*TINY, *data_overrides, "trainer.dtype=bf16", f"out_dir={tmp_path}"))
