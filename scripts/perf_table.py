@@ -30,14 +30,23 @@ def kernel_rows(doc: dict) -> list[str]:
 
 
 def train_rows(doc: dict) -> list[str]:
-    out = [f"GPU: {doc['gpu']}, commit {doc['commit']}.", "",
-           "| model | batch x seq | tokens/s | MFU | peak GB | torch.compile tokens/s | torch.compile peak GB | speedup | triton share |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    """One line per side: tritonllm graphed and eager, then each baseline; wall, GPU kernel and host ms."""
+    out = [f"GPU: {doc['gpu']}, host CPU: {doc.get('host_cpu', '?')}, commit {doc['commit']}.", "",
+           "| model | batch x seq | side | tokens/s | MFU | step ms (wall) | GPU ms | host ms | peak GB | speedup |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        out.append(f"| {r['model']} | {r['batch']} x {r['seq_len']} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | "
-                   f"{r['peak_mem_gb']:.1f} | {r.get('baseline_compile_tokens_per_s', float('nan')):.0f} | "
-                   f"{r.get('baseline_peak_mem_gb', float('nan')):.1f} | {r.get('speedup', float('nan')):.2f} | "
-                   f"{r.get('triton_share', float('nan')):.1%} |")
+        sides = [("tritonllm, CUDA graph" if r.get("cuda_graph") else "tritonllm", r)]
+        sides += [("tritonllm, eager", r["eager"])] if "eager" in r else []
+        sides += [(f"PyTorch {name}", f) for name, f in r.get("baselines", {}).items()]
+        for name, f in sides:
+            if "step_ms" not in f:
+                out.append(f"| {r['model']} | {r['batch']} x {r['seq_len']} | {name} | failed: {f.get('error', '?')} |")
+                continue
+            speedup = f"{r['speedup']:.3f} vs {r['fastest_baseline']}" if f is r and r.get("speedup") else ""
+            out.append(f"| {r['model']} | {r['batch']} x {r['seq_len']} | {name} | {f['tokens_per_s']:.0f} | "
+                       f"{f['mfu']:.1%} | {f['step_ms']:.2f} | {f.get('gpu_ms', float('nan')):.2f} | "
+                       f"{f.get('host_ms', float('nan')):.2f}{'*' if f.get('host_waited') else ''} | "
+                       f"{f['peak_mem_gb']:.1f} | {speedup} |")
     return out
 
 
