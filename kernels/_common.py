@@ -273,6 +273,15 @@ def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim=None, min_ndim=None)
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
 
 
+def check_dot_dtype(name: str, t: torch.Tensor) -> None:
+    """A TypeError naming ``name`` for a bfloat16 CPU tensor given to a kernel whose math runs through
+    ``tl.dot``: Triton's interpreter multiplies bfloat16 operands' raw bit patterns (triton issue
+    11584), so the result would be off by orders of magnitude, not merely imprecise."""
+    if t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        raise TypeError(f"{name} is bfloat16 on the CPU: Triton's interpreter computes bfloat16 tl.dot wrongly "
+                        f"(triton issue 11584); use float32 or float16 there, bfloat16 on a CUDA device")
+
+
 def _differ(tensors: dict, attr: str) -> bool:
     """True when the non-None tensors' ``attr`` (device or dtype) is not the same for all."""
     first = None

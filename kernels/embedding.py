@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, interpreting, needs_grad
+from ._common import (INDEX_DTYPES, Launch, Plans, check_dot_dtype, check_same_device, check_tensor, interpreting,
+                      needs_grad)
 
 #: Forward tile (fixed config, no autotune: the autotuner's per-call key building cost host time on
 #: a ~10 us gather): BLOCK_N tokens x BLOCK_D columns per program.
@@ -138,6 +139,7 @@ def _check_fwd(ids, weight, validate: bool) -> None:
     check_tensor("weight", weight, ndim=2)
     check_tensor("ids", ids, dtypes=INDEX_DTYPES)
     check_same_device(ids=ids, weight=weight)
+    check_dot_dtype("weight", weight)  # the backward's scatter is a tl.dot with a one-hot matrix
     if validate:
         _check_id_range(ids, weight.shape[0])
 

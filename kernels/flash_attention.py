@@ -56,8 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, autotune, check_same_device, check_same_dtype, check_tensor, interpreting,
-                      needs_grad, next_pow2, num_sms, tma_scratch)
+from ._common import (Launch, Plans, autotune, check_dot_dtype, check_same_device, check_same_dtype, check_tensor,
+                      interpreting, needs_grad, next_pow2, num_sms, tma_scratch)
 
 #: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -662,6 +662,7 @@ def _check_attention_inputs(q, k, v, causal, window, softmax_scale) -> float:
         check_tensor(name, t, ndim=4)
     check_same_device(q=q, k=k, v=v)
     check_same_dtype(q=q, k=k, v=v)
+    check_dot_dtype("q", q)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape [B, S, Hkv, D], got k {tuple(k.shape)} "
                          f"and v {tuple(v.shape)}")
@@ -689,8 +690,8 @@ def _check_attention_inputs(q, k, v, causal, window, softmax_scale) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite number > 0 or None (1/sqrt(D)), got {softmax_scale!r}")
     return float(softmax_scale)
 
 

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2,
-                      num_sms, rows_view)
+from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting,
+                      next_pow2, num_sms, rows_view)
 from .linear import GPU_CONFIGS, PLAIN, SWIGLU_FWD, _prune_configs
 from .swiglu import swiglu_bwd
 
@@ -199,6 +199,7 @@ def _check_inputs(x, weight, expert_offsets, wname):
     check_tensor("expert_offsets", expert_offsets, dtypes=INDEX_DTYPES, ndim=1)
     check_same_device(x=x, **{wname: weight}, expert_offsets=expert_offsets)
     check_same_dtype(x=x, **{wname: weight})
+    check_dot_dtype("x", x)
     E, _, K = weight.shape
     if x.shape[1] != K:
         raise ValueError(f"x has {x.shape[1]} features but {wname} {tuple(weight.shape)} expects K={K}")

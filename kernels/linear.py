@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
-                      next_pow2, num_sms, tma_scratch)
+from ._common import (Launch, Plans, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting,
+                      needs_grad, next_pow2, num_sms, tma_scratch)
 from .swiglu import swiglu_bwd
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
@@ -592,6 +592,7 @@ def check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, weight_name: str 
     check_tensor(weight_name, weight, ndim=2)
     check_same_device(x=x, **{weight_name: weight})
     check_same_dtype(x=x, **{weight_name: weight})
+    check_dot_dtype("x", x)
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"{weight_name} has shape {tuple(weight.shape)}: its second dimension must equal "
                          f"x's last dimension K={x.shape[-1]}")

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad, next_pow2
+from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
+                      next_pow2)
 from .linear import as_matrix, gemm, linear_bwd, linear_fwd
 
 
@@ -137,6 +138,7 @@ def _check_lora_args(x, weight, bias, a, b, segments, scale, p, seed, residual) 
     check_tensor("lora_b", b, ndim=2)
     check_same_device(x=x, weight=weight, lora_a=a, lora_b=b)
     check_same_dtype(x=x, weight=weight, lora_a=a, lora_b=b)
+    check_dot_dtype("x", x)
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: its second dimension must equal x's last "

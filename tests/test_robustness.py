@@ -204,3 +204,34 @@ def test_bf16_on_the_cpu_is_refused(data_overrides, tmp_path):  # noqa: F811
         pytest.skip("the interpreter's limitation")
     with pytest.raises(ConfigError, match=r"trainer.dtype=bf16 cannot be computed on cpu.*use trainer.dtype=fp32"):
         train(compose_train(*TINY, *data_overrides, "trainer.dtype=bf16", f"out_dir={tmp_path}"))
+
+
+@pytest.mark.parametrize("op", ["linear", "linear_swiglu", "linear_cross_entropy", "flash_attention", "embedding",
+                                "grouped_linear"])
+def test_bf16_kernel_call_on_the_interpreter_is_refused(op):
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's limitation")
+    from tritonllm import kernels
+
+    bf = dict(dtype=torch.bfloat16)
+    x, w = torch.randn(4, 16, **bf), torch.randn(32, 16, **bf)
+    calls = {"linear": lambda: kernels.linear(x, w),
+             "linear_swiglu": lambda: kernels.linear_swiglu(x, w),
+             "linear_cross_entropy": lambda: kernels.linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.int64)),
+             "flash_attention": lambda: kernels.flash_attention(*(torch.randn(1, 4, 2, 16, **bf) for _ in range(3))),
+             "embedding": lambda: kernels.embedding(torch.zeros(3, dtype=torch.int64), w),
+             "grouped_linear": lambda: kernels.grouped_linear(x, torch.randn(2, 8, 16, **bf),
+                                                              torch.tensor([0, 2, 4]))}
+    name = "weight" if op == "embedding" else "q" if op == "flash_attention" else "x"
+    with pytest.raises(TypeError, match=f"^{name} is bfloat16 on the CPU: Triton's interpreter computes bfloat16 "
+                                        f"tl.dot wrongly .*use float32 or float16 there"):
+        calls[op]()
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan")])
+def test_flash_attention_softmax_scale_must_be_positive(scale):
+    from tritonllm.kernels import flash_attention
+
+    q = torch.randn(1, 4, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"softmax_scale must be a finite number > 0 or None"):
+        flash_attention(q, q, q, softmax_scale=scale)
