@@ -5,17 +5,21 @@ Import what you need::
 
     from tritonllm.kernels import rms_norm, linear, flash_attention, cross_entropy
 
-On a machine without a CUDA device the kernels run through Triton's interpreter on CPU
-tensors: ``TRITON_INTERPRET=1`` is set here, before any kernel is compiled, unless the
-environment already says otherwise.
+Choosing the interpreter. Triton runs kernels either compiled for a CUDA device or through its
+CPU interpreter on CPU tensors (slow: for tests and small experiments). It reads which from
+``TRITON_INTERPRET`` once, when Triton itself is imported (its own library functions are defined
+then), so the choice cannot wait for a kernel launch: make it before importing Triton or tritonllm,
+e.g. ``TRITON_INTERPRET=1 python train_mine.py``. An explicit value (``1`` or ``0``) is always
+honoured. Left unset, this import sets ``TRITON_INTERPRET=1`` only where nothing else could run
+the kernels (no CUDA device visible and Triton not imported yet) and logs a line on the
+``tritonllm.kernels`` logger saying so; on a machine with a CUDA device, or with Triton already
+imported, it changes nothing. ``interpreting()`` tells which mode is on, and a CPU tensor given to
+a kernel while the interpreter is off is refused with an error naming the argument and the variable.
 """
 
-import os as _os
+from ._interpreter import choose_interpreter as _choose_interpreter
 
-import torch as _torch
-
-if not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+_choose_interpreter()
 
 from ._common import interpreting  # noqa: E402
 # memory-bound ops

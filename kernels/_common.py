@@ -15,6 +15,8 @@ import os
 import torch
 import triton
 
+from ._interpreter import env_flag
+
 _log = logging.getLogger("tritonllm.kernels")
 
 #: dtypes every kernel accepts for activations and weights.
@@ -24,8 +26,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET``, read by Triton
+    when it was imported; see ``tritonllm.kernels``): the kernels then take CPU tensors."""
+    return env_flag(os.environ.get("TRITON_INTERPRET", "0"))
 
 
 def autotuning() -> bool:
@@ -261,7 +264,8 @@ def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim=None, min_ndim=None)
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cuda" and not (t.device.type == "cpu" and interpreting()):
         raise ValueError(
-            f"{name} must be a CUDA tensor (CPU tensors only run with TRITON_INTERPRET=1), "
+            f"{name} must be a CUDA tensor (CPU tensors only run under Triton's interpreter: TRITON_INTERPRET=1 "
+            "set before Triton is imported), "
             f"got a tensor on {t.device}"
         )
     if dtypes is not None and t.dtype not in dtypes:

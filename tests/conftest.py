@@ -1,7 +1,8 @@
 """Shared fixtures: the device tests run on and the dtypes checked there.
 
-Without a CUDA device the kernels run through Triton's interpreter on CPU tensors
-(``tritonllm.kernels`` sets ``TRITON_INTERPRET=1``). The interpreter cannot do bfloat16
+Without a CUDA device the kernels run through Triton's interpreter on CPU tensors: this file sets
+``TRITON_INTERPRET=1`` before anything imports Triton (the test files' own ``@triton.jit`` kernels
+need it too), unless the environment already chooses. The interpreter cannot do bfloat16
 ``tl.dot`` (triton issue 11584), so bfloat16 is checked only on the GPU.
 Autotuned kernels run one pinned config each (``TRITONLLM_NO_AUTOTUNE=1``, unless the environment
 says otherwise), so the GPU suite compiles each kernel variant once instead of once per config.
@@ -9,16 +10,17 @@ says otherwise), so the GPU suite compiles each kernel variant once instead of o
 
 import os
 import sys
+import zlib
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TRITONLLM_NO_AUTOTUNE", "1")
-
-import tritonllm.kernels  # noqa: E402,F401  (sets TRITON_INTERPRET before any kernel compiles)
-
 ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 if ON_GPU:
@@ -53,9 +55,23 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
 
 
+def seed_of(nodeid: str) -> int:
+    """The seed of the test ``nodeid``: a CRC-32 of its id, the same in every process and run (Python's
+    ``hash`` of a string is randomised per process), so a failure replays with the same data."""
+    return zlib.crc32(nodeid.encode())
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     """A different, reproducible seed per test: fresh random data, replayable from the test id."""
-    seed = abs(hash(request.node.nodeid)) % (2**31)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed_of(request.node.nodeid))
     yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report names its seed (``torch.manual_seed`` before the test ran)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("seed", f"torch.manual_seed({seed_of(item.nodeid)}) for {item.nodeid}"))

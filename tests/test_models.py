@@ -353,8 +353,39 @@ STORAGE_OPS = {
     "zero_", "fill_", "ones_like", "full", "scalar_tensor", "lift_fresh",
     "view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "split", "split_with_sizes", "unbind",
     "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "alias", "detach", "clone", "contiguous",
-    "copy_", "_to_copy", "cat", "stack", "set_", "resize_", "_local_scalar_dense",
+    "copy_", "_to_copy", "cat", "stack", "set_", "resize_",
 }
+#: aten ops that make the host wait for the device to read a value (``.item()``, ``bool(t)``, ``nonzero``)
+#: or a data-dependent size: a training step must make none (it would stall the CPU each step and
+#: break CUDA-graph capture).
+HOST_SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static", "equal", "allclose",
+                 "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "_assert_async"}
+#: Tensor methods that read values on the host without reaching the dispatcher (``.tolist()``,
+#: ``.numpy()``) or through it (the rest), watched by :class:`HostReads`.
+HOST_READ_METHODS = ("tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostReads:
+    """Records every call of :data:`HOST_READ_METHODS` on a tensor while the block runs."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch, self.calls = monkeypatch, []
+
+    def _watch(self, name):
+        method = getattr(torch.Tensor, name)
+
+        def watched(t, *args, **kwargs):
+            self.calls.append((name, tuple(t.shape)))
+            return method(t, *args, **kwargs)
+        self.monkeypatch.setattr(torch.Tensor, name, watched)
+
+    def __enter__(self):
+        for name in HOST_READ_METHODS:
+            self._watch(name)
+        return self
+
+    def __exit__(self, *exc):
+        self.monkeypatch.undo()
 
 
 class OpRecorder(TorchDispatchMode):
@@ -373,7 +404,7 @@ class OpRecorder(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_training_step_calls_no_pytorch_math(tied):
+def test_training_step_calls_no_pytorch_math(tied, monkeypatch):
     """Forward + backward with every feature on. PyTorch may only allocate, view and copy storage;
     beyond that it may touch integer tensors (the embedding's token-id checks and sort), 0-d floats
     (the loss bookkeeping) and, when tied, add the shared matrix's two gradients (autograd)."""
@@ -381,9 +412,48 @@ def test_training_step_calls_no_pytorch_math(tied):
     model = build_model(cfg, device=DEVICE)
     idx, targets = random_batch(cfg, 2, 5)
     model.rope_tables(DEVICE)
-    with OpRecorder() as rec:
+    with OpRecorder() as rec, HostReads(monkeypatch) as reads:
         model(idx, targets).backward()
+    syncs = [op for op, _ in rec.ops if op in HOST_SYNC_OPS] + reads.calls
+    assert not syncs, f"the training step synchronises with the device: {syncs}"
     math_ops = [(op, shapes) for op, shapes in rec.ops
                 if op not in STORAGE_OPS and any(shape != () for shape in shapes)]
     embed = (cfg.vocab_size, cfg.d_model)
     assert math_ops == ([("add", [embed, embed])] if tied else []), math_ops
+
+
+def test_audit_sees_host_syncs(monkeypatch):
+    """The audit above is not blind to a synchronisation: ``.item()`` and ``bool(t)`` reach the
+    dispatcher as HOST_SYNC_OPS, and the embedding's id range check (``validate``: one ``.tolist()``,
+    which does not) is seen by :class:`HostReads`; without the check the embedding makes none."""
+    from tritonllm.kernels import embedding
+
+    x = torch.randn(3, device=DEVICE)
+    with OpRecorder() as rec:
+        x.sum().item()
+        bool((x > 0).any())
+    assert [op for op, _ in rec.ops if op in HOST_SYNC_OPS] == ["_local_scalar_dense", "_local_scalar_dense"]
+    weight = torch.randn(11, 4, device=DEVICE)
+    ids = torch.randint(0, 11, (2, 3), device=DEVICE)
+    with HostReads(monkeypatch) as reads:
+        embedding(ids, weight, validate=True)
+    assert reads.calls == [("tolist", (2,))]
+    with OpRecorder() as rec, HostReads(monkeypatch) as reads:
+        embedding(ids, weight, validate=False)
+    assert not reads.calls and not [op for op, _ in rec.ops if op in HOST_SYNC_OPS]
+
+
+@pytest.mark.gpu
+def test_gpu_training_step_makes_no_host_sync():
+    """CUDA's own detector: forward + backward of the model with every feature on raise at any
+    synchronising call (``torch.cuda.set_sync_debug_mode("error")``)."""
+    cfg = tiny_cfg(qk_norm=True, window=4, z_loss_coef=1e-3)
+    model = build_model(cfg, device=DEVICE)
+    idx, targets = random_batch(cfg, 2, 64)
+    model(idx, targets).backward()  # first call: compiles, builds plans and rope tables
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(idx, targets).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
