@@ -7,12 +7,17 @@ with target t, label smoothing ls and z-loss weight zl (same definitions as ``cr
     loss_i = lse - (1 - ls) z_t - ls / V sum_j z_j + zl lse^2          (0 when t == ignore_index)
     dloss_i/dz_j = p_j (1 + 2 zl lse) - (1 - ls) [j == t] - ls / V,    p_j = exp(z_j - lse)
 
+With ``softcap`` c > 0 the logits are soft-capped first, z = c tanh(l / c) of the GEMM's l = x_i W^T
+(Gemma 2, modded-nanogpt), and the row's gradient is taken through the cap::
+
+    dloss_i/dl_j = dloss_i/dz_j (1 - (z_j / c)^2)
+
 ``mean`` divides the sum by the number of non-ignored rows (the loss is 0 when all are ignored),
 ``sum`` adds the rows, ``none`` returns the per-row losses (fp32).
 
 Forward, one chunk of C tokens at a time (C = ``chunk_size``), through one [C, V] buffer:
   1. buf = x_c W^T                       Triton GEMM (kernels.linear.gemm), logits in x's dtype
-  2. one program per row: softmax statistics over V (the whole row in registers when V fits, else
+  2. one program per row: the cap (fp32) on each logit as it is read, softmax statistics over V (the whole row in registers when V fits, else
      an online max/sum over blocks), the row's loss, then dloss/dz (unscaled) written over buf;
   3. dx_c = buf W                        GEMM into the rows of dx (split along V when C gives too
                                          few output tiles to fill the GPU)
@@ -44,6 +49,7 @@ import triton.language as tl
 from ._common import (INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, interpreting, needs_grad, next_pow2,
                       num_sms)
 from .linear import as_matrix, check_linear_inputs, gemm, split_fill, split_k_for
+from .softcap import check_cap, softcap_math
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -73,10 +79,23 @@ SCALE_BLOCK = 4096
 
 
 @triton.jit
-def _dlogits(z, cols, V, t, lse, coef, scale, label_smoothing):
-    """dloss/dz of logits ``z`` (fp32) at columns ``cols`` of a row with target t, times ``scale``."""
+def _dlogits(z, cols, V, t, lse, coef, scale, label_smoothing, softcap, SOFTCAP: tl.constexpr):
+    """dloss/dl of logits ``z`` (fp32; capped with SOFTCAP: z = softcap tanh(l / softcap)) at columns
+    ``cols`` of a row with target t, times ``scale``."""
     g = tl.exp(z - lse) * coef - label_smoothing / V - tl.where(cols == t, 1.0 - label_smoothing, 0.0)
+    if SOFTCAP:
+        u = tl.minimum(tl.abs(z) / softcap, 1.0)  # |z| <= softcap; the bound keeps masked (-inf) lanes finite
+        g = g * (1.0 - u * u)
     return g * scale
+
+
+@triton.jit
+def _load_logits(ptrs, mask, softcap, SOFTCAP: tl.constexpr):
+    """Logits at ``ptrs`` (-inf where not ``mask``): as stored, or with SOFTCAP capped in fp32."""
+    z = tl.load(ptrs, mask=mask, other=float("-inf"))
+    if SOFTCAP:
+        z = tl.where(mask, softcap_math(z.to(tl.float32), softcap), float("-inf"))
+    return z
 
 
 @triton.jit
@@ -90,7 +109,9 @@ def _linear_cross_entropy_fwd_kernel(
     row_grad_ptr,  # [C] upstream gradient of each row's loss, stride stride_g (HAS_ROW_GRAD)
     stride_g,
     V, ignore_index, label_smoothing, z_loss,
+    softcap,  # fp32 logit cap c (SOFTCAP): z = c tanh(l / c)
     HAS_SMOOTHING: tl.constexpr,  # label_smoothing > 0
+    SOFTCAP: tl.constexpr,  # cap the logits
     HAS_GRAD: tl.constexpr,
     STORE_Z: tl.constexpr,
     HAS_ROW_GRAD: tl.constexpr,
@@ -106,8 +127,8 @@ def _linear_cross_entropy_fwd_kernel(
     # softmax statistics (max, sum of exp(z - max)) and the sum of the logits (label smoothing)
     z_sum = tl.zeros([], tl.float32)
     if SINGLE_PASS:
-        # held in the logits' dtype (half the registers of fp32), converted where used
-        z_row = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+        # held in the logits' dtype (half the registers of fp32; fp32 once capped), converted where used
+        z_row = _load_logits(row_ptr + offs, offs < V, softcap, SOFTCAP)
         m = tl.max(z_row, axis=0).to(tl.float32)
         s = tl.sum(tl.exp(z_row.to(tl.float32) - m), axis=0)
         if HAS_SMOOTHING:
@@ -117,7 +138,7 @@ def _linear_cross_entropy_fwd_kernel(
         s = tl.zeros([], tl.float32)  # running sum of exp(z - m)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            z = _load_logits(row_ptr + cols, cols < V, softcap, SOFTCAP).to(tl.float32)
             m_new = tl.maximum(m, tl.max(z, axis=0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
@@ -126,6 +147,8 @@ def _linear_cross_entropy_fwd_kernel(
     lse = m + tl.log(s)
     in_range = valid & (t >= 0) & (t < V)
     z_t = tl.load(row_ptr + tl.where(in_range, t, 0), mask=in_range, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        z_t = softcap_math(z_t, softcap)
     z_term = z_loss * lse * lse
     loss = lse - (1.0 - label_smoothing) * z_t - label_smoothing / V * z_sum + z_term
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
@@ -139,13 +162,13 @@ def _linear_cross_entropy_fwd_kernel(
             scale = scale * tl.load(row_grad_ptr + row * stride_g).to(tl.float32)
         coef = 1.0 + 2.0 * z_loss * lse
         if SINGLE_PASS:
-            g = _dlogits(z_row.to(tl.float32), offs, V, t, lse, coef, scale, label_smoothing)
+            g = _dlogits(z_row.to(tl.float32), offs, V, t, lse, coef, scale, label_smoothing, softcap, SOFTCAP)
             tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=offs < V)
         else:
             for start in range(0, V, BLOCK_V):
                 cols = start + offs
-                z = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
-                g = _dlogits(z, cols, V, t, lse, coef, scale, label_smoothing)
+                z = _load_logits(row_ptr + cols, cols < V, softcap, SOFTCAP).to(tl.float32)
+                g = _dlogits(z, cols, V, t, lse, coef, scale, label_smoothing, softcap, SOFTCAP)
                 tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
 
 
@@ -207,7 +230,7 @@ def _linear_cross_entropy_bwd_kernel(
     tl.store(dst_ptr + offs, (src * factor).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size):
+def _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, softcap):
     check_linear_inputs(x, weight)
     check_tensor("target", target, dtypes=INDEX_DTYPES)
     check_same_device(x=x, target=target)
@@ -225,6 +248,11 @@ def _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduct
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if softcap is not None:
+        try:
+            check_cap(softcap)
+        except ValueError as e:
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}") from e
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,7 +277,7 @@ _ROW_PLANS, _SCALE_PLANS, _REDUCE_PLANS = Plans(), Plans(), Plans()
 
 
 def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, allow_tf32,
-                need_dx, need_dw, store_z, row_grad=None):
+                need_dx, need_dw, store_z, row_grad=None, softcap=None):
     """Per-row losses (and z terms) of all T rows; with need_dx / need_dw also dx [T, H] (x's
     dtype) and dW [V, H] (fp32 with DW_FP32, else W's dtype) of sum_i g_i loss_i (g_i = row_grad[i],
     else 1)."""
@@ -273,8 +301,8 @@ def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, all
         e = min(s + chunk, T)
         logits = gemm(x2[s:e], weight.t(), buf[: e - s], allow_tf32=allow_tf32)
         rg_stride = 0 if row_grad is None else row_grad.stride(0)
-        flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_GRAD=need_dx or need_dw, STORE_Z=store_z,
-                     HAS_ROW_GRAD=row_grad is not None, SINGLE_PASS=single)
+        flags = dict(HAS_SMOOTHING=label_smoothing > 0, SOFTCAP=softcap is not None, HAS_GRAD=need_dx or need_dw,
+                     STORE_Z=store_z, HAS_ROW_GRAD=row_grad is not None, SINGLE_PASS=single)
         key = (e - s, logits.stride(0), t.stride(0), rg_stride, V, ignore_index, block_v, ROW_NUM_WARPS,
                *flags.values())
         plan = _ROW_PLANS.get(key) or _ROW_PLANS.add(key, Launch(
@@ -283,7 +311,7 @@ def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, all
         plan(logits, logits.stride(0), t[s:e], t.stride(0), loss_rows[s:e],
              loss_rows if z_rows is None else z_rows[s:e],
              loss_rows if row_grad is None else row_grad[s:e], rg_stride,
-             V, ignore_index, float(label_smoothing), float(z_loss))
+             V, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0))
         if need_dx:
             gemm(logits, weight, dx[s:e], allow_tf32=allow_tf32, split_k=dx_splits)
         if need_dw:
@@ -307,7 +335,8 @@ def _scaled(src: torch.Tensor, dtype: torch.dtype, dloss: torch.Tensor, scale: t
 
 
 def linear_cross_entropy_fwd(x, weight, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                             reduction="mean", chunk_size=None, need_dx=False, need_dw=False, allow_tf32=True):
+                             reduction="mean", chunk_size=None, need_dx=False, need_dw=False, allow_tf32=True,
+                             softcap=None):
     """Loss, z-loss term and, for ``mean``/``sum``, the gradients of the loss (unscaled by dloss).
 
     Returns ``(loss, z, dx, dw, scale)``: loss and z are 0-dim fp32 (``mean``/``sum``) or per-row
@@ -315,13 +344,14 @@ def linear_cross_entropy_fwd(x, weight, target, ignore_index=-100, label_smoothi
     dtype; None unless requested, and always None for ``none``); scale is the fp32 [1] factor the
     gradients still need (1 / #valid rows for ``mean``, else 1).
     """
-    _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size)
+    _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, softcap)
     H = weight.shape[1]
     x2 = as_matrix(x, H)
     t = target.reshape(-1)
     none = reduction == "none"
     loss_rows, z_rows, dx, dw = _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk_size,
-                                            allow_tf32, need_dx and not none, need_dw and not none, store_z=True)
+                                            allow_tf32, need_dx and not none, need_dw and not none, store_z=True,
+                                            softcap=softcap)
     if none:
         return loss_rows.view(target.shape), z_rows.view(target.shape), None, None, None
     loss, z = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2))
@@ -351,12 +381,13 @@ def scale_stored_grads(dloss, dx, dw, scale, weight_dtype, in_place, applied=Non
 
 
 def linear_cross_entropy_bwd(dloss, x, weight, target, ignore_index, label_smoothing, z_loss, chunk_size,
-                             need_dx, need_dw, allow_tf32):
+                             need_dx, need_dw, allow_tf32, softcap=None):
     """(dx, dW) of ``reduction="none"``: the chunk loop again, each row of dloss/dz times its
     upstream gradient ``dloss[i]``."""
     x2 = as_matrix(x, weight.shape[1])
     _, _, dx, dw = _chunk_loop(x2, weight, target.reshape(-1), ignore_index, label_smoothing, z_loss, chunk_size,
-                               allow_tf32, need_dx, need_dw, store_z=False, row_grad=dloss.reshape(-1))
+                               allow_tf32, need_dx, need_dw, store_z=False, row_grad=dloss.reshape(-1),
+                               softcap=softcap)
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
     return None if dx is None else dx.view(x.shape), dw
@@ -365,14 +396,15 @@ def linear_cross_entropy_bwd(dloss, x, weight, target, ignore_index, label_smoot
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size,
-                return_z_loss, allow_tf32):
+                return_z_loss, allow_tf32, softcap):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, z, dx, dw, scale = linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss,
-                                                          reduction, chunk_size, need_dx, need_dw, allow_tf32)
+                                                          reduction, chunk_size, need_dx, need_dw, allow_tf32,
+                                                          softcap)
         ctx.reduction = reduction
         if reduction == "none":
             ctx.save_for_backward(x, weight, target)
-            ctx.args = (ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32)
+            ctx.args = (ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32, softcap)
         else:
             ctx.save_for_backward(dx, dw, scale)
             ctx.x_shape, ctx.weight_dtype, ctx.in_place, ctx.applied = x.shape, weight.dtype, GRAD_IN_PLACE, None
@@ -389,17 +421,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dx, dw, scale = ctx.saved_tensors
             dx, dw, ctx.applied = scale_stored_grads(dloss, dx, dw, scale, ctx.weight_dtype, ctx.in_place, ctx.applied)
             dx = None if dx is None else dx.view(ctx.x_shape)
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
-                         chunk_size: int | None = None, return_z_loss: bool = False, *, allow_tf32: bool = True):
+                         chunk_size: int | None = None, return_z_loss: bool = False, *, allow_tf32: bool = True,
+                         softcap: float | None = None):
     """Cross-entropy of the LM head ``x @ weight.T`` against ``target``, never materializing the logits.
 
     x [..., H] (fp32/fp16/bf16), weight [V, H] in x's dtype, target [...] (int32/int64, x's leading
     shape). Equals ``cross_entropy(linear(x, weight), target, ignore_index, label_smoothing, z_loss,
-    reduction)``: loss_i = lse - (1 - ls) z_t - ls/V sum_j z_j + z_loss lse^2 per non-ignored row,
+    reduction)``, with ``softcap`` (None: off; else c > 0) of ``softcap(linear(x, weight), c)``, the
+    logits z = c tanh(l / c) capped in fp32 inside the fused kernel: loss_i = lse - (1 - ls) z_t - ls/V sum_j z_j + z_loss lse^2 per non-ignored row,
     reduced by ``mean`` (over non-ignored rows; 0 when all are ignored), ``sum`` or ``none``
     (per-row fp32 losses, 0 on ignored rows). Tokens go through in chunks of ``chunk_size``
     (default: :func:`default_chunk`, Liger-Kernel's extra memory): extra memory is one
@@ -411,7 +445,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     """
     if not needs_grad(x, weight):
         loss, z, *_ = linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
-                                               chunk_size, allow_tf32=allow_tf32)
+                                               chunk_size, allow_tf32=allow_tf32, softcap=softcap)
         return (loss, z) if return_z_loss else loss
     return LinearCrossEntropyFunction.apply(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
-                                            chunk_size, return_z_loss, allow_tf32)
+                                            chunk_size, return_z_loss, allow_tf32, softcap)

@@ -11,12 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad
-
-#: elements per program and warps on the GPU (memory-bound; not measured yet)
-_BLOCK, _NUM_WARPS = 4096, 8
-#: under the interpreter the cost is per program: large blocks
-_INTERP_BLOCK = 65536
+from ._common import needs_grad
+from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
 @triton.jit
@@ -47,37 +43,14 @@ def _relu2_bwd_kernel(
     tl.store(dx_ptr + offs, (2.0 * r * dy).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _block() -> int:
-    return _INTERP_BLOCK if interpreting() else _BLOCK
-
-
 def relu2_fwd(x: torch.Tensor) -> torch.Tensor:
     """``relu(x)^2`` of a contiguous fp32/fp16/bf16 tensor, in its dtype."""
-    check_tensor("x", x)
-    if not x.is_contiguous():
-        raise ValueError("x must be contiguous")
-    y = torch.empty_like(x)
-    n = x.numel()
-    if n:
-        block = _block()
-        _relu2_fwd_kernel[(triton.cdiv(n, block),)](x, y, n, BLOCK=block, num_warps=_NUM_WARPS)
-    return y
+    return elementwise_fwd(_relu2_fwd_kernel, x)
 
 
 def relu2_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """``2 relu(x) dy`` (``dy`` made contiguous), in ``x``'s dtype."""
-    check_tensor("dy", dy)
-    check_same_device(x=x, dy=dy)
-    check_same_dtype(x=x, dy=dy)
-    if dy.shape != x.shape:
-        raise ValueError(f"dy has shape {tuple(dy.shape)} but x has {tuple(x.shape)}")
-    dy = dy.contiguous()
-    dx = torch.empty_like(x)
-    n = x.numel()
-    if n:
-        block = _block()
-        _relu2_bwd_kernel[(triton.cdiv(n, block),)](x, dy, dx, n, BLOCK=block, num_warps=_NUM_WARPS)
-    return dx
+    return elementwise_bwd(_relu2_bwd_kernel, x, "x", dy)
 
 
 class Relu2Function(torch.autograd.Function):

@@ -14,11 +14,13 @@ from tritonllm.kernels import linear_cross_entropy
 IGNORE = -100
 
 
-def reference(x, w, t, ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0, reduction="mean"):
-    """PyTorch: F.cross_entropy of the fp32 (or fp64) logits plus the z-loss term z_loss * lse^2.
-    Returns (loss, z-loss term), reduced alike."""
+def reference(x, w, t, ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0, reduction="mean", softcap=None):
+    """PyTorch: F.cross_entropy of the fp32 (or fp64) logits (capped to softcap * tanh(logits / softcap)
+    when given) plus the z-loss term z_loss * lse^2. Returns (loss, z-loss term), reduced alike."""
     logits = F.linear(x, w)
     logits = logits if logits.dtype == torch.float64 else logits.float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     V = w.shape[0]
     ce = F.cross_entropy(logits.reshape(-1, V), t.reshape(-1).long(), ignore_index=ignore_index,
                          label_smoothing=label_smoothing, reduction="none")
@@ -164,6 +166,46 @@ def test_long_vocabulary_knobs_and_rescaled_backward(dtype, dw_fp32, in_place, m
             assert_close(name, g, r, dtype=dtype, atol=gemm_atol(dtype))
 
 
+SOFTCAP_CASES = [
+    ((37, 17), 100, 16, "mean", 0.0, 0.0),  # chunk not dividing the tokens
+    ((2, 9, 33), 17, 5, "sum", 0.2, 1e-2),  # 3-D x, odd vocabulary, smoothing and z-loss
+    ((23, 5), 257, 8, "none", 0.1, 1e-3),  # per-row losses: backward reruns the chunks
+    ((1, 17), 1, None, "mean", 0.0, 0.0),  # a single token, a vocabulary of 1
+    ((6, 16), 1500, None, "mean", 0.1, 1e-3),  # over the interpreter's single-pass row: blocked sweeps
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=case_id)
+def test_softcap(case, dtype, poisoned_empty):
+    """Logit soft-capping fused into the row kernel: loss, z-loss, dx and dW against float64, with
+    logits large enough (x5) that the cap of 3 bends them well past the linear range."""
+    shape, V, chunk, reduction, ls, zl = case
+    H = shape[-1]
+    x = randn(*shape, dtype=dtype, scale=5.0, requires_grad=True)
+    w = randn(V, H, dtype=dtype, scale=H ** -0.5, requires_grad=True)
+    t = targets(shape[:-1], V)
+    check(x, w, t, dtype, label_smoothing=ls, z_loss=zl, reduction=reduction, chunk_size=chunk, softcap=3.0)
+
+
+def test_softcap_matches_capped_logits_and_no_grad():
+    """The fused op equals tritonllm's softcap of linear followed by cross_entropy; no_grad path alike."""
+    from tritonllm.kernels.cross_entropy import cross_entropy
+    from tritonllm.kernels.linear import linear
+    from tritonllm.kernels.softcap import softcap
+
+    x = randn(13, 24, scale=4.0, requires_grad=True)
+    w = randn(70, 24, scale=0.3, requires_grad=True)
+    t = targets((13,), 70)
+    fused = linear_cross_entropy(x, w, t, chunk_size=4, softcap=5)
+    unfused = cross_entropy(softcap(linear(x, w), 5.0), t)
+    for name, g, r in zip(("dx", "dW"), torch.autograd.grad(fused, [x, w]), torch.autograd.grad(unfused, [x, w])):
+        assert_close(name, g, r.double(), atol=gemm_atol(torch.float32))
+    with torch.no_grad():
+        assert_close("loss", linear_cross_entropy(x, w, t, softcap=5.0), unfused.double(),
+                     atol=gemm_atol(torch.float32))
+
+
 def _meta(*shape):
     return torch.empty(*shape, device="meta")
 
@@ -180,6 +222,10 @@ BAD_INPUTS = [
      lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((4,), 10), reduction="avg")),
     ("chunk_size", ValueError, "chunk_size",
      lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((4,), 10), chunk_size=0)),
+    ("softcap_zero", ValueError, "softcap",
+     lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((4,), 10), softcap=0.0)),
+    ("softcap_inf", ValueError, "softcap",
+     lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((4,), 10), softcap=float("inf"))),
     ("label_smoothing", ValueError, "label_smoothing",
      lambda: linear_cross_entropy(randn(4, 8), randn(10, 8), targets((4,), 10), label_smoothing=1.5)),
 ]

@@ -42,8 +42,9 @@ def test_relu2_bad_inputs():
 
 
 @pytest.mark.parametrize("options", [dict(mlp_act="relu2", window_schedule=[3, None]),
-                                     dict(window_schedule=[None, 2], qk_norm=True, tie_embeddings=False)],
-                         ids=["relu2-short-long", "swiglu-long-short"])
+                                     dict(window_schedule=[None, 2], qk_norm=True, tie_embeddings=False),
+                                     dict(logit_softcap=2.0, z_loss_coef=1e-2)],
+                         ids=["relu2-short-long", "swiglu-long-short", "softcap"])
 def test_model_matches_reference(options):
     """Loss and every parameter gradient, by name, against the float64 reference with the same options."""
     cfg = ModelConfig(name="tiny", **{**TINY, **options})
@@ -66,6 +67,24 @@ def test_model_matches_reference(options):
         assert_close(f"grad {name}", p.grad, g64[name].grad, same=g32[name].grad)
 
 
+def test_softcap_inference_logits_match_reference():
+    """The inference path (forward without targets, a cached prefill and one decode step) caps the logits."""
+    from tritonllm.models.transformer import KVCache
+
+    cfg = ModelConfig(name="tiny", **TINY, logit_softcap=1.5)
+    ours = build_model(cfg, device=DEVICE)
+    ref = ReferenceTransformer(cfg).to(device=DEVICE, dtype=torch.float64)
+    ref.load_state_dict(ours.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, 7), device=DEVICE)
+    with torch.no_grad():
+        want = ref(idx)
+        assert want.abs().max() < 1.5
+        assert_close("logits", ours(idx), want, atol=1e-5)
+        cache = KVCache(cfg, 2, 7, device=DEVICE, dtype=torch.float32)
+        ours(idx[:, :6], cache=cache)
+        assert_close("decode logits", ours.decode_step(idx[:, 6:].contiguous(), cache), want[:, 6], atol=1e-5)
+
+
 def test_window_schedule_cycles_and_defaults_unchanged():
     cfg = ModelConfig(**{**TINY, "n_layers": 5}, window_schedule=[8, 8, None])
     assert [cfg.layer_window(i) for i in range(5)] == [8, 8, None, 8, 8]
@@ -80,6 +99,8 @@ def test_window_schedule_cycles_and_defaults_unchanged():
     (dict(window_schedule=[0, None]), "window_schedule"),
     (dict(window_schedule=[True]), "window_schedule"),
     (dict(mlp_act="gelu"), "mlp_act"),
+    (dict(logit_softcap=0.0), "logit_softcap"),
+    (dict(logit_softcap=-3), "logit_softcap"),
     (dict(mlp_act="relu2", n_experts=4), "mlp_act"),
 ])
 def test_bad_options_name_the_field(bad, field):

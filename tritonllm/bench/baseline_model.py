@@ -13,7 +13,8 @@ parameters under ``torch.autocast("cuda", torch.bfloat16)`` and ``torch.compile`
         x    = x + y @ W_proj^T
         x    = x + mlp(rms_norm(x))                           (SwiGLU over the packed gate/up weight,
                                                                or the MoE layer below)
-    loss = cross_entropy(rms_norm(x) @ W_head^T, targets)     (+ z_loss_coef * mean lse^2,
+    loss = cross_entropy(rms_norm(x) @ W_head^T, targets)     (logits capped to c tanh(l / c) in fp32
+                                                               with logit_softcap c; + z_loss_coef * mean lse^2,
                                                                + the MoE layers' aux losses)
 
 RMSNorm is ``F.rms_norm``. RoPE is the half-split (GPT-NeoX / Llama) rotation
@@ -256,6 +257,8 @@ class BaselineTransformer(nn.Module):
                 aux_loss = aux if aux_loss is None else aux_loss + aux
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(F.rms_norm(x, (cfg.d_model,), self.norm.weight, cfg.norm_eps), head)
+        if cfg.logit_softcap is not None:
+            logits = cfg.logit_softcap * torch.tanh(logits.float() / cfg.logit_softcap)
         if targets is None:
             return logits
         logits, targets = logits.view(-1, logits.shape[-1]), targets.reshape(-1)

@@ -137,7 +137,7 @@ class ReferenceTransformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else _Linear(cfg.vocab_size, cfg.d_model)
 
     def forward(self, idx, targets=None):
-        """Logits ``[B, T, V]``, or the loss: mean cross-entropy + z_loss_coef * mean(logsumexp^2), both
+        """Logits ``[B, T, V]`` (soft-capped, c tanh(logits / c), with ``logit_softcap`` c), or the loss: mean cross-entropy + z_loss_coef * mean(logsumexp^2), both
         over the targets that are not -100."""
         cfg = self.cfg
         cos, sin = rope_tables(cfg, self.norm.weight.dtype, idx.device)
@@ -146,6 +146,8 @@ class ReferenceTransformer(nn.Module):
             x = block(x, cos, sin)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(rms_norm(x, self.norm.weight, cfg.norm_eps), head)
+        if cfg.logit_softcap is not None:
+            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
         if targets is None:
             return logits
         logits, targets = logits.view(-1, logits.shape[-1]), targets.reshape(-1)

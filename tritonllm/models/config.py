@@ -46,6 +46,7 @@ class ModelConfig:
     norm_eps: float = 1e-6  # epsilon of every RMSNorm
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
     init_std: float = 0.02  # std of the normal init; output projections get init_std / sqrt(2 * n_layers)
+    logit_softcap: float | None = None  # cap c of the LM-head logits, c * tanh(logits / c); None = uncapped
     z_loss_coef: float = 0.0  # weight of the LM-head z-loss (mean logsumexp^2) added to the training loss
     n_experts: int = 0  # routed experts per MoE layer; 0 = dense SwiGLU MLP
     moe_top_k: int = 2  # experts each token is routed to
@@ -86,6 +87,8 @@ class ModelConfig:
             raise ModelConfigError(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
         if self.mlp_act != "swiglu" and self.n_experts:
             raise ModelConfigError(f"mlp_act={self.mlp_act!r} is for the dense MLP; MoE experts are SwiGLU")
+        if self.logit_softcap is not None and not 0.0 < self.logit_softcap < float("inf"):
+            raise ModelConfigError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap}")
         if self.rope_scaling is not None and self.rope_scaling.get("type") not in ROPE_SCALINGS:
             raise ModelConfigError(f"rope_scaling must be None or a dict with type in {ROPE_SCALINGS}, "
                              f"got {self.rope_scaling}")

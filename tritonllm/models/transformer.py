@@ -36,6 +36,7 @@ from tritonllm.kernels.linear import linear
 from tritonllm.kernels.linear_cross_entropy import linear_cross_entropy
 from tritonllm.kernels.relu2 import relu2
 from tritonllm.kernels.rope import rope, rope_cos_sin
+from tritonllm.kernels.softcap import softcap
 from tritonllm.kernels.split_heads import split_heads
 from tritonllm.models.config import ModelConfig
 from tritonllm.nn import Embedding, Linear, LinearSwiGLU, RMSNorm
@@ -231,9 +232,10 @@ class Transformer(nn.Module):
         ``moe_max_load`` (the busiest expert's load over a balanced one's, worst layer)."""
         h = self.hidden(idx, cache)
         if targets is None:
-            return linear(h, self.head_weight)
+            return self.logits(h)
         loss, z_loss = linear_cross_entropy(h.view(-1, h.shape[-1]), self.head_weight, targets.reshape(-1),
-                                            z_loss=self.cfg.z_loss_coef, return_z_loss=True)
+                                            z_loss=self.cfg.z_loss_coef, return_z_loss=True,
+                                            softcap=self.cfg.logit_softcap)
         # 0-d bookkeeping only (PyTorch scalar ops): the logged CE without its z-loss part, and
         # the MLPs' auxiliary losses summed into the training loss.
         ce = loss.detach() - z_loss if self.cfg.z_loss_coef else loss.detach()
@@ -252,6 +254,13 @@ class Transformer(nn.Module):
             self.last_losses.update(moe_aux=per_layer["moe_aux"].mean(), moe_z=per_layer["moe_z"].mean(),
                                     moe_max_load=per_layer["moe_max_load"].max())
         return loss
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM-head logits ``[..., V]`` of final-norm hidden states ``h [..., d_model]``, soft-capped to
+        ``c * tanh(logits / c)`` when ``cfg.logit_softcap`` is c (the loss caps them inside the fused
+        LM-head cross-entropy instead)."""
+        logits = linear(h, self.head_weight)
+        return logits if self.cfg.logit_softcap is None else softcap(logits, self.cfg.logit_softcap)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameters held (a tied matrix once); ``exclude_embedding`` drops the token-embedding table."""
@@ -287,7 +296,7 @@ class Transformer(nn.Module):
             delta = block.mlp(h)
         h, _ = self.norm(delta, residual=x)
         cache.pos.copy_(kv_len)
-        return linear(h[:, -1], self.head_weight)
+        return self.logits(h[:, -1])
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -314,7 +323,7 @@ class Transformer(nn.Module):
                 raise ValueError("cuda_graph=True needs use_cache=True (the graph replays a step against the KV cache)")
             for _ in range(max_new_tokens):
                 h = self.hidden(idx[:, -self.cfg.max_seq_len:])
-                idx = torch.cat([idx, sample_next(linear(h[:, -1], self.head_weight), temperature, top_k, top_p)], 1)
+                idx = torch.cat([idx, sample_next(self.logits(h[:, -1]), temperature, top_k, top_p)], 1)
             return idx
         B, T = idx.shape
         total = T + max_new_tokens
@@ -418,7 +427,7 @@ class _Decoder:
         self.tokens[:, :T].copy_(idx)
         self.cache.reset()
         h = model.hidden(idx, self.cache)
-        self.tokens[:, T:T + 1].copy_(sample_next(linear(h[:, -1], model.head_weight), *self.sampling))
+        self.tokens[:, T:T + 1].copy_(sample_next(model.logits(h[:, -1]), *self.sampling))
         if max_new_tokens > 1 and self.graphed and self.graph is None:
             self._capture(model)
         for _ in range(max_new_tokens - 1):

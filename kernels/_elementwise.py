@@ -1,0 +1,45 @@
+"""Launchers shared by the flat elementwise ops (``relu2``, ``softcap``): a forward kernel
+``kernel(x, y, N, *scalars, BLOCK)`` and a backward kernel ``kernel(saved, dy, dx, N, *scalars, BLOCK)``
+over one contiguous run of ``N`` elements, ``BLOCK`` per program."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ._common import check_same_device, check_same_dtype, check_tensor, interpreting
+
+#: elements per program and warps on the GPU (memory-bound; not measured yet)
+BLOCK, NUM_WARPS = 4096, 8
+#: under the interpreter the cost is per program: large blocks
+INTERP_BLOCK = 65536
+
+
+def _launch(kernel, n: int, *args) -> None:
+    if n:
+        block = INTERP_BLOCK if interpreting() else BLOCK
+        kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=NUM_WARPS)
+
+
+def elementwise_fwd(kernel, x: torch.Tensor, *scalars) -> torch.Tensor:
+    """``kernel`` over a contiguous fp32/fp16/bf16 ``x`` into a new tensor like it."""
+    check_tensor("x", x)
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    y = torch.empty_like(x)
+    _launch(kernel, x.numel(), x, y, x.numel(), *scalars)
+    return y
+
+
+def elementwise_bwd(kernel, saved: torch.Tensor, name: str, dy: torch.Tensor, *scalars) -> torch.Tensor:
+    """``kernel`` over the forward's ``saved`` tensor (called ``name`` in errors) and ``dy`` (made
+    contiguous) into a new gradient like ``saved``."""
+    check_tensor("dy", dy)
+    check_same_device(**{name: saved, "dy": dy})
+    check_same_dtype(**{name: saved, "dy": dy})
+    if dy.shape != saved.shape:
+        raise ValueError(f"dy has shape {tuple(dy.shape)} but {name} has {tuple(saved.shape)}")
+    dy = dy.contiguous()
+    dx = torch.empty_like(saved)
+    _launch(kernel, saved.numel(), saved, dy, dx, saved.numel(), *scalars)
+    return dx
