@@ -125,3 +125,136 @@ def test_model_one_token_sequence(qk_norm, poisoned_empty):
     g64, g32 = dict(ref64.named_parameters()), dict(ref32.named_parameters())
     for name, p in ours.named_parameters():
         assert_close(f"grad {name}", p.grad, g64[name].grad, same=g32[name].grad)
+
+
+# ------------------------------------------------------------------------------ GEMM and linear
+
+#: (M, K, N): a one-element product, K = 1 (one K step, mostly masked), M = 1 / N = 1 (one row or
+#: column of a 16-wide tile)
+TINY_GEMMS = [(1, 1, 1), (37, 1, 5), (1, 37, 1), (1, 1, 37), (5, 17, 1)]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", TINY_GEMMS, ids=lambda c: "x".join(map(str, c)))
+def test_linear_tiny_dims(case, dtype, poisoned_empty):
+    """y = x W^T + b and dx, dW, db (a one-row bias sum when M = 1) against float64."""
+    from test_linear import check, ref_linear
+    from tritonllm.kernels import linear
+
+    M, K, N = case
+    x = randn(M, K, dtype=dtype, requires_grad=True)
+    w = randn(N, K, dtype=dtype, scale=K ** -0.5, requires_grad=True)
+    b = randn(N, dtype=dtype, requires_grad=True)
+    check(linear, ref_linear, [x, w, b], ["x", "weight", "bias"])
+
+
+def test_linear_zero_rows(poisoned_empty):
+    """x with no rows: y is [0, N]; dW (a GEMM over K = 0, no K step) and db (a sum of no rows) are zeros."""
+    from tritonllm.kernels import linear
+
+    x = randn(0, 8, requires_grad=True)
+    w = randn(5, 8, requires_grad=True)
+    b = randn(5, requires_grad=True)
+    y = linear(x, w, b)
+    assert y.shape == (0, 5)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
+    assert dx.shape == (0, 8)
+    assert torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("M,N,K,splits", [(3, 5, 1, 4), (1, 1, 300, 8), (17, 1, 20, 3)],
+                         ids=["K1-4splits", "M1-N1-8splits", "N1-3splits"])
+def test_gemm_split_k_empty_splits(M, N, K, splits, poisoned_empty):
+    """Split-K where most splits get no K tile (the interpreter's BLOCK_K covers K = 1 and 20 in one
+    step): their fp32 partials must be written as zeros before the fixed-order sum."""
+    linear_module = importlib.import_module("tritonllm.kernels.linear")
+    a, b = randn(M, K), randn(N, K).t()
+    c = linear_module.gemm(a, b, torch.empty(M, N, device=DEVICE), split_k=splits, allow_tf32=False)
+    assert_close("c", c, a.double() @ b.double())
+
+
+# ------------------------------------------------------------------------------ grouped GEMM and MoE
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["linear", "swiglu"])
+def test_grouped_linear_no_rows_at_all(swiglu, poisoned_empty):
+    """Every expert empty (M = 0, e.g. an expert-parallel rank that receives no token): y and dx
+    have no rows and dW, whose programs loop over no row, is written as zeros."""
+    from tritonllm.kernels import grouped_linear, grouped_linear_swiglu
+
+    E, K, N = 3, 24, 20
+    x = randn(0, K, requires_grad=True)
+    w = randn(E, 2 * N if swiglu else N, K, requires_grad=True)
+    y = (grouped_linear_swiglu if swiglu else grouped_linear)(x, w, torch.zeros(E + 1, dtype=torch.int32,
+                                                                                   device=DEVICE))
+    assert y.shape == (0, N)
+    dx, dw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    assert dx.shape == (0, K)
+    assert torch.equal(dw, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=dtype_id)
+def test_moe_all_tokens_one_expert(dtype, poisoned_empty):
+    """Every token routed to expert 2 of 4 (top-1): sort, gather, grouped SwiGLU, grouped down
+    projection and combine against float64; the other experts' weight gradients are exact zeros."""
+    import torch.nn.functional as F
+
+    from tritonllm.kernels import grouped_linear, grouped_linear_swiglu, moe_combine, moe_gather, moe_sort
+
+    T, E, D, Fd, hot = 9, 4, 16, 24, 2
+    plan = moe_sort(torch.full((T, 1), hot, dtype=torch.int32, device=DEVICE), E)
+    assert plan.expert_offsets.tolist() == [0, 0, 0, T, T]
+    x = randn(T, D, dtype=dtype, requires_grad=True)
+    w13 = randn(E, 2 * Fd, D, dtype=dtype, scale=D ** -0.5, requires_grad=True)
+    w2 = randn(E, D, Fd, dtype=dtype, scale=Fd ** -0.5, requires_grad=True)
+    gate = torch.rand(T, 1, device=DEVICE, requires_grad=True)
+    h = grouped_linear_swiglu(moe_gather(x, plan), w13, plan.expert_offsets)
+    y = moe_combine(grouped_linear(h, w2, plan.expert_offsets), gate, plan)
+    dy = randn(T, D, dtype=dtype)
+    grads = torch.autograd.grad(y, (x, w13, w2, gate), dy)
+
+    def ref(x, w13, w2, gate):
+        g, u = (x @ w13[hot].T).chunk(2, dim=-1)
+        return (F.silu(g) * u) @ w2[hot].T * gate
+
+    ins64 = [t.detach().double().requires_grad_() for t in (x, w13, w2, gate)]
+    y64 = ref(*ins64)
+    ins_same = [t.detach().clone().requires_grad_() for t in (x, w13, w2, gate)]
+    y_same = ref(*ins_same)
+    assert_close("y", y, y64, y_same)
+    refs64 = torch.autograd.grad(y64, ins64, dy.double())
+    refs_same = torch.autograd.grad(y_same, ins_same, dy)
+    for name, g, g64, gs in zip(("dx", "dw13", "dw2", "dgate"), grads, refs64, refs_same):
+        assert_close(name, g, g64, gs.float() if name == "dgate" else gs, dtype=dtype)
+    for name, g in (("dw13", grads[1]), ("dw2", grads[2])):
+        cold = [e for e in range(E) if e != hot]
+        assert torch.equal(g[cold], torch.zeros_like(g[cold])), f"{name} of the experts without rows must be 0"
+
+
+# ------------------------------------------------------------------------------ embedding, optimizer
+
+def test_embedding_one_token(poisoned_empty):
+    """One token: the backward program of the other ids' block walks no token and writes zeros."""
+    from tritonllm.kernels import embedding
+
+    V, D = 70, 24
+    w = randn(V, D, requires_grad=True)
+    ids = torch.tensor([3], device=DEVICE)
+    out = embedding(ids, w)
+    dy = randn(1, D)
+    (dw,) = torch.autograd.grad(out, w, dy)
+    ref = torch.zeros(V, D, dtype=torch.float64)
+    ref[3] = dy.double()[0]
+    assert_close("out", out, w.detach().double()[ids])
+    assert torch.equal(dw.double(), ref)
+
+
+def test_clip_grads_of_empty_tensors(poisoned_empty):
+    """Gradients with no elements: no chunk, no partial sum (the poisoned partials buffer is never
+    read); the norm is 0 and nothing is scaled."""
+    from tritonllm.kernels import clip_grads_
+
+    grads = [torch.empty(0, device=DEVICE), torch.empty(0, 3, device=DEVICE)]
+    norm = clip_grads_(grads, 1.0)
+    assert norm.item() == 0.0
+    g = randn(5)
+    assert_close("norm", clip_grads_([torch.empty(0, device=DEVICE), g], 1e9), g.double().norm())
