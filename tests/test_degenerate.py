@@ -258,3 +258,31 @@ def test_clip_grads_of_empty_tensors(poisoned_empty):
     assert norm.item() == 0.0
     g = randn(5)
     assert_close("norm", clip_grads_([torch.empty(0, device=DEVICE), g], 1e9), g.double().norm())
+
+
+def _zero_rows_weight_grad(op: str):
+    """(weight, its gradient) of ``op`` applied to a batch of no rows (x [0, 8])."""
+    import tritonllm.kernels as K
+
+    x = randn(0, 8, requires_grad=True)
+    if op == "rms_norm":
+        w = randn(8, requires_grad=True)
+        y = K.rms_norm(x, w).sum()
+    elif op == "linear_swiglu":
+        w = randn(10, 8, requires_grad=True)
+        y = K.linear_swiglu(x, w).sum()
+    elif op == "embedding":
+        w = randn(10, 8, requires_grad=True)
+        y = K.embedding(torch.zeros(0, dtype=torch.long, device=DEVICE), w).sum()
+    else:
+        w = randn(10, 8, requires_grad=True)
+        y = K.linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.long, device=DEVICE), reduction="sum")
+    return w, torch.autograd.grad(y, w)[0]
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "linear_swiglu", "embedding", "linear_cross_entropy"])
+def test_weight_grad_of_no_rows(op, poisoned_empty):
+    """A batch with no rows: the weight gradient (per-program partials over no rows, a GEMM over
+    K = 0, a segment sum over no token) is written as zeros."""
+    w, dw = _zero_rows_weight_grad(op)
+    assert torch.equal(dw, torch.zeros_like(w)), f"{op}: weight gradient of no rows must be 0"
