@@ -20,7 +20,7 @@ from tritonllm.evolve.results import best_under_cap, pareto_front
 from tritonllm.evolve.sandbox import run_sandboxed
 from tritonllm.evolve.search import Journal, parse_budget, run_search
 from tritonllm.evolve.evaluate import evaluate_candidate
-from tritonllm.evolve.space import STATE_BYTES_PER_PARAM, Candidate, Limits, Rejection, SearchSpace, violations
+from tritonllm.evolve.space import STATE_BYTES_PER_PARAM, Limits, Rejection, SearchSpace, violations
 from tritonllm.kernels.flash_attention import HEAD_DIMS
 from tritonllm.models.config import ModelConfig
 from tritonllm.train import available_models

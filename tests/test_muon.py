@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from _checks import DEVICE, ON_GPU, assert_close, dtype_id, randn
+from _checks import DEVICE, ON_GPU, assert_close, randn
 from tritonllm.kernels import muon_step_, orthogonalize
 from tritonllm.kernels.muon import coefficient_schedule, lr_adjustment
 from tritonllm.optim import AdamW, CombinedOptimizer, Muon

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from _checks import DEVICE, DTYPES, dtype_id, randn
+from _checks import DTYPES, dtype_id, randn
 from tritonllm.kernels import split_heads
 
 

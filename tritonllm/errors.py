@@ -25,3 +25,19 @@ class CheckpointError(TritonLLMError):
 
 class TrainingError(TritonLLMError):
     """Training cannot go on (for example, too many non-finite losses in a row)."""
+
+
+class MissingExtraError(TritonLLMError):
+    """An optional package a chosen feature needs is not installed; the message gives the pip command."""
+
+
+def import_extra(module: str, extra: str, feature: str):
+    """``importlib.import_module(module)``, or a :class:`MissingExtraError` naming ``feature``, the
+    package and the command that installs tritonllm's optional ``extra`` (``pip install 'tritonllm[extra]'``)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingExtraError(f"{feature} needs the {module.split('.')[0]} package, which is not installed: "
+                                f"pip install 'tritonllm[{extra}]'") from e

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-from tritonllm.errors import ConfigError
+from tritonllm.errors import ConfigError, MissingExtraError, import_extra
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class RunLogger:
             raise ConfigError(f"logger.backend={logger_cfg.backend!r} is not one of local, wandb")
 
     def _init_wandb(self, name: str, info: dict, cfg):
-        import wandb
+        wandb = import_extra("wandb", "wandb", "logger.backend=wandb")
 
         job = hydra_job()
         group = cfg.group or (f"{name}-{job['sweep']}" if job else None)
@@ -148,7 +148,10 @@ class RunLogger:
 
     def close(self) -> None:
         self._file.close()
-        plot_losses(self.metrics_path, os.path.join(self.out_dir, "loss.png"))
+        try:
+            plot_losses(self.metrics_path, os.path.join(self.out_dir, "loss.png"))
+        except MissingExtraError as e:
+            log.info("loss.png not written: %s", e)
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
@@ -167,9 +170,9 @@ class NullLogger:
 
 
 def plot_losses(metrics_path: str, png_path: str) -> None:
-    """Training loss and validation loss against step from ``metrics.jsonl`` into ``png_path``."""
-    import matplotlib
-
+    """Training loss and validation loss against step from ``metrics.jsonl`` into ``png_path``
+    (a :class:`~tritonllm.errors.MissingExtraError` without matplotlib: the ``plot`` extra)."""
+    matplotlib = import_extra("matplotlib", "plot", "the loss plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -22,6 +22,8 @@ import os
 
 from omegaconf import OmegaConf
 
+from tritonllm.errors import MissingExtraError, import_extra
+
 log = logging.getLogger("tritonllm.evolve")
 
 #: direction of each objective (True: larger is better)
@@ -76,9 +78,9 @@ def model_yaml(record: dict) -> str:
 
 
 def plot(path: str, records: list[dict], front: list[dict], best: dict | None, cap_gb: float | None) -> None:
-    """``pareto.png`` (see module docstring)."""
-    import matplotlib
-
+    """``pareto.png`` (see module docstring); a :class:`~tritonllm.errors.MissingExtraError` without
+    matplotlib (the ``plot`` extra)."""
+    matplotlib = import_extra("matplotlib", "plot", "the Pareto plot (pareto.png)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -143,5 +145,8 @@ def write_all(out_dir: str, records: list[dict], ev, seed) -> dict:
     if best is not None:
         with open(os.path.join(model_dir, "best.yaml"), "w") as f:
             f.write(model_yaml(best))
-    plot(os.path.join(out_dir, "pareto.png"), records, front, best, ev.memory_cap_gb)
+    try:
+        plot(os.path.join(out_dir, "pareto.png"), records, front, best, ev.memory_cap_gb)
+    except MissingExtraError as e:
+        log.info("pareto.png not written: %s", e)
     return {"best": best, "front": front, "counts": counts}

@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import random
 from dataclasses import dataclass
 
