@@ -43,12 +43,20 @@ def test_relu2_bad_inputs():
 
 @pytest.mark.parametrize("options", [dict(mlp_act="relu2", window_schedule=[3, None]),
                                      dict(window_schedule=[None, 2], qk_norm=True, tie_embeddings=False),
-                                     dict(logit_softcap=2.0, z_loss_coef=1e-2)],
-                         ids=["relu2-short-long", "swiglu-long-short", "softcap"])
+                                     dict(logit_softcap=2.0, z_loss_coef=1e-2),
+                                     dict(n_layers=3, value_embeddings=1, unet_skips=True),
+                                     dict(n_layers=4, value_embeddings=2, value_embedding_layers=[1, None, 0, 1],
+                                          unet_skips=True, qk_norm=True, mlp_act="relu2", logit_softcap=3.0)],
+                         ids=["relu2-short-long", "swiglu-long-short", "softcap", "ve1-unet-3layers",
+                              "ve2-placed-unet-qknorm-relu2-softcap"])
 def test_model_matches_reference(options):
     """Loss and every parameter gradient, by name, against the float64 reference with the same options."""
     cfg = ModelConfig(name="tiny", **{**TINY, **options})
     ours = build_model(cfg, device=DEVICE)
+    with torch.no_grad():  # learned mixing weights and gates away from their init
+        for name, p in ours.named_parameters():
+            if "value_mix" in name or "skip_gates" in name:
+                p.copy_(torch.rand_like(p) + 0.25)
     assert [b.attn.window for b in ours.blocks] == [cfg.layer_window(i) for i in range(cfg.n_layers)]
     assert ours.num_params() == cfg.param_count()
     refs = []
@@ -85,6 +93,40 @@ def test_softcap_inference_logits_match_reference():
         assert_close("decode logits", ours.decode_step(idx[:, 6:].contiguous(), cache), want[:, 6], atol=1e-5)
 
 
+@pytest.mark.parametrize("options", [dict(value_embeddings=1, unet_skips=True, n_layers=2),
+                                     dict(value_embeddings=1, value_embedding_layers=[None, 0, 0], unet_skips=True,
+                                          n_layers=3, qk_norm=True)],
+                         ids=["ve-ends-unet", "ve-placed-unet-qknorm"])
+def test_value_embeddings_and_unet_in_cached_decoding(options):
+    """The KV-cache prefill and the decode step mix the value embeddings and take the U-net skips as
+    the full forward does."""
+    from tritonllm.models.transformer import KVCache
+
+    cfg = ModelConfig(name="tiny", **{**TINY, **options})
+    model = build_model(cfg, device=DEVICE)
+    idx = torch.randint(0, cfg.vocab_size, (2, 7), device=DEVICE)
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache(cfg, 2, 7, device=DEVICE, dtype=torch.float32)
+        prefill = model(idx[:, :5], cache=cache)
+        steps = [model.decode_step(idx[:, t:t + 1].contiguous(), cache) for t in (5, 6)]
+    assert_close("prefill logits", prefill, full[:, :5].double(), atol=1e-5)
+    assert_close("decode logits", torch.stack(steps, 1), full[:, 5:].double(), atol=1e-5)
+
+
+def test_value_embedding_placement_and_counts():
+    cfg = ModelConfig(**{**TINY, "n_layers": 7}, value_embeddings=3)
+    assert [cfg.layer_value_embedding(i) for i in range(7)] == [0, 1, 2, None, 0, 1, 2]
+    model = build_model(ModelConfig(**{**TINY, "n_layers": 5}, value_embeddings=2, unet_skips=True), device=DEVICE)
+    assert model.num_params() == model.cfg.param_count()
+    tables = 2 * TINY["vocab_size"] * TINY["n_kv_heads"] * TINY["head_dim"]
+    assert model.num_params(exclude_embedding=True) == model.cfg.param_count(exclude_embedding=True)
+    assert model.num_params() - model.num_params(exclude_embedding=True) == tables + TINY["vocab_size"] * 48
+    assert len(model.skip_gates) == 2 and sum(b.attn.value_mix is not None for b in model.blocks) == 4
+    plain = build_model(ModelConfig(**TINY), device=DEVICE)
+    assert not any("value" in n or "skip" in n for n, _ in plain.named_parameters())
+
+
 def test_window_schedule_cycles_and_defaults_unchanged():
     cfg = ModelConfig(**{**TINY, "n_layers": 5}, window_schedule=[8, 8, None])
     assert [cfg.layer_window(i) for i in range(5)] == [8, 8, None, 8, 8]
@@ -100,6 +142,12 @@ def test_window_schedule_cycles_and_defaults_unchanged():
     (dict(window_schedule=[True]), "window_schedule"),
     (dict(mlp_act="gelu"), "mlp_act"),
     (dict(logit_softcap=0.0), "logit_softcap"),
+    (dict(value_embeddings=-1), "value_embeddings"),
+    (dict(value_embeddings=2), "value_embeddings"),  # 2 tables at both ends need 4 layers
+    (dict(value_embedding_layers=[0, None]), "value_embedding_layers"),  # no tables
+    (dict(value_embeddings=1, value_embedding_layers=[0]), "value_embedding_layers"),
+    (dict(value_embeddings=1, value_embedding_layers=[0, 1]), "value_embedding_layers"),
+    (dict(value_embeddings=2, value_embedding_layers=[0, 0]), "value_embedding_layers"),  # table 1 unused
     (dict(logit_softcap=-3), "logit_softcap"),
     (dict(mlp_act="relu2", n_experts=4), "mlp_act"),
 ])

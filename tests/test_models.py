@@ -403,12 +403,18 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_training_step_calls_no_pytorch_math(tied, monkeypatch):
+#: the modded-nanogpt options of ModelConfig, all on
+SPEEDRUN = dict(n_layers=2, window=None, window_schedule=[4, None], mlp_act="relu2", logit_softcap=15.0,
+                value_embeddings=1, unet_skips=True)
+
+
+@pytest.mark.parametrize("tied, options", [(False, {}), (True, {}), (True, SPEEDRUN)],
+                         ids=["untied", "tied", "tied-speedrun-options"])
+def test_training_step_calls_no_pytorch_math(tied, options, monkeypatch):
     """Forward + backward with every feature on. PyTorch may only allocate, view and copy storage;
     beyond that it may touch integer tensors (the embedding's token-id checks and sort), 0-d floats
     (the loss bookkeeping) and, when tied, add the shared matrix's two gradients (autograd)."""
-    cfg = tiny_cfg(qk_norm=True, window=4, tie_embeddings=tied, z_loss_coef=1e-3)
+    cfg = tiny_cfg(**{"qk_norm": True, "window": 4, "tie_embeddings": tied, "z_loss_coef": 1e-3, **options})
     model = build_model(cfg, device=DEVICE)
     idx, targets = random_batch(cfg, 2, 5)
     model.rope_tables(DEVICE)

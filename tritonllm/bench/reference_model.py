@@ -77,12 +77,16 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = _Norm(cfg.head_dim), _Norm(cfg.head_dim)
         self.proj = _Linear(cfg.d_model, cfg.n_heads * cfg.head_dim)
+        if cfg.layer_value_embedding(layer) is not None:
+            self.value_mix = nn.Parameter(torch.empty(2))
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, ve=None):
         cfg = self.cfg
         B, T, _ = x.shape
         qkv = F.linear(x, self.qkv.weight).view(B, T, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
         q, k, v = qkv.split([cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads], dim=2)
+        if ve is not None:  # value embedding: v = a v + b ve
+            v = self.value_mix[0] * v + self.value_mix[1] * ve.view(v.shape)
         if cfg.qk_norm:
             q, k = rms_norm(q, self.q_norm.weight, cfg.norm_eps), rms_norm(k, self.k_norm.weight, cfg.norm_eps)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
@@ -119,8 +123,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg, sdpa, layer)
         self.mlp = ReLU2MLP(cfg) if cfg.mlp_act == "relu2" else MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(rms_norm(x, self.attn_norm.weight, self.cfg.norm_eps), cos, sin)
+    def forward(self, x, cos, sin, ve=None):
+        x = x + self.attn(rms_norm(x, self.attn_norm.weight, self.cfg.norm_eps), cos, sin, ve)
         return x + self.mlp(rms_norm(x, self.mlp_norm.weight, self.cfg.norm_eps))
 
 
@@ -135,6 +139,11 @@ class ReferenceTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, sdpa, i) for i in range(cfg.n_layers))
         self.norm = _Norm(cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else _Linear(cfg.vocab_size, cfg.d_model)
+        kv = cfg.n_kv_heads * cfg.head_dim
+        if cfg.value_embeddings:
+            self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, kv) for _ in range(cfg.value_embeddings))
+        if cfg.unet_skips:
+            self.skip_gates = nn.ParameterList(nn.Parameter(torch.empty(1)) for _ in range(cfg.n_layers // 2))
 
     def forward(self, idx, targets=None):
         """Logits ``[B, T, V]`` (soft-capped, c tanh(logits / c), with ``logit_softcap`` c), or the loss: mean cross-entropy + z_loss_coef * mean(logsumexp^2), both
@@ -142,8 +151,14 @@ class ReferenceTransformer(nn.Module):
         cfg = self.cfg
         cos, sin = rope_tables(cfg, self.norm.weight.dtype, idx.device)
         x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        n, skips = cfg.n_layers, []
+        for i, block in enumerate(self.blocks):
+            t = cfg.layer_value_embedding(i)
+            if cfg.unet_skips and i >= n - n // 2:  # U-net: block j's output, gated, into block n - 1 - j
+                x = x + self.skip_gates[n - 1 - i] * skips.pop()
+            x = block(x, cos, sin, None if t is None else self.value_embeds[t](idx))
+            if cfg.unet_skips and i < n // 2:
+                skips.append(x)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(rms_norm(x, self.norm.weight, cfg.norm_eps), head)
         if cfg.logit_softcap is not None:

@@ -43,6 +43,9 @@ class ModelConfig:
     window: int | None = None  # sliding-window attention span in tokens; None = full causal
     window_schedule: list | None = None  # per-layer windows (int, or null: full causal), cycled over the layers
     mlp_act: str = "swiglu"  # dense MLP: swiglu (packed gate and up) or relu2 (relu(x W1^T)^2, one up projection)
+    value_embeddings: int = 0  # extra token-embedding tables [vocab, n_kv_heads * head_dim] mixed into attention values
+    value_embedding_layers: list | None = None  # table index (or null) per layer; None = table i at layers i and n_layers - value_embeddings + i
+    unet_skips: bool = False  # U-net: block j's output stream, times a learned gate, into block n_layers - 1 - j's input
     norm_eps: float = 1e-6  # epsilon of every RMSNorm
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
     init_std: float = 0.02  # std of the normal init; output projections get init_std / sqrt(2 * n_layers)
@@ -87,6 +90,7 @@ class ModelConfig:
             raise ModelConfigError(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
         if self.mlp_act != "swiglu" and self.n_experts:
             raise ModelConfigError(f"mlp_act={self.mlp_act!r} is for the dense MLP; MoE experts are SwiGLU")
+        self._check_value_embeddings()
         if self.logit_softcap is not None and not 0.0 < self.logit_softcap < float("inf"):
             raise ModelConfigError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap}")
         if self.rope_scaling is not None and self.rope_scaling.get("type") not in ROPE_SCALINGS:
@@ -114,6 +118,36 @@ class ModelConfig:
             raise ModelConfigError(f"unknown model config key(s) {unknown}; valid keys: {sorted(known)}")
         return cls(**d)
 
+    def _check_value_embeddings(self) -> None:
+        k, layers = self.value_embeddings, self.value_embedding_layers
+        if k < 0:
+            raise ModelConfigError(f"value_embeddings must be >= 0, got {k}")
+        if layers is None:
+            if 2 * k > self.n_layers:
+                raise ModelConfigError(f"value_embeddings={k} tables at the first and last {k} layers need "
+                                       f"n_layers >= {2 * k}, got {self.n_layers}; or give value_embedding_layers")
+            return
+        if not k:
+            raise ModelConfigError("value_embedding_layers is set but value_embeddings is 0")
+        if len(layers) != self.n_layers or any(
+                t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < k) for t in layers):
+            raise ModelConfigError(f"value_embedding_layers must list, per layer ({self.n_layers}), a table index in "
+                                   f"[0, {k}) or null, got {layers}")
+        unused = sorted(set(range(k)) - set(layers))
+        if unused:
+            raise ModelConfigError(f"value_embedding_layers uses no layer for table(s) {unused}")
+
+    def layer_value_embedding(self, layer: int) -> int | None:
+        """Value-embedding table of block ``layer`` (None: none): ``value_embedding_layers[layer]`` when
+        set, else table i at layers i and ``n_layers - value_embeddings + i`` (the first and last
+        ``value_embeddings`` layers, as modded-nanogpt places them)."""
+        if self.value_embedding_layers is not None:
+            return self.value_embedding_layers[layer]
+        k = self.value_embeddings
+        if layer < k:
+            return layer
+        return layer - (self.n_layers - k) if layer >= self.n_layers - k else None
+
     def layer_window(self, layer: int) -> int | None:
         """Attention window of block ``layer``: ``window_schedule[layer % len]`` when set, else ``window``."""
         if self.window_schedule is not None:
@@ -130,7 +164,9 @@ class ModelConfig:
         kept: it is a matmul every token pays). ``active`` counts, in MoE layers, only the
         ``moe_top_k`` routed experts a token uses. MoE layers are counted as a router
         ``[n_experts, d_model]`` plus ``n_experts + n_shared_experts`` SwiGLU experts of width
-        ``d_expert`` (three ``d_model x d_expert`` matrices each).
+        ``d_expert`` (three ``d_model x d_expert`` matrices each). Value-embedding tables are lookup
+        tables like the token embedding (dropped by ``exclude_embedding``); each layer that mixes one in
+        has 2 mixing weights; U-net skips add one gate per pair of blocks.
         """
         d, hd = self.d_model, self.head_dim
         attn = d * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * d
@@ -142,7 +178,9 @@ class ModelConfig:
         else:
             mlp = (2 if self.mlp_act == "relu2" else 3) * d * self.d_ff
         total = self.n_layers * (attn + mlp + 2 * d) + d
-        embed = self.vocab_size * d
+        total += 2 * sum(self.layer_value_embedding(i) is not None for i in range(self.n_layers))
+        total += self.n_layers // 2 if self.unet_skips else 0
+        embed = self.vocab_size * (d + self.value_embeddings * self.n_kv_heads * hd)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         if exclude_embedding:
             return total + head

@@ -17,6 +17,14 @@ the stream into the next norm and its residual, and cost that extra add. So a bl
 stream and the previous block's MLP output not yet added; the first block adds the embedding to a
 zero stream, the final norm adds the last MLP output.
 
+Options of the modded-nanogpt recipe (off by default): ``value_embeddings`` extra embedding tables
+whose lookups are mixed into the attention values of their layers, ``v = a v + b ve`` with learned
+``value_mix = [a, b]`` (init 0.5, 0.5); ``unet_skips``: the stream after block j, times a learned
+gate (init 1), is added to the input of block ``n_layers - 1 - j`` for j < n_layers / 2 (into the
+pending delta, so the norm's fused add still consumes each stream tensor once; the skip itself is
+materialised by ``add_fork``). Both through ``kernels.residual_mix``; a lookup used by two layers is
+``fork``-ed so its gradients are summed in Triton.
+
 Init (GPT-2): every weight matrix ``normal(0, init_std)``, the two output projections of each
 block (attention ``proj`` and MLP ``w2``) ``normal(0, init_std / sqrt(2 * n_layers))`` so the
 residual stream's variance does not grow with depth; RMSNorm weights ones.
@@ -35,6 +43,7 @@ from tritonllm.kernels.kv_cache import kv_cache_write_
 from tritonllm.kernels.linear import linear
 from tritonllm.kernels.linear_cross_entropy import linear_cross_entropy
 from tritonllm.kernels.relu2 import relu2
+from tritonllm.kernels.residual_mix import add_fork, fork, weighted_add
 from tritonllm.kernels.rope import rope, rope_cos_sin
 from tritonllm.kernels.softcap import softcap
 from tritonllm.kernels.split_heads import split_heads
@@ -100,8 +109,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.proj = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, init_std=_out_std(cfg))
+        has_ve = cfg.layer_value_embedding(layer_idx) is not None
+        self.value_mix = nn.Parameter(torch.full((2,), 0.5)) if has_ve else None  # [a, b]: v = a v + b ve
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None):
+    def mix_value(self, v: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
+        """``v [B, T, Hkv, D]`` mixed with the layer's value embedding ``ve [B, T, Hkv * D]`` (None: v)."""
+        if ve is None:
+            return v
+        return weighted_add(v, ve.view(v.shape), self.value_mix)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, ve: torch.Tensor | None = None):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
@@ -113,6 +130,7 @@ class Attention(nn.Module):
             q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
             q = rope(self.q_norm(q), cos, sin, position_offset=pos)
             k = rope(self.k_norm(k), cos, sin, position_offset=pos)
+        v = self.mix_value(v, ve)
         if cache is not None:
             k, v = cache.append(self.layer_idx, k, v)
         y = flash_attention(q, k, v, causal=True, window=self.window)
@@ -172,9 +190,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = build_mlp(cfg)
 
-    def forward(self, x, delta, cos, sin, cache: KVCache | None = None):
+    def forward(self, x, delta, cos, sin, cache: KVCache | None = None, ve: torch.Tensor | None = None):
         h, x = self.attn_norm(delta, residual=x)
-        h, x = self.mlp_norm(self.attn(h, cos, sin, cache), residual=x)
+        h, x = self.mlp_norm(self.attn(h, cos, sin, cache, ve), residual=x)
         return x, self.mlp(h)
 
 
@@ -189,6 +207,11 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, init_std=cfg.init_std)
+        self.value_embeds = nn.ModuleList(
+            Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim, init_std=cfg.init_std, validate=False)
+            for _ in range(cfg.value_embeddings)) if cfg.value_embeddings else None
+        self.skip_gates = nn.ParameterList(
+            nn.Parameter(torch.ones(1)) for _ in range(cfg.n_layers // 2)) if cfg.unet_skips else None
         self.last_losses: dict[str, torch.Tensor] = {}
         self._rope = None
 
@@ -216,12 +239,45 @@ class Transformer(nn.Module):
         cos, sin = self.rope_tables(idx.device)
         delta = self.embed(idx)
         x = torch.zeros_like(delta)
-        for block in self.blocks:
-            x, delta = block(x, delta, cos, sin, cache)
+        ves, skips = self.layer_value_embeds(idx), []
+        for i, block in enumerate(self.blocks):
+            delta = self._skip_in(i, delta, skips)
+            x, delta = block(x, delta, cos, sin, cache, ves[i])
+            x, delta = self._skip_out(i, x, delta, skips)
         if cache is not None:
             cache.advance(T)
         h, _ = self.norm(delta, residual=x)
         return h
+
+    def layer_value_embeds(self, idx: torch.Tensor) -> list:
+        """Per block, its value embedding ``[B, T, n_kv_heads * head_dim]`` of ``idx`` or None: one lookup
+        per table, ``fork``-ed to each further layer that uses it."""
+        cfg = self.cfg
+        out = [None] * cfg.n_layers
+        for t, table in enumerate(self.value_embeds or ()):
+            layers = [i for i in range(cfg.n_layers) if cfg.layer_value_embedding(i) == t]
+            ve = table(idx)
+            for i in layers[:-1]:
+                out[i], ve = fork(ve)
+            out[layers[-1]] = ve
+        return out
+
+    def _skip_in(self, i: int, delta: torch.Tensor, skips: list) -> torch.Tensor:
+        """U-net decoder side: block ``i = n_layers - 1 - j`` (j < n_layers / 2) takes ``gate_j`` times
+        the stream after block j into its pending delta."""
+        n = self.cfg.n_layers
+        if self.skip_gates is None or i < n - len(self.skip_gates):
+            return delta
+        return weighted_add(delta, skips.pop(), self.skip_gates[n - 1 - i])
+
+    def _skip_out(self, i: int, x: torch.Tensor, delta: torch.Tensor, skips: list):
+        """U-net encoder side: after block ``i < n_layers / 2`` the stream ``x + delta`` is materialised
+        and kept for block ``n_layers - 1 - i``."""
+        if self.skip_gates is None or i >= len(self.skip_gates):
+            return x, delta
+        x, delta, stream = add_fork(x, delta)
+        skips.append(stream)
+        return x, delta
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
         """``idx [B, T]`` int64 -> logits ``[B, T, V]``, or with ``targets [B, T]`` the scalar training
@@ -263,15 +319,19 @@ class Transformer(nn.Module):
         return logits if self.cfg.logit_softcap is None else softcap(logits, self.cfg.logit_softcap)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameters held (a tied matrix once); ``exclude_embedding`` drops the token-embedding table."""
+        """Parameters held (a tied matrix once); ``exclude_embedding`` drops the token-embedding table
+        and the value-embedding tables."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.weight.numel() if exclude_embedding else n
+        tables = [self.embed.weight] + [t.weight for t in self.value_embeds or ()]
+        return n - sum(t.numel() for t in tables) if exclude_embedding else n
 
     def num_active_params(self) -> int:
-        """Parameters one token's forward multiplies with: all but the embedding lookup table (a tied
+        """Parameters one token's forward multiplies with: all but the embedding lookup tables (a tied
         matrix counts, as the LM head) and, in MoE layers, the experts it is not routed to."""
         cfg = self.cfg
         inactive = cfg.param_count() - cfg.param_count(active=True)
+        if cfg.tie_embeddings:  # the token table counts as the head; the value tables are lookups only
+            inactive += sum(t.weight.numel() for t in self.value_embeds or ())
         return self.num_params(exclude_embedding=not cfg.tie_embeddings) - inactive
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -290,10 +350,13 @@ class Transformer(nn.Module):
         kv_len = cache.pos + 1
         delta = self.embed(tokens)
         x = torch.zeros_like(delta)
-        for block in self.blocks:
+        ves, skips = self.layer_value_embeds(tokens), []
+        for i, block in enumerate(self.blocks):
+            delta = self._skip_in(i, delta, skips)
             h, x = block.attn_norm(delta, residual=x)
-            h, x = block.mlp_norm(_decode_attention(block.attn, h, cos, sin, cache, kv_len), residual=x)
+            h, x = block.mlp_norm(_decode_attention(block.attn, h, cos, sin, cache, kv_len, ves[i]), residual=x)
             delta = block.mlp(h)
+            x, delta = self._skip_out(i, x, delta, skips)
         h, _ = self.norm(delta, residual=x)
         cache.pos.copy_(kv_len)
         return self.logits(h[:, -1])
@@ -361,7 +424,8 @@ def release_decoders(model: Transformer) -> None:
     _DECODERS.pop(model, None)
 
 
-def _decode_attention(attn: Attention, x: torch.Tensor, cos, sin, cache: KVCache, kv_len: torch.Tensor):
+def _decode_attention(attn: Attention, x: torch.Tensor, cos, sin, cache: KVCache, kv_len: torch.Tensor,
+                      ve: torch.Tensor | None = None):
     """:class:`Attention` for ``x [B, 1, d_model]`` at the cache's device position: RoPE at
     ``cache.pos``, key and value written at that row (:func:`kv_cache_write_`), split-KV attention over
     the cache's first ``kv_len`` rows (:func:`flash_attention_decode`); fixed shapes."""
@@ -375,6 +439,7 @@ def _decode_attention(attn: Attention, x: torch.Tensor, cos, sin, cache: KVCache
         q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
         q = rope(attn.q_norm(q), cos, sin, position_offset=cache.pos)
         k = rope(attn.k_norm(k), cos, sin, position_offset=cache.pos)
+    v = attn.mix_value(v, ve)
     k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
     kv_cache_write_(k, v, k_cache, v_cache, cache.pos)
     y = flash_attention_decode(q, k_cache, v_cache, kv_len, causal=True, window=attn.window)
