@@ -26,6 +26,8 @@ from ._common import interpreting  # noqa: E402
 from .rms_norm import rms_norm  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
 from .relu2 import relu2  # noqa: E402
+from .softcap import softcap  # noqa: E402
+from .residual_mix import add_fork, fork, weighted_add  # noqa: E402
 from .rope import rope, rope_cos_sin  # noqa: E402
 from .embedding import embedding  # noqa: E402
 from .cross_entropy import cross_entropy  # noqa: E402
@@ -45,7 +47,8 @@ from .moe import moe  # noqa: E402
 
 __all__ = [
     "interpreting",
-    "rms_norm", "swiglu", "relu2", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_", "clip_grads_",
+    "rms_norm", "swiglu", "relu2", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
+    "clip_grads_", "weighted_add", "fork", "add_fork",
     "muon_step_", "orthogonalize",
     "linear", "linear_swiglu", "linear_cross_entropy",
     "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "split_heads",

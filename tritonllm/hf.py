@@ -268,6 +268,12 @@ def hf_config_from(cfg: ModelConfig, architecture: str | None = None, dtype: tor
         raise HFConfigError("n_experts > 0: MoE models have no Hugging Face export")
     if cfg.qk_norm and cfg.qkv_bias:
         raise HFConfigError("qk_norm with qkv_bias matches no supported Hugging Face family")
+    speedrun = {"mlp_act": cfg.mlp_act != "swiglu", "window_schedule": cfg.window_schedule is not None,
+                "logit_softcap": cfg.logit_softcap is not None, "value_embeddings": cfg.value_embeddings > 0,
+                "unet_skips": cfg.unet_skips}
+    for field, on in speedrun.items():
+        if on:
+            raise HFConfigError(f"{field}={getattr(cfg, field)!r}: no supported Hugging Face family has it")
     auto = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.window else "llama"
     model_type = architecture or auto
     if model_type not in ARCHITECTURES:
