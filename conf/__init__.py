@@ -1,1 +1,6 @@
-"""Hydra configs shipped with tritonllm (train.yaml and its groups)."""
+"""Hydra configs shipped with tritonllm (train.yaml and its groups); importing this package registers
+the groups' typed schemas (:mod:`.schema`) in Hydra's ConfigStore."""
+
+from . import schema
+
+schema.register()

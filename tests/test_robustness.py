@@ -235,3 +235,169 @@ def test_flash_attention_softmax_scale_must_be_positive(scale):
     q = torch.randn(1, 4, 2, 32, device=DEVICE)
     with pytest.raises(ValueError, match=r"softmax_scale must be a finite number > 0 or None"):
         flash_attention(q, q, q, softmax_scale=scale)
+
+
+# ----------------------------------------------------------------------------- one-line errors
+
+def run_cli(module: str, args: list[str], cwd, monkeypatch, capsys) -> str:
+    """Run ``python -m <module> <args>`` in this process; returns its stderr after checking that it
+    exited with status 1 and no traceback."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    monkeypatch.setattr("sys.argv", [module, *args])
+    monkeypatch.chdir(cwd)
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_steps=2.5", "trainer.max_steps=2.5 is not an integer"),
+    ("trainer.max_steps=abc", "trainer.max_steps=abc is not an integer"),
+    ("optim.lr=abc", "optim.lr=abc is not a number"),
+    ("trainer.progress=maybe", "trainer.progress=maybe is not true or false"),
+    ("trainer.max_steps=0", "trainer.max_steps must be >= 1, got 0"),
+    ("optim.lr=-1e-3", "optim.lr must be > 0, got -0.001"),
+    ("data.val_fraction=1", "data.val_fraction must be < 1, got 1.0"),
+    ("trainer.cuda_graph=sometimes", "trainer.cuda_graph='sometimes' is not one of auto, true, false"),
+    ("sched.name=linear", "sched.name='linear' does not name this sched option (cosine): choose another option "
+                          "with sched=<option>"),
+    ("trainer.no_such_key=1", "trainer.no_such_key is not a known setting: the keys of trainer are max_steps, "
+                              "batch_size"),
+    ("data=bin", "data.files must be set (data.files=<value>)"),
+    ("+model=no_such_model", "In 'train': Could not find 'model/no_such_model', Available options in 'model': cudann_moe, "),
+])
+def test_train_bad_value_is_one_line(override, message, tmp_path, monkeypatch, capsys):
+    err = run_cli("tritonllm.train.__main__", ["+model=void_tiny", override, f"hydra.run.dir={tmp_path}/run"],
+                  tmp_path, monkeypatch, capsys)
+    assert err.startswith(f"tritonllm: error: {message}") and err.count("\n") == 1, err
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("option, message", [
+    ("top_k=-1", "top_k must be >= 1, got -1"),
+    ("top_k=0.5", "top_k=0.5 is not an integer"),
+    ("temperature=-1", "temperature must be >= 0, got -1.0"),
+    ("top_p=0", "top_p must be > 0, got 0.0"),
+    ("top_p=1.5", "top_p must be <= 1, got 1.5"),
+    ("max_new_tokens=0", "max_new_tokens must be >= 1, got 0"),
+    ("num_samples=two", "num_samples=two is not an integer"),
+])
+def test_generate_bad_sampling_option_is_one_line(straight, option, message, tmp_path, monkeypatch, capsys):
+    err = run_cli("tritonllm.generate", [f"ckpt={straight[0]}", option], tmp_path, monkeypatch, capsys)
+    assert err == f"tritonllm: error: {message}\n"
+
+
+def test_generate_refuses_a_checkpoint_with_nan_weights(straight, tmp_path, monkeypatch, capsys):
+    """Weights written with a NaN (checksums intact: the run wrote them so) are refused at load."""
+    from tritonllm.models import ModelConfig, build_model
+
+    src = os.path.join(straight[0], "checkpoints", "step_00000004")
+    state = verify_checkpoint(src)
+    model = build_model(ModelConfig.from_dict(state["model_config"]), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    path = save_checkpoint(str(tmp_path / "ckpts"), 4, model, torch.optim.AdamW(model.parameters()),
+                           {"model_config": state["model_config"]},
+                           tokenizer_path=os.path.join(src, "tokenizer.model"))
+    before = snapshot(path)
+    err = run_cli("tritonllm.generate", [f"ckpt={path}", "max_new_tokens=2"], tmp_path, monkeypatch, capsys)
+    assert err.startswith(f"tritonllm: error: checkpoint {path} holds non-finite weights (NaN or inf) in 1 tensor(s)")
+    assert snapshot(path) == before
+
+
+def test_cli_bf16_on_the_cpu_exits_1_in_one_line(tmp_path):
+    """The real command line: exit status 1, one line on stderr, nothing trained."""
+    import subprocess
+    import sys
+
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter's limitation")
+    r = subprocess.run([sys.executable, "-m", "tritonllm.train", "+model=void_tiny", "trainer.dtype=bf16",
+                        f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("tritonllm: error: trainer.dtype=bf16 cannot be computed on cpu") and \
+        r.stderr.count("\n") == 1, r.stderr
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_every_config_option_composes_against_its_schema():
+    """Every YAML option of the typed groups composes (a key added to a YAML file without its schema
+    field fails here) and passes the range checks with its defaults."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from tritonllm.conf.schema import SCHEMAS, check_config
+
+    with initialize_config_module("tritonllm.conf", version_base="1.3"):
+        for group, options in SCHEMAS.items():
+            for option, schema in options.items():
+                files = ["data.files=x"] if group == "data" and option != "stdlib" else []
+                cfg = compose("train", overrides=["+model=void_tiny", f"{group}={option}", *files, "out_dir=/tmp/x"])
+                assert OmegaConf.get_type(cfg[group]) is schema
+                check_config(cfg)
+        check_config(compose("generate", overrides=["ckpt=x"]))
+        check_config(compose("evolve", overrides=["+model=void_tiny", "out_dir=/tmp/x"]))
+
+
+# ----------------------------------------------------------------------------- data checked at start
+
+def test_deep_out_of_vocabulary_id_is_found_at_load(tmp_path, monkeypatch):
+    """One id past the vocabulary near the end of the second shard: the loaders refuse it before the
+    first batch, naming the shard; the scan is cached (a second load reads no token)."""
+    import numpy as np
+
+    from tritonllm.data import load_corpus, shards, write_shard
+
+    for i in range(2):
+        ids = np.arange(5000) % 1000
+        if i == 1:
+            ids[4990] = 1000
+        write_shard(str(tmp_path / f"train_{i}.bin"), ids, 1000)
+    cfg = compose_train("+model=void_tiny", "data=bin", f"data.files={tmp_path}/train_*.bin",
+                        f"data.cache_dir={tmp_path}/cache").data
+    with pytest.raises(Exception, match=r"token shard .*train_1.bin holds id 1000, outside the model's vocabulary "
+                                        r"of 1000 \(1 shard\(s\) do\)"):
+        load_corpus(cfg).loaders(2, 8, 0, 1000)
+    assert len(os.listdir(tmp_path / "cache" / "shard-max")) == 2
+    monkeypatch.setattr(shards.np.memmap, "max", lambda *a, **k: pytest.fail("scanned again"), raising=False)
+    corpus = load_corpus(cfg)
+    assert corpus.max_ids == {str(tmp_path / "train_0.bin"): 999, str(tmp_path / "train_1.bin"): 1000}
+    corpus.loaders(2, 8, 0, 1001)  # a vocabulary that covers the id: accepted
+
+
+def test_random_bytes_text_file_is_reported_by_name(data_overrides, tmp_path):  # noqa: F811
+    from tritonllm.errors import DataError
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "notes.txt").write_text("plain text, " * 200)
+    (texts / "photo.txt").write_bytes(os.urandom(20000))
+    with pytest.raises(DataError, match=r"1 of the 2 text files are not text .*: .*photo.txt; remove them"):
+        train(compose_train(*TINY, f"data.files={texts}/*.txt", f"data.cache_dir={tmp_path}/cache",
+                            f"out_dir={tmp_path}/run"))
+
+
+def test_example_runs_each_in_a_folder_of_its_own(data_overrides, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """examples/train_on_your_text.py twice: two run folders, each sampling from its own checkpoint."""
+    import importlib.util
+
+    from test_train import ROOT
+
+    spec = importlib.util.spec_from_file_location("example", os.path.join(ROOT, "examples", "train_on_your_text.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(example, "SAMPLE_TOKENS", 2)
+    tiny = [o for o in TINY if o != "data=text"]
+    for _ in range(2):
+        example.main(data_overrides[0].split("=", 1)[1], [*tiny, data_overrides[1], "trainer.max_steps=1"])
+    runs = sorted(os.listdir(tmp_path / "outputs" / "your_text"))
+    assert len(runs) == 2
+    printed = capsys.readouterr().out
+    for run in runs:
+        assert steps(tmp_path / "outputs" / "your_text" / run / "checkpoints") == [1]
+        assert f"run folder outputs/your_text/{run}" in printed

@@ -381,7 +381,7 @@ def test_sample_interval_must_fit_the_log_interval(tmp_path):
 
     with pytest.raises(ConfigError, match="sample_interval=3 .*multiple of trainer.log_interval=2"):
         train(compose_train(*TINY, "trainer.log_interval=2", "trainer.sample_interval=3", "trainer.sample_tokens=4",
-                            f"out_dir={tmp_path}"))
+                            "data.files=unread", f"out_dir={tmp_path}"))
 
 
 def test_stop_request_ends_a_running_training_with_a_checkpoint(tmp_path, data_overrides):  # noqa: F811

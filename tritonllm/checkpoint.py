@@ -320,15 +320,16 @@ def check_model_shapes(path: str, model: torch.nn.Module, saved_config: dict | N
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer=None, restore_rng: bool = True,
-                    model_config: dict | None = None) -> dict:
+                    model_config: dict | None = None, verified: bool = False) -> dict:
     """Load the weights (and optimizer state, RNG states) of the checkpoint ``path`` into ``model``
     (and ``optimizer``); returns its ``state.json``. A CheckpointError names the file that is missing,
     unreadable, corrupt (its checksum differs) or does not fit, or the weights that are not finite;
     ``model_config`` (the model's config as a dict) lets it name the config fields that differ from
-    the saved ``state["model_config"]``."""
+    the saved ``state["model_config"]``. ``verified``: the caller has just run :func:`verify_checkpoint`
+    (the files are not hashed again)."""
     from safetensors.torch import load_model
 
-    state = verify_checkpoint(path)
+    state = read_state(path) if verified else verify_checkpoint(path)
     check_model_shapes(path, model, state.get("model_config"), model_config)
     file = os.path.join(path, MODEL_FILE)
     try:

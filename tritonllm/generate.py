@@ -1,7 +1,7 @@
 """``python -m tritonllm.generate ckpt=<dir> prompt="..." max_new_tokens=200 temperature=0.8 top_k=200 top_p=0.95``
 
-Loads a training checkpoint (the newest one when given a run or checkpoints folder) with the
-tokenizer saved next to it, samples a continuation of ``prompt`` with the KV cache and prints it
+Loads a training checkpoint (the newest one when given a run or checkpoints folder; verified:
+checksums and finite weights) with the tokenizer saved next to it, samples a continuation of ``prompt`` with the KV cache and prints it
 (on a GPU each new token is one replay of a CUDA graph of the decode step: ``Transformer.generate``).
 Config: ``conf/generate.yaml``.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 
-import hydra
 import torch
 
 from tritonllm.checkpoint import TOKENIZER_FILE, find_checkpoint, load_checkpoint, read_state
+from tritonllm.conf.schema import check_config
 from tritonllm.data import Tokenizer
 from tritonllm.errors import CheckpointError
-from tritonllm.runtime import exit_on_user_error, resolve_device, resolve_dtype
+from tritonllm.runtime import hydra_app, resolve_device, resolve_dtype
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -63,9 +63,9 @@ def generate_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
     return tokenizer.decode(new)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://tritonllm.conf", config_name="generate")
-@exit_on_user_error
+@hydra_app("generate")
 def main(cfg) -> None:
+    check_config(cfg)  # sampling options in range before the checkpoint is read
     device = resolve_device(cfg.device)
     path = resolve_checkpoint(cfg.ckpt)
     model, tokenizer = load_for_generation(path, device, resolve_dtype(cfg.dtype, device, "dtype"))

@@ -1,10 +1,13 @@
-"""Helpers shared by the command-line apps (train, generate, bench train): device and dtype
-choice, and printing a :class:`~tritonllm.errors.TritonLLMError` as one clear line."""
+"""Helpers shared by the command-line apps (train, generate, bench train, evolve): device and dtype
+choice, and printing a :class:`~tritonllm.errors.TritonLLMError` or a config that does not compose
+(wrong type, unknown key, missing value) as one clear line."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import re
 import sys
 
 import torch
@@ -54,3 +57,95 @@ def exit_on_user_error(fn):
             print(f"tritonllm: error{where}: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
     return wrapper
+
+
+_CONVERSION = re.compile(r"Value '(.*)' (?:of type '\w+' could not be converted to (\w+)|is not a valid (bool))")
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def describe_config_error(error: Exception) -> str:
+    """One line for an error Hydra or OmegaConf raised while composing a config: the key, what it
+    must be, and the allowed keys or values where the schema knows them."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+    cause = error if isinstance(error, OmegaConfBaseException) else error.__cause__
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, OmegaConfBaseException) and key:
+        msg = str(getattr(cause, "msg", cause)).splitlines()[0]
+        if m := _CONVERSION.match(msg):
+            wanted = m.group(2) or "Boolean"
+            return f"{key}={m.group(1)} is not {_TYPE_WORDS.get(wanted, wanted)}"
+        if isinstance(cause, MissingMandatoryValue):
+            return f"{key} must be set ({key}=<value>)"
+        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+            schema = getattr(cause, "object_type", None)
+            known = f": the keys of {key.rpartition('.')[0] or 'the config'} are " + ", ".join(
+                f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else ""
+            return f"{key} is not a known setting{known}"
+        return f"{key}: {msg}"
+    text = str(error).split("Config search path:")[0]  # Hydra's list of its search path says nothing to the user
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return ", ".join(lines).replace(":, ", ": ")
+
+
+def compose_config(config_name: str, overrides: list[str]):
+    """``tritonllm.conf/<config_name>.yaml`` composed with ``overrides``, for commands that parse their
+    own arguments (``bench``): a config that does not compose or a value out of its schema's range
+    is a ConfigError holding :func:`describe_config_error`'s line."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tritonllm.conf.schema import check_config
+
+    try:
+        with initialize_config_module("tritonllm.conf", version_base="1.3"):
+            cfg = compose(config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(describe_config_error(e)) from None
+    check_config(cfg)
+    return cfg
+
+
+def _set_full_error(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+    else:
+        os.environ["HYDRA_FULL_ERROR"] = value
+
+
+def hydra_app(config_name: str):
+    """``@hydra.main`` over ``tritonllm.conf/<config_name>.yaml`` for a tritonllm command: a
+    TritonLLMError from the app and a config that does not compose both end as one line
+    ``tritonllm: error: ...`` and exit status 1 (``HYDRA_FULL_ERROR=1`` shows Hydra's own report)."""
+    import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    def decorate(fn):
+        asked = os.environ.get("HYDRA_FULL_ERROR")
+
+        @exit_on_user_error
+        def app(cfg):
+            _set_full_error(asked)  # the app and the processes it starts see the user's setting
+            try:
+                return fn(cfg)
+            finally:
+                _set_full_error("1")
+
+        task = hydra.main(version_base="1.3", config_path="pkg://tritonllm.conf", config_name=config_name)(app)
+
+        @functools.wraps(fn)
+        def main():
+            _set_full_error("1")  # Hydra raises a composition error instead of printing its multi-line report
+            try:
+                return task()
+            except (HydraException, OmegaConfBaseException) as e:
+                if asked == "1":
+                    raise
+                print(f"tritonllm: error: {describe_config_error(e)}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            finally:
+                _set_full_error(asked)
+        return main
+    return decorate

@@ -266,17 +266,19 @@ def _line(name: str, f: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from hydra import compose, initialize_config_module
-
     from tritonllm.bench.harness import write_results
     from tritonllm.bench.train import host_cpu_model
+    from tritonllm.errors import TritonLLMError
     from tritonllm.models import ModelConfig, build_model
+    from tritonllm.runtime import compose_config
 
     args, overrides = _parse(argv)
     if not torch.cuda.is_available():
         sys.exit("python -m tritonllm.bench decode needs a CUDA GPU")
-    with initialize_config_module("tritonllm.conf", version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    try:
+        cfg = compose_config("train", overrides)
+    except TritonLLMError as e:
+        sys.exit(f"tritonllm: error: {e}")
     if cfg.get("model") is None:
         sys.exit("tritonllm: error: no model chosen: add +model=<name>")
     try:

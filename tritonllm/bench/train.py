@@ -326,20 +326,19 @@ def with_speedup(row: dict) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    from hydra import compose, initialize_config_module
     from omegaconf import open_dict
 
     from tritonllm.bench.baseline_model import default_expert_impl
     from tritonllm.bench.harness import write_results
     from tritonllm.errors import TritonLLMError
+    from tritonllm.runtime import compose_config
     from tritonllm.train import model_config
 
     args, overrides = _parse(argv)
     if not torch.cuda.is_available():
         sys.exit("python -m tritonllm.bench train needs a CUDA GPU")
-    with initialize_config_module("tritonllm.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
     try:
+        cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
         model_cfg = model_config(cfg)
     except TritonLLMError as e:
         sys.exit(f"tritonllm: error: {e}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from tritonllm.data.corpus import glob_files, stdlib_files, tokenized_corpus, within_budget
 from tritonllm.data.loader import TokenLoader, TokenStream, split_stream
-from tritonllm.data.shards import open_shard, write_shard
+from tritonllm.data.shards import open_shard, shard_max_id, write_shard
 from tritonllm.data.tokenizer import Tokenizer
 from tritonllm.errors import ConfigError, DataError
 
@@ -37,11 +37,20 @@ class Corpus:
     tokenizer: Tokenizer | None  # None for pre-tokenized shards given without a tokenizer
     vocab_size: int | None      # ids the data may hold (tokenizer or data.vocab_size); None if unknown
     description: str
+    max_ids: dict | None = None  # {shard path: largest id in it} of pre-tokenized shards, scanned at load
 
     def loaders(self, batch_size: int, seq_len: int, seed: int, vocab_size: int | None, rank: int = 0,
                 world_size: int = 1) -> tuple[TokenLoader, TokenLoader]:
         """Training loader (shuffled, seeded) and validation loader (in order); with several ranks,
-        this ``rank``'s share of every global batch of ``world_size * batch_size`` windows."""
+        this ``rank``'s share of every global batch of ``world_size * batch_size`` windows. A shard
+        holding an id outside ``vocab_size`` is a DataError naming it, now rather than when its window
+        is drawn."""
+        outside = {p: m for p, m in (self.max_ids or {}).items() if vocab_size is not None and m >= vocab_size}
+        if outside:
+            path, top = next(iter(outside.items()))
+            raise DataError(f"token shard {path} holds id {top}, outside the model's vocabulary of {vocab_size} "
+                            f"({len(outside)} shard(s) do); set data.vocab_size (or model.vocab_size) to cover "
+                            f"the shards, or fix them")
         if self.val_shards is None:
             train, val = split_stream(self.train_shards, self.val_fraction)
         else:
@@ -77,12 +86,15 @@ def load_corpus(cfg) -> Corpus:
         return Corpus([open_shard(shard)], None, val_fraction, tok, tok.vocab_size,
                       f"{kind}: {len(files)} files, first {files[0]}")
     if kind == "bin":
-        train = [open_shard(f) for f in glob_files(cfg.get("files"), "data.files")]
-        val = [open_shard(f) for f in glob_files(cfg.val_files, "data.val_files")] if cfg.get("val_files") else None
+        train_files = glob_files(cfg.get("files"), "data.files")
+        val_files = glob_files(cfg.val_files, "data.val_files") if cfg.get("val_files") else []
+        shards = {f: open_shard(f) for f in train_files + val_files}
+        max_ids = {f: shard_max_id(f, tokens, cfg.get("cache_dir")) for f, tokens in shards.items()}
         path = _tokenizer_path(cfg)
         tok = Tokenizer(path) if path else None
         vocab = cfg.get("vocab_size") or (tok.vocab_size if tok else None)
-        return Corpus(train, val, val_fraction, tok, vocab, f"bin: {len(train)} train shards ({cfg.files})")
+        return Corpus([shards[f] for f in train_files], [shards[f] for f in val_files] if val_files else None,
+                      val_fraction, tok, vocab, f"bin: {len(train_files)} train shards ({cfg.files})", max_ids)
     if kind == "sft":
         from tritonllm.data.sft import load_sft_corpus
 

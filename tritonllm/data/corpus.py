@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sysconfig
 
@@ -59,6 +60,27 @@ def within_budget(files: list[str], max_bytes: int | None) -> list[str]:
     return chosen
 
 
+#: characters of a decoded file that text does not hold: U+FFFD (bytes that are not UTF-8) and control characters
+_NOT_TEXT = re.compile(r"[\ufffd\x00-\x08\x0e-\x1f\x7f]")
+#: share of those in the first TEXT_PROBE_BYTES of a file above which it is not text (random bytes: 55%,
+#: Latin-1 French read as UTF-8: 16%, UTF-8 text: 0)
+NOT_TEXT_FRACTION, TEXT_PROBE_BYTES = 0.3, 1 << 16
+
+
+def not_text(files: list[str]) -> list[str]:
+    """The files of ``files`` whose first 64 KiB are mostly not UTF-8 text (binary files, random bytes)."""
+    found = []
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                text = f.read(TEXT_PROBE_BYTES).decode("utf-8", errors="replace")
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+        if text and len(_NOT_TEXT.findall(text)) > NOT_TEXT_FRACTION * len(text):
+            found.append(path)
+    return found
+
+
 def read_text(path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -91,6 +113,11 @@ def tokenized_corpus(kind: str, files: list[str], vocab_size: int, tokenizer: st
     shard, model = os.path.join(entry, "tokens.bin"), os.path.join(entry, "tokenizer.model")
     if os.path.isfile(os.path.join(entry, "meta.json")):
         return shard, model
+    binary = not_text(files)
+    if binary:
+        raise DataError(f"{len(binary)} of the {len(files)} {kind} files are not text (over "
+                        f"{NOT_TEXT_FRACTION:.0%} of their first bytes are not UTF-8 characters): "
+                        f"{', '.join(binary[:5])}{' ...' if len(binary) > 5 else ''}; remove them from data.files")
     os.makedirs(cache_dir, exist_ok=True)
     tmp = os.path.join(cache_dir, f".tmp-{kind}-{key}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -17,6 +17,8 @@ in the same format, so every data source reaches the loader as a list of memory-
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import numpy as np
@@ -59,6 +61,33 @@ def open_shard(path: str) -> np.memmap:
     if ntok == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+def shard_max_id(path: str, tokens: np.ndarray, cache_dir: str | None = None) -> int:
+    """The largest token id of the shard at ``path`` (``tokens``, its memory map; -1 when empty), read
+    once with one vectorised max and cached in ``<cache_dir>/shard-max/`` under a key of the shard's
+    path, size and modification time (``cache_dir`` None: not cached)."""
+    entry = None
+    if cache_dir is not None:
+        st = os.stat(path)
+        key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+        entry = os.path.join(os.path.expanduser(cache_dir), "shard-max", f"{key}.json")
+        try:
+            with open(entry) as f:
+                return int(json.load(f)["max_id"])
+        except (OSError, ValueError, KeyError):
+            pass
+    found = int(tokens.max()) if len(tokens) else -1
+    if entry is not None:
+        try:
+            os.makedirs(os.path.dirname(entry), exist_ok=True)
+            tmp = f"{entry}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"path": os.path.abspath(path), "max_id": found}, f)
+            os.replace(tmp, entry)
+        except OSError:  # a read-only cache: the scan is repeated next time
+            pass
+    return found
 
 
 class ShardWriter:

@@ -3,13 +3,10 @@ search (see :mod:`tritonllm.evolve.search`). Resume a run: the same command with
 
 import logging
 
-import hydra
-
-from tritonllm.runtime import exit_on_user_error
+from tritonllm.runtime import hydra_app
 
 
-@hydra.main(version_base="1.3", config_path="pkg://tritonllm.conf", config_name="evolve")
-@exit_on_user_error
+@hydra_app("evolve")
 def main(cfg) -> float | None:
     from tritonllm.evolve.search import run_search
 

@@ -1,13 +1,10 @@
 """``python -m tritonllm.train +model=<name> [overrides]``: pretrain a tritonllm model (see :mod:`tritonllm.train.loop`)."""
 
-import hydra
-
-from tritonllm.runtime import exit_on_user_error
+from tritonllm.runtime import hydra_app
 from tritonllm.train.loop import train
 
 
-@hydra.main(version_base="1.3", config_path="pkg://tritonllm.conf", config_name="train")
-@exit_on_user_error
+@hydra_app("train")
 def main(cfg) -> float:
     return train(cfg)
 

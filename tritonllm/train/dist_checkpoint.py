@@ -132,13 +132,13 @@ def _check_model(path: str, saved: dict, model_sd: dict, saved_config: dict | No
 
 
 def load_sharded(path: str, env, module: torch.nn.Module, optimizer=None, restore_rng: bool = True,
-                 model_config: dict | None = None) -> dict:
+                 model_config: dict | None = None, verified: bool = False) -> dict:
     """Load the checkpoint ``path`` into ``module`` (sharded or not) and ``optimizer`` on every rank
     (collective under a process group); returns its ``state.json``. A CheckpointError names what
     is missing, unreadable or does not fit."""
     import torch.distributed.checkpoint as dcp
 
-    state = verify_checkpoint(path)
+    state = read_state(path) if verified else verify_checkpoint(path)  # verified: checksums just checked
     saved = _saved_shapes(path)
     model_sd = module.state_dict()
     _check_model(path, saved, model_sd, state.get("model_config"), model_config)

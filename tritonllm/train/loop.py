@@ -61,7 +61,8 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
 from tritonllm.checkpoint import (CONFIG_FILE, STATE_FILE, list_checkpoints, load_checkpoint, load_first_valid,
-                                  prepare_ckpt_dir, run_id_of, save_checkpoint)
+                                  prepare_ckpt_dir, read_state, run_id_of, save_checkpoint, verify_checkpoint)
+from tritonllm.conf.schema import check_config
 from tritonllm.data import load_corpus
 from tritonllm.errors import CheckpointError, ConfigError, TrainingError
 from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job, rewind_metrics
@@ -184,7 +185,9 @@ def resume_candidates(tr, out_dir: str) -> list[str]:
 
 
 #: config keys a resume may change: the schedule length, logging, checkpointing and where/how it runs
+#: (the per-rank batch and accumulation too, as long as the tokens per step stay the same)
 RESUME_FREE_KEYS = ("out_dir", "device", "logger.", "data.cache_dir", "trainer.max_steps", "trainer.resume",
+                    "trainer.batch_size", "trainer.grad_accum",
                     "trainer.resume_force", "trainer.ckpt_dir", "trainer.ckpt_interval", "trainer.keep_last",
                     "trainer.log_interval", "trainer.eval_interval", "trainer.eval_batches", "trainer.progress",
                     "trainer.sample_", "trainer.gpu_telemetry", "trainer.control", "trainer.peak_flops",
@@ -197,20 +200,25 @@ def _flat(node, prefix: str = "") -> dict:
     return {prefix[:-1]: node}
 
 
-def config_differences(path: str, config: dict) -> list[str]:
+def config_differences(path: str, config: dict, tokens_per_step: int) -> list[str]:
     """``key: saved -> now`` for each key of the resolved run ``config`` that differs from the
-    ``config.yaml`` of the checkpoint ``path`` (keys of :data:`RESUME_FREE_KEYS` excepted)."""
+    ``config.yaml`` of the checkpoint ``path`` (keys of :data:`RESUME_FREE_KEYS` excepted), and
+    the global batch when ``tokens_per_step`` differs from the checkpoint's."""
+    saved_tokens = read_state(path).get("tokens_per_step", tokens_per_step)
+    batch = [f"tokens per step (batch_size x seq_len x grad_accum x ranks): {saved_tokens} -> {tokens_per_step}"
+             ] if saved_tokens != tokens_per_step else []
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
-        return []
+        return batch
     try:
         saved = _flat(OmegaConf.to_container(OmegaConf.load(file)))
     except Exception as e:  # a corrupt config.yaml: the checkpoint's checksums say which file
         raise CheckpointError(f"checkpoint {path} is unreadable: {CONFIG_FILE}: {e}") from None
     now = _flat(config)
     free = lambda k: any(k == f or (f.endswith((".", "_")) and k.startswith(f)) for f in RESUME_FREE_KEYS)  # noqa: E731
-    return [f"{k}: {saved.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}" for k in sorted(set(saved) | set(now))
-            if not free(k) and saved.get(k, "<absent>") != now.get(k, "<absent>")]
+    return batch + [f"{k}: {saved.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}"
+                    for k in sorted(set(saved) | set(now))
+                    if not free(k) and saved.get(k, "<absent>") != now.get(k, "<absent>")]
 
 
 @torch.no_grad()
@@ -231,14 +239,11 @@ def evaluate(model, loader, n_batches: int, device, parallel=None) -> float:
 def train(cfg) -> float:
     """Train the model ``cfg`` describes; returns the final validation loss (mean cross-entropy)."""
     tr = cfg.trainer
+    check_config(cfg)  # ranges and allowed values of the typed groups (types were checked by Hydra)
     model_cfg = model_config(cfg)
     check_schedule(cfg.sched)
     if tr.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"trainer.seq_len={tr.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}")
-    for key in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_interval", "eval_batches",
-                "max_bad_steps"):
-        if tr[key] < 1:
-            raise ConfigError(f"trainer.{key} must be >= 1, got {tr[key]}")
     if tr.sample_interval and (tr.sample_interval % tr.log_interval or tr.sample_tokens < 1):
         raise ConfigError(f"trainer.sample_interval={tr.sample_interval} needs trainer.sample_tokens >= 1 and must be "
                           f"a multiple of trainer.log_interval={tr.log_interval}")
@@ -306,8 +311,10 @@ def train(cfg) -> float:
     resolved = OmegaConf.to_container(cfg, resolve=True)
 
     def load(ckpt: str) -> dict:
-        differences = config_differences(ckpt, resolved)
-        if differences and not tr.get("resume_force", False):
+        """Verify ``ckpt``, compare its config with this run's, then load it."""
+        verify_checkpoint(ckpt)
+        differences = config_differences(ckpt, resolved, tokens_per_step)
+        if differences and not tr.resume_force:
             raise ConfigError(f"trainer.resume: this run's config differs from that of checkpoint {ckpt} in "
                               f"{len(differences)} key(s): {'; '.join(differences[:8])}; resume with the same "
                               f"settings, or add trainer.resume_force=true to resume anyway")
@@ -315,11 +322,11 @@ def train(cfg) -> float:
             log.warning("trainer.resume_force=true: resuming %s with %d config change(s): %s", ckpt,
                         len(differences), "; ".join(differences))
         if is_sharded(ckpt):
-            return load_sharded(ckpt, env, model, optimizer, model_config=model_cfg.to_dict())
+            return load_sharded(ckpt, env, model, optimizer, model_config=model_cfg.to_dict(), verified=True)
         if mode == "fsdp":
             raise CheckpointError(f"checkpoint {ckpt} was written by a single-process run: resume it with "
                                   f"trainer.parallel=ddp (or none), whose checkpoints FSDP2 runs can load")
-        return load_checkpoint(ckpt, model, optimizer, model_config=model_cfg.to_dict())
+        return load_checkpoint(ckpt, model, optimizer, model_config=model_cfg.to_dict(), verified=True)
 
     run_id = broadcast_object(uuid.uuid4().hex[:12], env)  # a resumed run keeps its checkpoint's id
     if candidates:
@@ -348,7 +355,7 @@ def train(cfg) -> float:
 
     def checkpoint():
         state = {"data": train_loader.state_dict(), "model_config": model_cfg.to_dict(), "tokens_seen": tokens_seen,
-                 "bad_steps": guard.consecutive}
+                 "bad_steps": guard.consecutive, "tokens_per_step": tokens_per_step}
         if env.distributed:
             path = save_sharded(tr.ckpt_dir, step, env, model, optimizer, state, config_yaml, tok_path, tr.keep_last,
                                 run_id)
