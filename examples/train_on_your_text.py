@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from tritonllm.generate import generate_text, load_for_generation, resolve_checkpoint
+from tritonllm.generate import generate_text, load_newest_for_generation
 from tritonllm.runtime import compose_config, exit_on_user_error, resolve_device, resolve_dtype
 from tritonllm.train import train
 
@@ -42,7 +42,7 @@ def main(files: str, overrides: list[str]) -> None:
     print(f"validation loss {val_loss:.3f}; run folder {cfg.out_dir}")
 
     device = resolve_device(cfg.device)
-    model, tokenizer = load_for_generation(resolve_checkpoint(cfg.out_dir), device, resolve_dtype("auto", device))
+    _, model, tokenizer = load_newest_for_generation(cfg.out_dir, device, resolve_dtype("auto", device))
     prompt = "The"
     print(prompt + generate_text(model, tokenizer, prompt, max_new_tokens=SAMPLE_TOKENS, temperature=0.8, top_k=50))
 

@@ -401,3 +401,18 @@ def test_example_runs_each_in_a_folder_of_its_own(data_overrides, tmp_path, monk
     for run in runs:
         assert steps(tmp_path / "outputs" / "your_text" / run / "checkpoints") == [1]
         assert f"run folder outputs/your_text/{run}" in printed
+
+
+def test_generate_falls_back_past_a_corrupt_newest_checkpoint(straight, tmp_path, monkeypatch, capsys):
+    out = copy_run(straight[0], tmp_path / "run")
+    flip_byte(os.path.join(out, "checkpoints", "step_00000004", "model.safetensors"))
+    monkeypatch.setattr("sys.argv", ["generate", f"ckpt={out}", "prompt=import", "max_new_tokens=2",
+                                     "temperature=0"])
+    from tritonllm.generate import main
+
+    main()
+    printed = capsys.readouterr()
+    assert printed.out.startswith("import")
+    assert "step_00000004 is corrupt: model.safetensors" in printed.err and \
+        printed.err.rstrip().endswith("falling back to the previous checkpoint, " +
+                                      os.path.join(out, "checkpoints", "step_00000003")), printed.err

@@ -1,8 +1,9 @@
 """``python -m tritonllm.generate ckpt=<dir> prompt="..." max_new_tokens=200 temperature=0.8 top_k=200 top_p=0.95``
 
-Loads a training checkpoint (the newest one when given a run or checkpoints folder; verified:
-checksums and finite weights) with the tokenizer saved next to it, samples a continuation of ``prompt`` with the KV cache and prints it
-(on a GPU each new token is one replay of a CUDA graph of the decode step: ``Transformer.generate``).
+Loads a training checkpoint (the newest one that verifies, checksums and finite weights, when
+given a run or checkpoints folder) with the tokenizer saved next to it, samples a continuation
+of ``prompt`` with the KV cache and prints it (on a GPU each new token is one replay of a CUDA
+graph of the decode step: ``Transformer.generate``).
 Config: ``conf/generate.yaml``.
 """
 
@@ -12,22 +13,33 @@ import os
 
 import torch
 
-from tritonllm.checkpoint import TOKENIZER_FILE, find_checkpoint, load_checkpoint, read_state
+from tritonllm.checkpoint import (STATE_FILE, TOKENIZER_FILE, list_checkpoints, load_checkpoint, load_first_valid,
+                                  read_state)
 from tritonllm.conf.schema import check_config
 from tritonllm.data import Tokenizer
 from tritonllm.errors import CheckpointError
 from tritonllm.runtime import hydra_app, resolve_device, resolve_dtype
 
 
-def resolve_checkpoint(path: str) -> str:
-    """The checkpoint ``path`` names: itself, the newest inside it or inside its ``checkpoints/``."""
+def resolve_checkpoints(path: str) -> list[str]:
+    """The checkpoints ``path`` names, newest first: itself, or those inside it or its ``checkpoints/``."""
     path = os.path.expanduser(str(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"ckpt={path!r} does not exist")
-    found = find_checkpoint(path) or find_checkpoint(os.path.join(path, "checkpoints"))
-    if found is None:
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return [path]
+    found = list_checkpoints(path) or list_checkpoints(os.path.join(path, "checkpoints"))
+    if not found:
         raise CheckpointError(f"ckpt={path!r} holds no checkpoint (a step_* folder with state.json)")
-    return found
+    return [p for _, p in reversed(found)]
+
+
+def load_newest_for_generation(path: str, device: torch.device, dtype: torch.dtype):
+    """``(checkpoint, model, tokenizer)`` of the newest checkpoint ``path`` names that loads (verified);
+    an older one is taken, with a log line, only when ``path`` is a folder of checkpoints."""
+    ckpt, (model, tokenizer) = load_first_valid(resolve_checkpoints(path),
+                                                lambda c: load_for_generation(c, device, dtype))
+    return ckpt, model, tokenizer
 
 
 def load_for_generation(path: str, device: torch.device, dtype: torch.dtype):
@@ -67,8 +79,7 @@ def generate_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
 def main(cfg) -> None:
     check_config(cfg)  # sampling options in range before the checkpoint is read
     device = resolve_device(cfg.device)
-    path = resolve_checkpoint(cfg.ckpt)
-    model, tokenizer = load_for_generation(path, device, resolve_dtype(cfg.dtype, device, "dtype"))
+    _, model, tokenizer = load_newest_for_generation(cfg.ckpt, device, resolve_dtype(cfg.dtype, device, "dtype"))
     torch.manual_seed(cfg.seed)
     for i in range(cfg.num_samples):
         if cfg.num_samples > 1:
