@@ -122,13 +122,17 @@ def test_diverged_run_stops_before_checkpointing(data_overrides, tmp_path, monke
 # ----------------------------------------------------------------------------- runs own their checkpoints
 
 def test_reused_checkpoint_folder_is_refused_untouched(straight, data_overrides, tmp_path):  # noqa: F811
-    ckpts = os.path.join(straight[0], "checkpoints")
+    """A fresh run given another run's ckpt_dir stops at start; that run's checkpoints and even the
+    leftover of a save it may still be writing stay as they were."""
+    ckpts = shutil.copytree(os.path.join(straight[0], "checkpoints"), tmp_path / "shared")
+    os.makedirs(ckpts / ".tmp-step_00000005-4242")
+    (ckpts / ".tmp-step_00000005-4242" / "model.safetensors").write_bytes(b"being written")
     before = snapshot(ckpts)
     with pytest.raises(CheckpointError, match=r"holds 4 checkpoint\(s\) of another run \(step_00000001, "
                                               r"step_00000002, step_00000003\): continue that run with "
                                               r"trainer.resume=auto"):
         train(compose_train(*TINY, *data_overrides, "trainer.max_steps=2", "trainer.keep_last=2",
-                            f"out_dir={tmp_path}", f"trainer.ckpt_dir={ckpts}"))
+                            f"out_dir={tmp_path}/run", f"trainer.ckpt_dir={ckpts}"))
     assert snapshot(ckpts) == before
 
 

@@ -11,7 +11,7 @@ A checkpoint is a folder ``<ckpt_dir>/step_<00000123>/`` holding
 Every file is written into a temporary sibling folder, flushed to disk, and the folder is then
 renamed into place with ``os.replace``: a crash or an error mid-write leaves the previous
 checkpoints as they were and no ``step_*`` folder half written (a ``.tmp-step_*`` folder left by a
-killed process is removed by :func:`prepare_ckpt_dir` when the next run starts).
+killed process is removed by :func:`remove_leftovers` when the next run starts).
 
 Integrity: ``state.json`` records a BLAKE2b digest of every other file of the checkpoint
 (``checksums.files``) and one of its own content (``checksums.state``); :func:`verify_checkpoint`
@@ -182,9 +182,8 @@ def prune(ckpt_dir: str, keep_last: int | None, run_id: str | None) -> None:
 
 
 def prepare_ckpt_dir(ckpt_dir: str, key: str = "trainer.ckpt_dir") -> None:
-    """Create ``ckpt_dir``, prove it writable with a probe file (a CheckpointError naming ``key``
-    otherwise: the run fails now, not at its first checkpoint) and remove the ``.tmp-step_*``
-    folders a killed save left behind."""
+    """Create ``ckpt_dir`` and prove it writable with a probe file: a CheckpointError naming ``key``
+    otherwise, so the run fails now, not at its first checkpoint."""
     probe = os.path.join(ckpt_dir, f".write-test-{os.getpid()}")
     try:
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -196,10 +195,14 @@ def prepare_ckpt_dir(ckpt_dir: str, key: str = "trainer.ckpt_dir") -> None:
     except OSError as e:
         raise CheckpointError(f"{key}={ckpt_dir!r} is not writable ({e.strerror or e}): choose a folder this user "
                               f"can write, the run would fail at its first checkpoint") from None
-    for name in sorted(os.listdir(ckpt_dir)):
+
+
+def remove_leftovers(ckpt_dir: str) -> None:
+    """Remove the ``.tmp-step_*`` folders a killed save left in ``ckpt_dir`` (call it once the folder
+    is known to be this run's), one log line each."""
+    for name in sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []:
         if name.startswith(TMP_PREFIX) and os.path.isdir(os.path.join(ckpt_dir, name)):
-            log.info("removing %s, left by a checkpoint save that did not finish",
-                     os.path.join(ckpt_dir, name))
+            log.info("removing %s, left by a checkpoint save that did not finish", os.path.join(ckpt_dir, name))
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
 

@@ -61,7 +61,8 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
 from tritonllm.checkpoint import (CONFIG_FILE, STATE_FILE, list_checkpoints, load_checkpoint, load_first_valid,
-                                  prepare_ckpt_dir, read_state, run_id_of, save_checkpoint, verify_checkpoint)
+                                  prepare_ckpt_dir, read_state, remove_leftovers, run_id_of, save_checkpoint,
+                                  verify_checkpoint)
 from tritonllm.conf.schema import check_config
 from tritonllm.data import load_corpus
 from tritonllm.errors import CheckpointError, ConfigError, TrainingError
@@ -342,6 +343,8 @@ def train(cfg) -> float:
         raise CheckpointError(f"trainer.ckpt_dir={tr.ckpt_dir!r} holds {len(foreign)} checkpoint(s) of another run "
                               f"({', '.join(map(os.path.basename, foreign[:3]))}): continue that run with "
                               f"trainer.resume=auto, or give this one its own trainer.ckpt_dir (nothing was changed)")
+    if env.main:
+        remove_leftovers(tr.ckpt_dir)
     # built after resuming: the optimizer's load_state_dict replaces the tensors a graph would hold
     train_step = TrainStep(model, optimizer, grad_clip=tr.grad_clip, grad_accum=tr.grad_accum, cuda_graph=cuda_graph,
                            parallel=parallel if env.distributed else None)
