@@ -45,8 +45,8 @@ class TrainerConfig:
     eval_interval: int = _f(250, ge=1)
     eval_batches: int = _f(20, ge=1)
     log_interval: int = _f(10, ge=1)
-    ckpt_interval: Optional[int] = _f(1000, ge=1)
-    keep_last: Optional[int] = _f(3, ge=1)
+    ckpt_interval: Optional[int] = _f(1000, ge=0)  # 0 or null: only at the end
+    keep_last: Optional[int] = _f(3, ge=0)  # 0 or null: keep every checkpoint
     ckpt_dir: str = MISSING
     resume: Optional[str] = None
     resume_force: bool = False
@@ -58,7 +58,7 @@ class TrainerConfig:
     progress: bool = True
     sample_prompt: str = "def "
     sample_tokens: int = _f(0, ge=0)
-    sample_interval: Optional[int] = _f(None, ge=1)
+    sample_interval: Optional[int] = _f(None, ge=0)  # 0 or null: only at the end
     gpu_telemetry: bool = True
     control: bool = True
 
