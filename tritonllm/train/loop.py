@@ -312,8 +312,16 @@ def train(cfg) -> float:
     resolved = OmegaConf.to_container(cfg, resolve=True)
 
     def load(ckpt: str) -> dict:
-        """Verify ``ckpt``, compare its config with this run's, then load it."""
-        verify_checkpoint(ckpt)
+        """Verify ``ckpt`` (on rank 0, which tells the others), compare its config with this run's, load it."""
+        error = None
+        if env.main:
+            try:
+                verify_checkpoint(ckpt)
+            except CheckpointError as e:
+                error = str(e)
+        error = broadcast_object(error, env)
+        if error:
+            raise CheckpointError(error)
         differences = config_differences(ckpt, resolved, tokens_per_step)
         if differences and not tr.resume_force:
             raise ConfigError(f"trainer.resume: this run's config differs from that of checkpoint {ckpt} in "
