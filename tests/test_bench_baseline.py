@@ -164,7 +164,7 @@ def test_rope_tables_are_built_once(monkeypatch):
     base(torch.randint(0, cfg.vocab_size, (1, 7)), torch.randint(0, cfg.vocab_size, (1, 7))).backward()
 
 
-@pytest.mark.parametrize("scaling", [{"type": "linear", "factor": 2.0}, {"type": "yarn", "factor": 2.0}],
+@pytest.mark.parametrize("scaling", [{"type": "dynamic", "factor": 2.0}, {"type": "yarn", "factor": 2.0}],
                          ids=["unknown-type", "yarn-without-original-length"])
 def test_unsupported_rope_scaling_names_the_field(scaling):
     cfg = tiny_cfg()

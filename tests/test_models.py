@@ -455,7 +455,7 @@ def test_gpu_training_step_makes_no_host_sync():
     synchronising call (``torch.cuda.set_sync_debug_mode("error")``)."""
     cfg = tiny_cfg(qk_norm=True, window=4, z_loss_coef=1e-3)
     model = build_model(cfg, device=DEVICE)
-    idx, targets = random_batch(cfg, 2, 64)
+    idx, targets = random_batch(cfg, 2, cfg.max_seq_len)
     model(idx, targets).backward()  # first call: compiles, builds plans and rope tables
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
