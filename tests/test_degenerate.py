@@ -105,7 +105,7 @@ def test_packed_qkv_one_token(rope_path, dtype, poisoned_empty):
     out64, _ = reference(q64, k64, v64)
     assert_close("out", out, out64)
     dv64 = do.double().view(B, 1, Hkv, Hq // Hkv, D).sum(3)
-    ref = torch.cat([torch.zeros(B, 1, Hq + Hkv, D, dtype=torch.float64), dv64], dim=2)
+    ref = torch.cat([torch.zeros(B, 1, Hq + Hkv, D, dtype=torch.float64, device=DEVICE), dv64], dim=2)
     assert_close("d(qkv)", dqkv, ref)
 
 
@@ -244,7 +244,7 @@ def test_embedding_one_token(poisoned_empty):
     out = embedding(ids, w)
     dy = randn(1, D)
     (dw,) = torch.autograd.grad(out, w, dy)
-    ref = torch.zeros(V, D, dtype=torch.float64)
+    ref = torch.zeros(V, D, dtype=torch.float64, device=DEVICE)
     ref[3] = dy.double()[0]
     assert_close("out", out, w.detach().double()[ids])
     assert torch.equal(dw.double(), ref)
