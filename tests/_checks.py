@@ -7,6 +7,8 @@ absolute term scaled by the reference's magnitude.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from conftest import DEVICE, DTYPES, ON_GPU  # noqa: F401  (re-exported for tests)
@@ -25,6 +27,14 @@ def gemm_atol(dtype: torch.dtype, chain: int = 1) -> float | None:
 
 #: absolute slack per dtype, relative to max(1, max|ref|)
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+
+
+def child_env(*paths: str, **extra: str) -> dict[str, str]:
+    """``os.environ`` for a child Python process that also imports from ``paths``, plus ``extra``
+    variables: ``paths`` go in front of the inherited PYTHONPATH, never in its place (it may be what
+    makes the test dependencies importable, as on the GPU machines: hydra, transformers, ...)."""
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join([*paths, *inherited])}
 
 
 def dtype_id(dtype: torch.dtype) -> str:

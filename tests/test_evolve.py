@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from _checks import child_env
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from test_train import TINY
@@ -308,7 +309,7 @@ def test_time_budget_stops_training(tmp_path, data_overrides):
 
 def test_cli(tmp_path, data_overrides):
     """python -m tritonllm.evolve with a stand-in evaluator: progress on the console, the outputs written."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), ROOT])}
+    env = child_env(os.path.dirname(__file__), ROOT)
     r = subprocess.run([sys.executable, "-m", "tritonllm.evolve", *SEARCH, *data_overrides, "evolve.generations=1",
                         "evolve.evaluator=_evolve_targets:fake", f"hydra.run.dir={tmp_path / 'run'}"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from _checks import ON_GPU
+from _checks import ON_GPU, child_env
 from test_train import ROOT, TINY, compose_train, data_overrides, read_metrics  # noqa: F401 (fixture)
 
 from tritonllm.data.loader import TokenLoader, TokenStream
@@ -48,7 +48,7 @@ def torchrun(spec: dict, tmp, nproc: int = 2, timeout: float = 300) -> subproces
         json.dump(spec, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", WORKER, path]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests")}
+    env = child_env(os.path.join(ROOT, "tests"), OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=env)
 
 
