@@ -35,7 +35,7 @@ def main(files: str, overrides: list[str]) -> None:
     if not any(o.startswith("+model=") for o in overrides):
         overrides = ["+model=void_tiny", *overrides]
     os.makedirs("outputs/your_text", exist_ok=True)  # a new folder per run: never an earlier run's checkpoints
-    out_dir = tempfile.mkdtemp(prefix=time.strftime("%Y-%m-%d_%H-%M-%S-"), dir="outputs/your_text")
+    out_dir = os.path.abspath(tempfile.mkdtemp(prefix=time.strftime("%Y-%m-%d_%H-%M-%S-"), dir="outputs/your_text"))
     sizes = SIZES["cuda" if torch.cuda.is_available() else "cpu"]
     cfg = compose_config("train", ["data=text", f"data.files={files}", f"out_dir={out_dir}", *sizes, *overrides])
     val_loss = train(cfg)

@@ -404,7 +404,7 @@ def test_example_runs_each_in_a_folder_of_its_own(data_overrides, tmp_path, monk
     printed = capsys.readouterr().out
     for run in runs:
         assert steps(tmp_path / "outputs" / "your_text" / run / "checkpoints") == [1]
-        assert f"run folder outputs/your_text/{run}" in printed
+        assert f"run folder {os.path.join(os.getcwd(), 'outputs', 'your_text', run)}\n" in printed
 
 
 def test_generate_falls_back_past_a_corrupt_newest_checkpoint(straight, tmp_path, monkeypatch, capsys):
