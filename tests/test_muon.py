@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from _checks import DEVICE, ON_GPU, assert_close, randn
+from _checks import DEVICE, ON_GPU, assert_close, gemm_atol, randn
 from tritonllm.kernels import muon_step_, orthogonalize
 from tritonllm.kernels.muon import coefficient_schedule, lr_adjustment
 from tritonllm.optim import AdamW, CombinedOptimizer, Muon
@@ -63,11 +63,13 @@ def ref_step(p, g, buf, v, *, lr, momentum, nesterov, weight_decay, coefficients
 @pytest.mark.parametrize("coefficients", COEFFS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_orthogonalize(shape, coefficients, poisoned_empty, small_tiles):
+    """Against float64, PyTorch's own iteration in the work dtype as the yardstick (bf16 on the GPU:
+    the iteration amplifies each bf16 rounding, the first Polar Express step by up to 20x)."""
     x = randn(*shape)
     out = orthogonalize(x, coefficients=coefficients, work_dtype=WORK)
     assert out.shape == x.shape and out.dtype == WORK
-    assert_close("polar", out, ref_polar(x.double(), coefficients), ref_polar(x.float(), coefficients),
-                 atol=1.6e-2 if ON_GPU else 1e-5, dtype=torch.float32)
+    assert_close("polar", out, ref_polar(x.double(), coefficients), ref_polar(x.to(WORK), coefficients),
+                 atol=None if ON_GPU else 1e-5)
 
 
 def test_orthogonalize_fp16_and_steps():
@@ -119,7 +121,9 @@ def test_step_matches_reference(normuon, poisoned_empty, small_tiles):
 
 def test_master_weights_fp16(small_tiles):
     """An fp16 parameter with an fp32 master: the master follows the fp32 reference, the parameter
-    is the master rounded to fp16."""
+    is the master rounded to fp16. The master's step (lr * O, adjust 1 for 9 x 14) is checked: on the
+    GPU the fp32 iterations' products run TF32, 3 chained GEMMs per step over 5 steps, each off by
+    up to TF32_ATOL in O (TF32 truncation emulated over 300 seeds: O off by up to 11 TF32_ATOL)."""
     p32 = randn(9, 14)
     p16, master, buf = p32.half(), p32.clone(), torch.zeros_like(p32)
     g = randn(9, 14).half()
@@ -127,7 +131,8 @@ def test_master_weights_fp16(small_tiles):
     ref, _, _ = ref_step(p32.double(), g.double(), torch.zeros_like(p32, dtype=torch.float64), None, lr=0.05,
                          momentum=0.95, nesterov=True, weight_decay=0.0, coefficients="polar_express", steps=5,
                          adjust_lr="original", beta2=0.95)
-    assert_close("master", master, ref)
+    tf32 = gemm_atol(torch.float32, chain=3 * 5)
+    assert_close("master step", master - p32, ref - p32.double(), atol=None if tf32 is None else 0.05 * tf32)
     assert torch.equal(p16, master.half())
 
 
@@ -150,8 +155,10 @@ def test_found_inf_skips_everything():
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
 def test_matches_torch_muon(nesterov):
     """Two steps of tritonllm.optim.Muon (Newton-Schulz, adjust_lr original) against
-    torch.optim.Muon, whose iterations run in bf16: agreement to bf16 accuracy (measured up to 3% of
-    the update over 16 seeds; a wrong lr adjustment or momentum form is off by 20% or more)."""
+    torch.optim.Muon, whose iterations run in bf16: agreement to bf16 accuracy, 15% of the largest
+    update. Measured: up to 9% over 300 seeds with ours in fp32 (CPU) or in emulated bf16; 9% on an
+    H200 (both in bf16, torch 2.11's result off an exact fp32 iteration by 4e-3 where ours is within
+    1e-4). A wrong lr adjustment is off by 28% or more, the other momentum form by 18% or more."""
     shapes = [(16, 6), (6, 16), (10, 10)]
     ours = [randn(*s).requires_grad_(True) for s in shapes]
     theirs = [p.detach().clone().requires_grad_(True) for p in ours]
@@ -167,7 +174,7 @@ def test_matches_torch_muon(nesterov):
         ref.step()
     for a, b, s in zip(ours, theirs, start):
         delta = (b.detach() - s).abs().max()
-        assert (a.detach() - b.detach()).abs().max() <= 0.08 * delta
+        assert (a.detach() - b.detach()).abs().max() <= 0.15 * delta
 
 
 def test_optimizer_state_dict_roundtrip():
