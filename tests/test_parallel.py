@@ -3,7 +3,8 @@ gloo, the Triton interpreter, void_tiny shrunk, four steps of two micro-batches.
 
 One process with the global batch is the reference. Against it: DDP and FSDP2 on two processes
 (torchrun), FSDP2 on one process of a process group; sharded checkpoints saved on two ranks and
-resumed in one plain process, saved on one rank and resumed on two; the export that generation
+resumed in one plain process, saved on one rank and resumed on two, a single-process (safetensors)
+checkpoint resumed by FSDP2 on two; the export that generation
 loads; and a rank that fails ending every rank within a minute with its rank and message. The data
 shares, the sharded norm reduction and AdamW on an empty shard are checked in process."""
 
@@ -59,11 +60,13 @@ def losses(out) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_overrides):
     """Every run's folder: ``ref`` (one process, global batch), ``fsdp1`` (FSDP2 on a one-rank group),
-    ``ddp`` / ``fsdp`` (two ranks), ``fsdp_from1`` (two ranks resuming fsdp1's step 2) and ``plain_from2``
-    (one plain process resuming the two-rank FSDP2 step 2)."""
+    ``ddp`` / ``fsdp`` (two ranks), ``fsdp_from1`` (two ranks resuming fsdp1's step 2), ``fsdp_from_plain``
+    (two FSDP2 ranks resuming ref's single-process step 2) and ``plain_from2`` (one plain process
+    resuming the two-rank FSDP2 step 2)."""
     tmp = tmp_path_factory.mktemp("parallel")
     base = [*TINY, *data_overrides]
-    out = {name: tmp / name for name in ("ref", "fsdp1", "ddp", "fsdp", "fsdp_from1", "plain_from2")}
+    out = {name: tmp / name for name in ("ref", "fsdp1", "ddp", "fsdp", "fsdp_from1",
+                                                      "fsdp_from_plain", "plain_from2")}
     train(compose_train(*base, *ONE, f"out_dir={out['ref']}"))
     group_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(free_port())}
@@ -78,7 +81,9 @@ def runs(tmp_path_factory, data_overrides):
         [*base, *TWO, "trainer.parallel=ddp", f"out_dir={out['ddp']}"],
         [*base, *TWO, "trainer.parallel=fsdp", f"out_dir={out['fsdp']}"],
         [*base, *TWO, "trainer.parallel=fsdp", f"out_dir={out['fsdp_from1']}",
-         f"trainer.resume={out['fsdp1']}/checkpoints/step_00000002"]]}, tmp)
+         f"trainer.resume={out['fsdp1']}/checkpoints/step_00000002"],
+        [*base, *TWO, "trainer.parallel=fsdp", f"out_dir={out['fsdp_from_plain']}",
+         f"trainer.resume={out['ref']}/checkpoints/step_00000002"]]}, tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     train(compose_train(*base, *ONE, f"out_dir={out['plain_from2']}",
                         f"trainer.resume={out['fsdp']}/checkpoints/step_00000002"))
@@ -116,6 +121,21 @@ def test_sharded_checkpoints_resume_on_another_world_size(runs):
     assert json.load(open(runs["fsdp"] / "checkpoints" / "step_00000002" / "state.json"))["world_size"] == 2
     assert_losses_close(losses(runs["plain_from2"]), ref, [3, 4])  # saved on 2 ranks, resumed in 1 process
     assert_losses_close(losses(runs["fsdp_from1"]), ref, [3, 4])  # saved on 1 rank, resumed on 2
+
+
+@cpu_only
+def test_single_process_checkpoint_resumes_under_fsdp(runs):
+    """ref's safetensors checkpoint (one plain process) resumed by FSDP2 on two ranks: every rank
+    reads it whole and keeps its shards of the weights and AdamW's moments; the losses and the
+    validation loss are the uninterrupted run's."""
+    plain = str(runs["ref"] / "checkpoints" / "step_00000002")
+    assert not is_sharded(plain) and os.path.isfile(os.path.join(plain, "model.safetensors"))
+    assert_losses_close(losses(runs["fsdp_from_plain"]), losses(runs["ref"]), [3, 4])
+    val, ref_val = read_metrics(str(runs["fsdp_from_plain"]), "val"), read_metrics(str(runs["ref"]), "val")
+    assert [v["step"] for v in val] == [4], val
+    assert abs(val[0]["val_loss"] - ref_val[-1]["val_loss"]) <= 1e-5 * ref_val[-1]["val_loss"]
+    ckpt = str(runs["fsdp_from_plain"] / "checkpoints" / "step_00000004")
+    assert is_sharded(ckpt) and json.load(open(os.path.join(ckpt, "state.json")))["world_size"] == 2
 
 
 @cpu_only

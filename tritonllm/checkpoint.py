@@ -152,10 +152,11 @@ def verify_checkpoint(path: str) -> dict:
     return state
 
 
-def check_finite_weights(path: str, model: torch.nn.Module) -> None:
-    """A CheckpointError naming the tensors of ``model`` (just loaded from ``path``) that hold a NaN
-    or an infinity."""
-    bad = [name for name, t in model.state_dict().items()
+def check_finite_weights(path: str, model: torch.nn.Module | dict) -> None:
+    """A CheckpointError naming the tensors of ``model`` (just loaded from ``path``; or a dict of
+    the tensors read from it) that hold a NaN or an infinity."""
+    tensors = model if isinstance(model, dict) else model.state_dict()
+    bad = [name for name, t in tensors.items()
            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise CheckpointError(f"checkpoint {path} holds non-finite weights (NaN or inf) in {len(bad)} tensor(s): "

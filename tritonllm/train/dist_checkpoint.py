@@ -18,6 +18,10 @@ a torchrun run's checkpoint). A missing ``master`` (the checkpoint came from fp3
 from the loaded weights; when this run's weights are fp32 and the checkpoint kept fp32 masters of
 lower-precision weights, the masters are loaded into the weights.
 
+A single-process checkpoint (:func:`tritonllm.checkpoint.save_checkpoint`: ``model.safetensors``,
+``optimizer.pt``) resumes under FSDP2 through :func:`load_full_into_shards`: every rank reads the full
+weights and optimizer state and keeps its own shards of them.
+
 ``python -m tritonllm.train.dist_checkpoint export <ckpt> <folder>`` writes a single-process checkpoint
 folder (``model.safetensors`` with the full weights, ``state.json``, ``config.yaml``, the tokenizer) that
 ``python -m tritonllm.generate ckpt=<folder>`` loads.
@@ -31,9 +35,9 @@ import shutil
 
 import torch
 
-from tritonllm.checkpoint import (CONFIG_FILE, MODEL_FILE, STATE_FILE, TMP_PREFIX, TOKENIZER_FILE, _write_json,
-                                  prune, publish, read_state, rng_state, set_rng_state, verify_checkpoint,
-                                  with_checksums)
+from tritonllm.checkpoint import (CONFIG_FILE, MODEL_FILE, OPTIM_FILE, RNG_FILE, STATE_FILE, TMP_PREFIX,
+                                  TOKENIZER_FILE, _write_json, check_finite_weights, check_model_shapes, prune,
+                                  publish, read_state, rng_state, set_rng_state, verify_checkpoint, with_checksums)
 from tritonllm.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -170,6 +174,81 @@ def load_sharded(path: str, env, module: torch.nn.Module, optimizer=None, restor
         rng = os.path.join(path, _rng_file(env.rank))
         if os.path.isfile(rng):
             set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
+    return state
+
+
+def _copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full tensor ``full`` into ``target``: into this rank's shard of it when ``target`` is
+    a DTensor (``distribute_tensor`` cuts the shards of rank 0's ``full``), else whole."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(device=target.device, dtype=target.dtype)
+    if isinstance(target, DTensor):
+        target.to_local().copy_(distribute_tensor(full, target.device_mesh, target.placements).to_local())
+    else:
+        target.copy_(full)
+
+
+@torch.no_grad()
+def load_full_into_shards(path: str, env, module: torch.nn.Module, optimizer=None, restore_rng: bool = True,
+                          model_config: dict | None = None, verified: bool = False) -> dict:
+    """Load the single-process checkpoint ``path`` (``model.safetensors``, ``optimizer.pt``, ``rng.pt``)
+    into ``module``, sharded by FSDP2, and its AdamW ``optimizer`` (collective: every rank calls it);
+    returns its ``state.json``.
+
+    Every rank reads the full weights and optimizer state on the CPU and copies its own shards into
+    the parameters and the moments (:func:`_copy_full_`). The saved optimizer's parameters are
+    matched to this one's by order, as ``torch.optim.Optimizer.load_state_dict`` does (the same
+    model builds the same groups). A saved fp32 ``master`` of a lower-precision weight becomes the
+    weight when this run's parameter is fp32 (FSDP2's sharded master weights). Rank 0 restores the
+    saved RNG states (the other ranks keep their seeded ones, as when a sharded checkpoint of fewer
+    ranks resumes). A CheckpointError names the file that is unreadable or does not fit."""
+    from safetensors.torch import load_file
+
+    state = read_state(path) if verified else verify_checkpoint(path)
+    check_model_shapes(path, module, state.get("model_config"), model_config)
+    file = os.path.join(path, MODEL_FILE)
+    try:
+        weights = load_file(file, device="cpu")
+        saved = None
+        if optimizer is not None:
+            file = os.path.join(path, OPTIM_FILE)
+            saved = torch.load(file, map_location="cpu", weights_only=True)
+        file = os.path.join(path, RNG_FILE)
+        rng = torch.load(file, map_location="cpu", weights_only=True) if restore_rng and env.main else None
+    except Exception as e:
+        raise CheckpointError(f"checkpoint file {file} is unreadable ({type(e).__name__}: {e})") from None
+    pairs = []  # (parameter, its saved optimizer state)
+    if saved is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
+        if len(saved["param_groups"]) != len(optimizer.param_groups) or len(saved_ids) != len(params):
+            raise CheckpointError(f"checkpoint file {file} holds {len(saved_ids)} parameters in "
+                                  f"{len(saved['param_groups'])} groups, this optimizer {len(params)} in "
+                                  f"{len(optimizer.param_groups)}")
+        names = {id(p): n for n, p in module.named_parameters()}
+        pairs = [(p, saved["state"].get(i) or {}) for p, i in zip(params, saved_ids)]
+        for p, st in pairs:  # fp32 weights here, fp32 masters there: the masters are the weights
+            if "master" in st and p.dtype == torch.float32 and id(p) in names:
+                weights[names[id(p)]] = st["master"]
+    check_finite_weights(path, weights)
+    targets = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+    for name, full in weights.items():
+        _copy_full_(targets[name], full)
+    if saved is not None:
+        optimizer.init_state()
+        for p, st in [(p, st) for p, st in pairs if st]:  # a parameter never updated keeps zero state
+            mine = optimizer.state[p]
+            mine["step"].fill_(float(st["step"]))
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key in mine and key in st:
+                    _copy_full_(mine[key], st[key])
+                elif key in mine:  # a master copy the saving run did not keep: the loaded weight
+                    mine[key].copy_(p)
+        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+    if rng is not None:
+        set_rng_state(rng)
     return state
 
 

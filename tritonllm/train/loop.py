@@ -70,7 +70,7 @@ from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job, rewind_met
 from tritonllm.runtime import resolve_dtype
 from tritonllm.schedule import check_schedule, lr_multiplier
 from tritonllm.studio.hooks import RunHooks
-from tritonllm.train.dist_checkpoint import is_sharded, load_sharded, save_sharded
+from tritonllm.train.dist_checkpoint import is_sharded, load_full_into_shards, load_sharded, save_sharded
 from tritonllm.train.parallel import barrier, broadcast_object, init_distributed, parallelize, resolve_parallel, shutdown
 from tritonllm.train.step import MetricsQueue, TrainStep, resolve_cuda_graph
 
@@ -332,9 +332,8 @@ def train(cfg) -> float:
                         len(differences), "; ".join(differences))
         if is_sharded(ckpt):
             return load_sharded(ckpt, env, model, optimizer, model_config=model_cfg.to_dict(), verified=True)
-        if mode == "fsdp":
-            raise CheckpointError(f"checkpoint {ckpt} was written by a single-process run: resume it with "
-                                  f"trainer.parallel=ddp (or none), whose checkpoints FSDP2 runs can load")
+        if mode == "fsdp":  # a single-process checkpoint: every rank reads it whole and keeps its shards
+            return load_full_into_shards(ckpt, env, model, optimizer, model_config=model_cfg.to_dict(), verified=True)
         return load_checkpoint(ckpt, model, optimizer, model_config=model_cfg.to_dict(), verified=True)
 
     run_id = broadcast_object(uuid.uuid4().hex[:12], env)  # a resumed run keeps its checkpoint's id
