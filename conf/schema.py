@@ -189,8 +189,11 @@ class WandbLogger:
 
 @dataclass
 class GenerateConfig:
-    ckpt: str = MISSING
+    ckpt: Optional[str] = None
+    hf: Optional[str] = None
+    tokenizer: Optional[str] = None
     prompt: str = ""
+    chat: bool = False
     max_new_tokens: int = _f(200, ge=1)
     temperature: float = _f(0.8, ge=0)
     top_k: Optional[int] = _f(200, ge=1)
