@@ -364,3 +364,15 @@ def num_sms(device_index: int | None = None) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (at least 1)."""
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def check_lr(lr, device: torch.device) -> bool:
+    """Check an optimizer kernel's ``lr``: a float >= 0, or a one-element fp32 tensor on ``device``
+    (read by the kernel, so a CUDA graph replays its current value). Returns whether it is a tensor."""
+    if isinstance(lr, torch.Tensor):
+        if lr.dtype != torch.float32 or lr.numel() != 1 or lr.device != device:
+            raise TypeError(f"lr must be a float or a one-element fp32 tensor on {device}")
+        return True
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    return False

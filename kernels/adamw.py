@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, interpreting, next_pow2
+from ._common import FLOAT_DTYPES, check_lr, check_tensor, interpreting, next_pow2
 
 #: elements per program (a chunk: the granularity of the tables), processed BLOCK elements per
 #: loop step by NUM_WARPS warps. Large chunks amortise each program's table look-ups (two
@@ -418,12 +418,7 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr
     if not params:
         return
     device = params[0].device
-    lr_on_device = isinstance(lr, torch.Tensor)
-    if lr_on_device:
-        if lr.dtype != torch.float32 or lr.numel() != 1 or lr.device != device:
-            raise TypeError(f"lr must be a float or a one-element fp32 tensor on {device}")
-    elif not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
+    lr_on_device = check_lr(lr, device)
     beta1, beta2 = betas
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, interpreting, next_pow2
+from ._common import FLOAT_DTYPES, check_lr, check_tensor, interpreting, next_pow2
 from .adamw import _TL_DTYPE, _cached, _check_flag, _upload
 
 #: Newton-Schulz quintic of torch.optim.Muon / K. Jordan's Muon, used for every step
@@ -511,12 +511,7 @@ def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, 
     for i, t in enumerate(momentum_bufs):
         if t is None:
             raise TypeError(f"momentum_bufs[{i}] must be a tensor")
-    lr_on_device = isinstance(lr, torch.Tensor)
-    if lr_on_device:
-        if lr.dtype != torch.float32 or lr.numel() != 1 or lr.device != device:
-            raise TypeError(f"lr must be a float or a one-element fp32 tensor on {device}")
-    elif not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
+    lr_on_device = check_lr(lr, device)
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
     if not 0.0 <= beta2 < 1.0:

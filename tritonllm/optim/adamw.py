@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 
 from tritonllm.kernels.adamw import adamw_step_, clip_grads_
-
-_FP32_STATE = ("exp_avg", "exp_avg_sq", "master")
+from tritonllm.optim._base import DeviceStateOptimizer
 
 
 def _dtensor_type():
@@ -46,7 +45,7 @@ def _local(t: torch.Tensor, dtensor) -> torch.Tensor:
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(DeviceStateOptimizer):
     """AdamW with a Triton multi-tensor step.
 
     Args:
@@ -58,6 +57,8 @@ class AdamW(torch.optim.Optimizer):
         master_weights: None or True keeps an fp32 master copy of every bf16/fp16 parameter;
             False updates such parameters directly (fp32 math, rounded on store).
     """
+
+    FP32_STATE = ("exp_avg", "exp_avg_sq", "master")  # kept in fp32 whatever the parameter's dtype
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, master_weights: bool | None = None):
@@ -126,36 +127,17 @@ class AdamW(torch.optim.Optimizer):
                             eps=group["eps"], weight_decay=group["weight_decay"], found_inf=found_inf)
         return loss
 
-    def state_dict(self) -> dict:
-        """As ``torch.optim.Optimizer.state_dict``, with a group's device-tensor ``lr`` saved as a float."""
-        sd = super().state_dict()
-        for group in sd["param_groups"]:
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"] = float(group["lr"])
-        return sd
-
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``state_dict()`` (of this class, or of ``torch.optim.AdamW``: groups get this
-        optimizer's defaults for the keys they lack).
-
-        ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to each parameter's
-        dtype; the moments and master copies are put back in fp32 here, on the parameter's device.
-        """
+        optimizer's defaults for the keys they lack); moments and master copies come back in fp32
+        and each step count as a 0-d fp32 tensor on the parameter's device."""
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if not saved:
-                continue
-            state = self.state[p]
-            state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32, device=p.device)
-            for key in _FP32_STATE:
-                if key in saved:
-                    state[key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True).contiguous()
+
+    def _restore(self, state: dict, saved: dict, p: torch.Tensor) -> None:
+        state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32, device=p.device)
 
 
 def clip_grad_norm_(params, max_norm: float, eps: float = 1e-6, *, found_inf: torch.Tensor | None = None,

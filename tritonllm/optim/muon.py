@@ -24,11 +24,10 @@ from __future__ import annotations
 import torch
 
 from tritonllm.kernels.muon import ADJUST_LR, COEFFICIENTS, muon_step_
+from tritonllm.optim._base import DeviceStateOptimizer
 
-_FP32_STATE = ("momentum_buffer", "second_moment", "master")
 
-
-class Muon(torch.optim.Optimizer):
+class Muon(DeviceStateOptimizer):
     """Muon / NorMuon with Triton kernels, for parameters of at least 2 dims (the last two are the
     matrix; leading dims index independent matrices).
 
@@ -45,6 +44,8 @@ class Muon(torch.optim.Optimizer):
         master_weights: None or True keeps an fp32 master copy of bf16/fp16 parameters.
         work_dtype: dtype of the iterations (None: bf16 on a GPU, fp32 under the interpreter).
     """
+
+    FP32_STATE = ("momentum_buffer", "second_moment", "master")  # kept in fp32 whatever the parameter's dtype
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, coefficients: str = "polar_express", ns_steps: int = 5,
@@ -121,28 +122,6 @@ class Muon(torch.optim.Optimizer):
                        adjust_lr=group["adjust_lr"], beta2=group["beta2"], found_inf=found_inf,
                        work_dtype=group["work_dtype"])
         return loss
-
-    def state_dict(self) -> dict:
-        """As ``torch.optim.Optimizer.state_dict``, with a group's device-tensor ``lr`` saved as a float."""
-        sd = super().state_dict()
-        for group in sd["param_groups"]:
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"] = float(group["lr"])
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a ``state_dict()``; the fp32 state is put back in fp32 on the parameter's device
-        (``torch.optim.Optimizer.load_state_dict`` casts it to the parameter's dtype)."""
-        super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if not saved:
-                continue
-            for key in _FP32_STATE:
-                if key in saved:
-                    self.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True).contiguous()
 
 
 class CombinedOptimizer:
