@@ -1,26 +1,17 @@
 """cross_entropy against a float64 PyTorch reference (F.cross_entropy plus the z-loss term)."""
 
+import functools
+
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _checks import DEVICE, DTYPES, assert_close, dtype_id, non_contiguous, randn
+from tritonllm.bench.reference_ops import cross_entropy as ref_cross_entropy
 from tritonllm.kernels import cross_entropy
 
 IGNORE = -100
-
-
-def reference(logits, target, ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0, reduction="mean"):
-    """(loss, z-loss term) by PyTorch ops in ``logits``' dtype, reduced as ``reduction`` asks."""
-    x = logits.reshape(-1, logits.shape[-1])
-    t = target.reshape(-1).long()
-    valid = t != ignore_index
-    z = z_loss * torch.logsumexp(x, -1) ** 2 * valid
-    rows = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none") + z
-    if reduction == "none":
-        return rows.view(target.shape), z.view(target.shape)
-    n = valid.sum().clamp(min=1) if reduction == "mean" else 1
-    return rows.sum() / n, z.sum() / n
+#: (loss, z-loss term) by PyTorch ops in logits' dtype
+reference = functools.partial(ref_cross_entropy, return_z_loss=True)
 
 
 def make_target(shape, V, ignore_every=4, ignore_index=IGNORE, dtype=torch.int64):

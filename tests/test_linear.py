@@ -6,9 +6,10 @@ import importlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, gemm_atol, non_contiguous, poison_, randn
+from tritonllm.bench.reference_ops import linear as ref_linear
+from tritonllm.bench.reference_ops import linear_swiglu as ref_swiglu
 from tritonllm.kernels import linear, linear_swiglu
 
 linear_module = importlib.import_module("tritonllm.kernels.linear")
@@ -45,11 +46,6 @@ def check(fn, ref_fn, inputs, names, chain=1):
     for name, t, g, g64, gs in zip(grad_names, wrt, got, ref64, ref_same):
         assert g.shape == t.shape and g.dtype == t.dtype, name
         assert_close("d" + name, g, g64, gs, atol=gemm_atol(dtype, chain))
-
-
-def ref_linear(x, w, b=None, r=None):
-    y = F.linear(x, w, b)
-    return y if r is None else y + r
 
 
 # (M, K, N, bias): a sparse product of M in (1, 5, 123) and K, N in (1, 17, 100, 1000); M = 123 with
@@ -99,11 +95,6 @@ def test_linear_transposed_x_3d_non_contiguous():
     check(linear, ref_linear, [x, w], ["x", "weight"])
     x3 = randn(3, 4, 34, requires_grad=True).detach()[:, :, ::2].requires_grad_()
     check(linear, ref_linear, [x3, randn(5, 17, requires_grad=True)], ["x", "weight"])
-
-
-def ref_swiglu(x, w13):
-    g, u = F.linear(x, w13).chunk(2, dim=-1)
-    return F.silu(g) * u
 
 
 # (leading shape of x, K, F)

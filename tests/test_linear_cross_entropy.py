@@ -2,35 +2,19 @@
 loss, z-loss term, dx and dW, with ignored rows, label smoothing, z-loss, every reduction and
 chunk sizes that do and do not divide the token count; bad inputs."""
 
+import functools
 import importlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _checks import DEVICE, DTYPES, assert_close, dtype_id, gemm_atol, non_contiguous, randn
+from tritonllm.bench.reference_ops import linear_cross_entropy as ref_linear_cross_entropy
 from tritonllm.kernels import linear_cross_entropy
 
 IGNORE = -100
-
-
-def reference(x, w, t, ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0, reduction="mean", softcap=None):
-    """PyTorch: F.cross_entropy of the fp32 (or fp64) logits (capped to softcap * tanh(logits / softcap)
-    when given) plus the z-loss term z_loss * lse^2. Returns (loss, z-loss term), reduced alike."""
-    logits = F.linear(x, w)
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    V = w.shape[0]
-    ce = F.cross_entropy(logits.reshape(-1, V), t.reshape(-1).long(), ignore_index=ignore_index,
-                         label_smoothing=label_smoothing, reduction="none")
-    valid = t.reshape(-1) != ignore_index
-    z = torch.where(valid, z_loss * torch.logsumexp(logits.reshape(-1, V), dim=-1) ** 2, 0.0)
-    per_row = ce + z
-    if reduction == "none":
-        return per_row.view(t.shape), z.view(t.shape)
-    div = valid.sum().clamp(min=1) if reduction == "mean" else 1
-    return per_row.sum() / div, z.sum() / div
+#: (loss, z-loss term) of the fp32 (or float64) logits by PyTorch ops
+reference = functools.partial(ref_linear_cross_entropy, return_z_loss=True)
 
 
 def targets(shape, V, every=5, ignore_index=IGNORE):

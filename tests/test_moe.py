@@ -8,9 +8,11 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _checks import DEVICE, DTYPES, assert_close, dtype_id, gemm_atol, non_contiguous, randn
+from tritonllm.bench.reference_ops import grouped_linear as ref_grouped
+from tritonllm.bench.reference_ops import moe as ref_moe
+from tritonllm.bench.reference_ops import moe_router as ref_router
 from tritonllm.kernels import (grouped_linear, grouped_linear_swiglu, moe, moe_combine, moe_gather, moe_router,
                                moe_sort)
 
@@ -25,22 +27,6 @@ def random_topk(T, E, k):
 
 
 # ----------------------------------------------------------------------------------------- router
-
-
-def ref_router(logits, indices, score, normalize):
-    """weights, aux, z of the router in logits' dtype, for the given (kernel-chosen) indices."""
-    T, E = logits.shape
-    k = indices.shape[1]
-    p = torch.softmax(logits, -1)
-    s = p if score == "softmax" else torch.sigmoid(logits)
-    q = p if score == "softmax" else s / s.sum(-1, keepdim=True)
-    w = s.gather(1, indices.long())
-    if normalize:
-        w = w / w.sum(-1, keepdim=True)
-    f = torch.bincount(indices.long().flatten(), minlength=E).to(logits.dtype) / (T * k)
-    aux = E * (f * q.mean(0)).sum()
-    z = (torch.logsumexp(logits, -1) ** 2).mean()
-    return w, aux, z
 
 
 #: (T, E, k, score, normalize): odd T and E, a single token, k = E, every scoring variant
@@ -218,17 +204,6 @@ GROUPS = {"E5-empty-experts-K40-N70": ([0, 37, 1, 0, 33], 40, 70),
           "E6-ragged-K64-N32": ([5, 17, 0, 40, 3, 9], 64, 32)}
 
 
-def ref_grouped(x, w, offsets, swiglu):
-    outs = []
-    for e in range(w.shape[0]):
-        y = x[offsets[e]:offsets[e + 1]] @ w[e].T
-        if swiglu:
-            g, u = y.chunk(2, dim=-1)
-            y = F.silu(g) * u
-        outs.append(y)
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize("swiglu", [False, True], ids=["linear", "swiglu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", GROUPS.values(), ids=GROUPS.keys())
@@ -292,22 +267,6 @@ def test_grouped_linear_bad_inputs():
 
 
 # ------------------------------------------------------------------------------------ MoE layer
-
-
-def ref_moe(x, rw, w13, w2, indices, score, normalize, shared=None):
-    """The MoE layer in x's dtype for given expert choices: a loop over experts (index_add)."""
-    logits = x @ rw.T
-    w, aux, z = ref_router(logits, indices, score, normalize)
-    y = torch.zeros_like(x)
-    for e in range(w13.shape[0]):
-        tok, slot = torch.where(indices.long() == e)
-        gu = x[tok] @ w13[e].T
-        g, u = gu.chunk(2, dim=-1)
-        y = y.index_add(0, tok, (F.silu(g) * u) @ w2[e].T * w[tok, slot, None].to(x.dtype))
-    if shared is not None:
-        g, u = (x @ shared[0].T).chunk(2, dim=-1)
-        y = y + (F.silu(g) * u) @ shared[1].T
-    return y, aux, z
 
 
 @pytest.mark.parametrize("shared,score,normalize", [(False, "softmax", True), (True, "sigmoid", False)],

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _checks import DEVICE, DTYPES, assert_close, dtype_id, randn
+from tritonllm.bench.reference_ops import rope as reference
 from tritonllm.kernels import rope, rope_cos_sin
 
 # the module, not the function of the same name that tritonllm.kernels exports
@@ -25,15 +26,6 @@ def tables(rows, half):
     """Random fp32 cos/sin tables (cos^2 + sin^2 = 1) with ``rows`` rows."""
     angle = torch.rand(rows, half, dtype=torch.float64) * 2 * math.pi
     return torch.cos(angle).float().to(DEVICE), torch.sin(angle).float().to(DEVICE)
-
-
-def reference(x, cos, sin, offset=0):
-    """Half-split RoPE in x's dtype (tables cast to it, as PyTorch models do)."""
-    T, half = x.shape[1], x.shape[-1] // 2
-    c = cos[offset:offset + T, None, :].to(x.dtype)
-    s = sin[offset:offset + T, None, :].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 def leaf(t, dtype=None):

@@ -4,9 +4,9 @@ import importlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _checks import DEVICE, DTYPES, assert_close, dtype_id, non_contiguous, randn
+from tritonllm.bench.reference_ops import swiglu as reference
 from tritonllm.kernels import swiglu
 
 # the module, not the function of the same name that tritonllm.kernels exports
@@ -18,12 +18,6 @@ SHAPES = [(1, 123), (5, 123), (17, 1000), (3, 3000), (4, 2, 64), (7, 1)]
 
 def shape_id(shape):
     return "x".join(map(str, shape))
-
-
-def reference(*inputs):
-    """Plain PyTorch SwiGLU in the inputs' dtype, two-tensor or packed."""
-    gate, up = inputs if len(inputs) == 2 else inputs[0].chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def check(*inputs):

@@ -1,8 +1,9 @@
 """The tritonllm Transformer's architecture in plain PyTorch ops: the tests' reference.
 
 Same parameter names and shapes as ``tritonllm.models.Transformer`` (``load_state_dict`` from it
-works), computed in the dtype of its parameters with ``F.linear``, an explicit softmax attention
-and eager RMSNorm / RoPE / SwiGLU / cross-entropy. No tritonllm kernel is used.
+works), computed in the dtype of its parameters with ``F.linear``, ``F.cross_entropy`` and the eager
+RMSNorm / RoPE / SwiGLU / explicit softmax attention of :mod:`tritonllm.bench.reference_ops`.
+No tritonllm kernel is used.
 ``ReferenceTransformer(cfg, sdpa=True)`` runs full causal attention through
 ``F.scaled_dot_product_attention``. Written for clarity, not speed (its RoPE tables are rebuilt
 in every forward): the training benchmark's baseline is ``tritonllm.bench.baseline_model``.
@@ -10,15 +11,12 @@ in every forward): the training benchmark's baseline is ``tritonllm.bench.baseli
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def rms_norm(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+from tritonllm.bench.reference_ops import attention as reference_attention
+from tritonllm.bench.reference_ops import relu2, rms_norm, rope, softcap, swiglu
 
 
 def rope_tables(cfg, dtype, device=None):
@@ -29,32 +27,14 @@ def rope_tables(cfg, dtype, device=None):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rope(x, cos, sin):
-    """Rotate the pairs ``(x[..., i], x[..., i + D/2])`` of ``x [B, T, H, D]`` by the angle of position t."""
-    T, half = x.shape[1], x.shape[-1] // 2
-    c, s = cos[:T][None, :, None, :], sin[:T][None, :, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
-
-
 def attention(q, k, v, window, sdpa=False):
-    """Causal softmax attention of ``q [B, T, Hq, D]`` over ``k, v [B, T, Hkv, D]``; with ``window``,
-    query t sees keys ``t - window < s <= t``. GQA: query head h reads key/value head ``h // (Hq / Hkv)``.
-    ``sdpa`` (no window): through ``F.scaled_dot_product_attention``."""
-    T, Hq, D = q.shape[1:]
+    """Causal attention (:func:`tritonllm.bench.reference_ops.attention`); ``sdpa`` (no window):
+    through ``F.scaled_dot_product_attention``."""
     if sdpa and window is None:
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=Hq != k.shape[2])
+                                           enable_gqa=q.shape[2] != k.shape[2])
         return y.transpose(1, 2)
-    k = k.repeat_interleave(Hq // k.shape[2], dim=2)
-    v = v.repeat_interleave(Hq // v.shape[2], dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(D)
-    qpos, kpos = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    allowed = kpos <= qpos
-    if window is not None:
-        allowed &= kpos > qpos - window
-    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-    return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+    return reference_attention(q, k, v, window=window)
 
 
 class _Linear(nn.Module):
@@ -101,8 +81,7 @@ class MLP(nn.Module):
         self.w2 = _Linear(cfg.d_model, cfg.d_ff)
 
     def forward(self, x):
-        gate, up = F.linear(x, self.w13.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2.weight)
+        return F.linear(swiglu(F.linear(x, self.w13.weight)), self.w2.weight)
 
 
 class ReLU2MLP(nn.Module):
@@ -112,7 +91,7 @@ class ReLU2MLP(nn.Module):
         self.w2 = _Linear(cfg.d_model, cfg.d_ff)
 
     def forward(self, x):
-        return F.linear(F.relu(F.linear(x, self.w1.weight)).square(), self.w2.weight)
+        return F.linear(relu2(F.linear(x, self.w1.weight)), self.w2.weight)
 
 
 class Block(nn.Module):
@@ -162,7 +141,7 @@ class ReferenceTransformer(nn.Module):
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(rms_norm(x, self.norm.weight, cfg.norm_eps), head)
         if cfg.logit_softcap is not None:
-            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+            logits = softcap(logits, cfg.logit_softcap)
         if targets is None:
             return logits
         logits, targets = logits.view(-1, logits.shape[-1]), targets.reshape(-1)
