@@ -322,19 +322,20 @@ def test_moe_module():
     from tritonllm.nn import MoE
 
     cfg = moe_cfg()
-    layer = MoE(cfg).to(DEVICE)
+    layer = MoE(cfg.d_model, cfg.n_experts, cfg.moe_top_k, cfg.d_expert, cfg.n_shared_experts,
+                aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef).to(DEVICE)
     n = cfg.n_experts * cfg.d_model * (1 + 3 * cfg.d_expert) + 3 * cfg.d_model * cfg.d_expert
     assert sum(p.numel() for p in layer.parameters()) == n
     x = randn(2, 7, cfg.d_model, requires_grad=True)
-    y = layer(x)
+    y, aux_loss, stats = layer(x)
     assert y.shape == x.shape
     y_f, r = moe(x.view(-1, cfg.d_model), layer.router.weight, layer.w13, layer.w2, cfg.moe_top_k,
                  shared_w13=layer.shared_w13.weight, shared_w2=layer.shared_w2.weight)
     assert torch.equal(y.view(-1, cfg.d_model), y_f)
-    assert_close("aux_loss", layer.aux_loss, (0.01 * r.aux_loss + 0.001 * r.z_loss).double())
-    assert set(layer.stats) == {"moe_aux", "moe_z", "moe_max_load"}
-    assert all(v.dim() == 0 and not v.requires_grad for v in layer.stats.values())
-    (y.square().sum() + layer.aux_loss).backward()
+    assert_close("aux_loss", aux_loss, (0.01 * r.aux_loss + 0.001 * r.z_loss).double())
+    assert set(stats) == {"moe_aux", "moe_z", "moe_max_load"}
+    assert all(v.dim() == 0 and not v.requires_grad for v in stats.values())
+    (y.square().sum() + aux_loss).backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
 

@@ -30,12 +30,9 @@ class Scaled(torch.nn.Module):
         self.inner = inner
         self.register_buffer("scale", torch.ones((), device=next(inner.parameters()).device))
 
-    def forward(self, x, y):
-        return self.inner(x, y) * self.scale
-
-    @property
-    def last_losses(self):
-        return self.inner.last_losses
+    def forward(self, x, y, return_losses=False):
+        loss, losses = self.inner(x, y, return_losses=True)
+        return (loss * self.scale, losses) if return_losses else loss * self.scale
 
 
 def _setup(cfg, dtype=None, seed=0):

@@ -4,10 +4,13 @@
     for each block:  x = x + attention(rms_norm(x));  x = x + mlp(rms_norm(x))
     logits = rms_norm(x) @ W_head.T            (W_head = the embedding when tied)
 
-Attention: one packed QKV GEMM, viewed as ``[B, T, Hq + 2 Hkv, D]`` and split into strided q, k,
-v views (no copies); optional QK-norm (RMSNorm over D); RoPE on q and k; flash attention (GQA/MQA,
-causal, optional sliding window); output GEMM. MLP: SwiGLU with gate and up packed in one GEMM
-(``linear_swiglu``), then the down GEMM; or an MoE layer (:func:`build_mlp`).
+Built from ``tritonllm.nn``: :class:`~tritonllm.nn.Attention` (one packed QKV GEMM split into strided
+q, k, v views, optional QK-norm, RoPE, flash attention with GQA/MQA and an optional sliding window,
+output GEMM), :class:`~tritonllm.nn.MLP` (SwiGLU with gate and up packed in one GEMM, or squared ReLU)
+or :class:`~tritonllm.nn.MoE` (:func:`build_mlp`), :class:`~tritonllm.nn.RMSNorm`,
+:class:`~tritonllm.nn.Embedding` and :class:`~tritonllm.nn.LMHeadLoss`. An MoE layer returns its
+auxiliary loss and statistics (:class:`~tritonllm.nn.MoEOutput`); each block hands them up and
+:meth:`Transformer.forward` adds the losses to the training loss (nothing is left on the modules).
 
 Residual adds are fused into the RMSNorm kernels: ``rms_norm(delta, w, residual=x)`` returns
 ``(norm(x + delta) * w, x + delta)``. Each residual-stream tensor is then consumed exactly once,
@@ -38,17 +41,11 @@ import weakref
 import torch
 from torch import nn
 
-from tritonllm.kernels.flash_attention import flash_attention, flash_attention_decode
-from tritonllm.kernels.kv_cache import kv_cache_write_
-from tritonllm.kernels.linear import linear
-from tritonllm.kernels.linear_cross_entropy import linear_cross_entropy
-from tritonllm.kernels.relu2 import relu2
 from tritonllm.kernels.residual_mix import add_fork, fork, weighted_add
-from tritonllm.kernels.rope import rope, rope_cos_sin
-from tritonllm.kernels.softcap import softcap
-from tritonllm.kernels.split_heads import split_heads
+from tritonllm.kernels.rope import rope_cos_sin
 from tritonllm.models.config import ModelConfig
-from tritonllm.nn import Embedding, Linear, LinearSwiGLU, RMSNorm
+from tritonllm.nn import MLP, Attention, Embedding, Linear, LMHeadLoss, MoE, MoEOutput, RMSNorm
+from tritonllm.nn.attention import KVCache as _KVCache
 
 
 def _out_std(cfg: ModelConfig) -> float:
@@ -56,144 +53,61 @@ def _out_std(cfg: ModelConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
 
-class KVCache:
-    """Static keys and values, ``[B, max_len, Hkv, D]`` per layer, and how many positions are filled.
-
-    ``pos`` is the fill position as a 0-d int32 tensor on the cache's device. The kernels read it
-    from device memory (the RoPE offset, the row :func:`kv_cache_write_` writes, the number of keys
-    :func:`flash_attention_decode` attends to), so one decode step (:meth:`Transformer.decode_step`)
-    has fixed shapes and can be captured in a CUDA graph and replayed while ``pos`` advances.
-    ``length`` is the same count as the host knows it: a forward with a cache (the prompt's prefill,
-    whose key views need host shapes) attends to the cached positions plus its own and advances
-    both (:meth:`advance`); a decode step advances ``pos`` alone, on the device.
-    """
+class KVCache(_KVCache):
+    """The :class:`tritonllm.nn.KVCache` of a model: ``cfg.n_layers`` layers of ``[batch_size, max_len,
+    cfg.n_kv_heads, cfg.head_dim]`` keys and values."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=None):
-        shape = (batch_size, max_len, cfg.n_kv_heads, cfg.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.max_len = max_len
-        self.pos = torch.zeros((), dtype=torch.int32, device=device)
-        self.length = 0
-
-    def reset(self) -> None:
-        """Empty the cache (``pos`` and ``length`` 0; the buffers keep their addresses)."""
-        self.pos.zero_()
-        self.length = 0
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write ``k, v [B, T, Hkv, D]`` at positions ``pos .. pos+T-1`` (read on the device); return
-        views of the ``length + T`` filled positions."""
-        end = self.length + k.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"KV cache of max_len {self.max_len} cannot hold {end} positions")
-        kv_cache_write_(k, v, self.k[layer], self.v[layer], self.pos)
-        return self.k[layer][:, :end], self.v[layer][:, :end]
-
-    def advance(self, n: int) -> None:
-        """Count ``n`` more filled positions, on the device and on the host."""
-        self.pos += n
-        self.length += n
+        super().__init__(cfg.n_layers, batch_size, max_len, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
 
 
-class Attention(nn.Module):
-    """Causal self-attention with GQA/MQA, RoPE, optional QK-norm and optional sliding window."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window = cfg.layer_window(layer_idx)
-        self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias,
-                          init_std=cfg.init_std)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.proj = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, init_std=_out_std(cfg))
-        has_ve = cfg.layer_value_embedding(layer_idx) is not None
-        self.value_mix = nn.Parameter(torch.full((2,), 0.5)) if has_ve else None  # [a, b]: v = a v + b ve
-
-    def mix_value(self, v: torch.Tensor, ve: torch.Tensor | None) -> torch.Tensor:
-        """``v [B, T, Hkv, D]`` mixed with the layer's value embedding ``ve [B, T, Hkv * D]`` (None: v)."""
-        if ve is None:
-            return v
-        return weighted_add(v, ve.view(v.shape), self.value_mix)
-
-    def forward(self, x, cos, sin, cache: KVCache | None = None, ve: torch.Tensor | None = None):
-        B, T, _ = x.shape
-        Hq, Hkv = self.n_heads, self.n_kv_heads
-        qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
-        pos = 0 if cache is None else cache.pos
-        if self.q_norm is None:  # q and k are adjacent heads: one RoPE launch rotates both
-            qk, v = split_heads(qkv, (Hq + Hkv, Hkv))
-            q, k = split_heads(rope(qk, cos, sin, position_offset=pos), (Hq, Hkv))
-        else:
-            q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
-            q = rope(self.q_norm(q), cos, sin, position_offset=pos)
-            k = rope(self.k_norm(k), cos, sin, position_offset=pos)
-        v = self.mix_value(v, ve)
-        if cache is not None:
-            k, v = cache.append(self.layer_idx, k, v)
-        y = flash_attention(q, k, v, causal=True, window=self.window)
-        return self.proj(y.reshape(B, T, self.n_heads * self.head_dim))
-
-    def extra_repr(self) -> str:
-        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, window={self.window}"
+def build_attention(cfg: ModelConfig, layer_idx: int) -> Attention:
+    """Block ``layer_idx``'s :class:`tritonllm.nn.Attention`: its window (``cfg.layer_window``) and, when
+    the layer mixes in a value embedding, ``value_mix``."""
+    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                     qk_norm=cfg.qk_norm, eps=cfg.norm_eps, window=cfg.layer_window(layer_idx),
+                     value_mix=cfg.layer_value_embedding(layer_idx) is not None, layer_idx=layer_idx,
+                     init_std=cfg.init_std, out_std=_out_std(cfg))
 
 
-class MLP(nn.Module):
-    """Dense SwiGLU MLP: ``w2(silu(x W_gate^T) * (x W_up^T))``, gate and up in one packed GEMM."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.w13 = LinearSwiGLU(cfg.d_model, cfg.d_ff, init_std=cfg.init_std)
-        self.w2 = Linear(cfg.d_ff, cfg.d_model, init_std=_out_std(cfg))
-
-    def forward(self, x):
-        return self.w2(self.w13(x))
-
-
-class ReLU2MLP(nn.Module):
-    """Dense squared-ReLU MLP (``mlp_act: relu2``): ``w2(relu(x W1^T)^2)``."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.w1 = Linear(cfg.d_model, cfg.d_ff, init_std=cfg.init_std)
-        self.w2 = Linear(cfg.d_ff, cfg.d_model, init_std=_out_std(cfg))
-
-    def forward(self, x):
-        return self.w2(relu2(self.w1(x)))
-
-
-def build_mlp(cfg: ModelConfig) -> nn.Module:
-    """The MLP slot of a block: dense SwiGLU (or squared ReLU, ``cfg.mlp_act``) when
-    ``cfg.n_experts == 0``, else ``tritonllm.nn.moe.MoE``.
-
-    An MLP module maps ``[B, T, d_model] -> [B, T, d_model]`` (the block adds the residual) and may
-    set, during forward, ``self.aux_loss`` (0-d fp32, already scaled by its coefficient,
-    differentiable: added to the training loss) and ``self.stats`` (dict of detached floats to log).
-    """
+def build_mlp(cfg) -> nn.Module:
+    """The MLP slot of a block: :class:`tritonllm.nn.MLP` (``cfg.mlp_act``: SwiGLU or squared ReLU) when
+    ``cfg.n_experts == 0``, else :class:`tritonllm.nn.MoE`, whose forward returns a
+    :class:`tritonllm.nn.MoEOutput` (output, scaled auxiliary loss, statistics)."""
     if cfg.n_experts == 0:
-        return ReLU2MLP(cfg) if cfg.mlp_act == "relu2" else MLP(cfg)
-    from tritonllm.nn.moe import MoE
-
-    return MoE(cfg)
+        return MLP(cfg.d_model, cfg.d_ff, cfg.mlp_act, init_std=cfg.init_std, out_std=_out_std(cfg))
+    return MoE(cfg.d_model, cfg.n_experts, cfg.moe_top_k, cfg.d_expert, cfg.n_shared_experts, score=cfg.moe_score,
+               normalize=cfg.moe_normalize, aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
+               init_std=cfg.init_std, out_std=_out_std(cfg))
 
 
 class Block(nn.Module):
     """Pre-norm block. Takes the residual stream ``x`` and ``delta``, the previous block's MLP output
-    not yet added, and returns ``(x + delta + attn, mlp(...))``: each add is fused into the norm."""
+    not yet added, and returns ``(x + delta + attn, mlp(...), moe)``: each add is fused into the norm;
+    ``moe`` is the MoE layer's :class:`MoEOutput` (its auxiliary loss and statistics), None for a
+    dense MLP."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, layer_idx)
+        self.attn = build_attention(cfg, layer_idx)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = build_mlp(cfg)
+
+    def _mlp(self, h: torch.Tensor):
+        out = self.mlp(h)
+        return (out.y, out) if isinstance(out, MoEOutput) else (out, None)
 
     def forward(self, x, delta, cos, sin, cache: KVCache | None = None, ve: torch.Tensor | None = None):
         h, x = self.attn_norm(delta, residual=x)
         h, x = self.mlp_norm(self.attn(h, cos, sin, cache, ve), residual=x)
-        return x, self.mlp(h)
+        return x, *self._mlp(h)
+
+    def decode(self, x, delta, cos, sin, cache: KVCache, kv_len: torch.Tensor, ve: torch.Tensor | None = None):
+        """:meth:`forward` of one token at the cache's device position (:meth:`Attention.decode`)."""
+        h, x = self.attn_norm(delta, residual=x)
+        h, x = self.mlp_norm(self.attn.decode(h, cos, sin, cache, kv_len, ve), residual=x)
+        return x, self._mlp(h)[0]
 
 
 class Transformer(nn.Module):
@@ -212,7 +126,7 @@ class Transformer(nn.Module):
             for _ in range(cfg.value_embeddings)) if cfg.value_embeddings else None
         self.skip_gates = nn.ParameterList(
             nn.Parameter(torch.ones(1)) for _ in range(cfg.n_layers // 2)) if cfg.unet_skips else None
-        self.last_losses: dict[str, torch.Tensor] = {}
+        self.head_loss = LMHeadLoss(softcap=cfg.logit_softcap, z_loss=cfg.z_loss_coef)
         self._rope = None
 
     @property
@@ -232,6 +146,10 @@ class Transformer(nn.Module):
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states ``[B, T, d_model]`` of token ids ``idx [B, T]``."""
+        return self._hidden(idx, cache)[0]
+
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None):
+        """:meth:`hidden`, and the :class:`MoEOutput` of every MoE layer in block order."""
         T = idx.shape[1]
         start = 0 if cache is None else cache.length
         if start + T > self.cfg.max_seq_len:
@@ -239,15 +157,17 @@ class Transformer(nn.Module):
         cos, sin = self.rope_tables(idx.device)
         delta = self.embed(idx)
         x = torch.zeros_like(delta)
-        ves, skips = self.layer_value_embeds(idx), []
+        ves, skips, moe = self.layer_value_embeds(idx), [], []
         for i, block in enumerate(self.blocks):
             delta = self._skip_in(i, delta, skips)
-            x, delta = block(x, delta, cos, sin, cache, ves[i])
+            x, delta, out = block(x, delta, cos, sin, cache, ves[i])
+            if out is not None:
+                moe.append(out)
             x, delta = self._skip_out(i, x, delta, skips)
         if cache is not None:
             cache.advance(T)
         h, _ = self.norm(delta, residual=x)
-        return h
+        return h, moe
 
     def layer_value_embeds(self, idx: torch.Tensor) -> list:
         """Per block, its value embedding ``[B, T, n_kv_heads * head_dim]`` of ``idx`` or None: one lookup
@@ -279,44 +199,42 @@ class Transformer(nn.Module):
         skips.append(stream)
         return x, delta
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                return_losses: bool = False):
         """``idx [B, T]`` int64 -> logits ``[B, T, V]``, or with ``targets [B, T]`` the scalar training
-        loss: mean cross-entropy (fused with the LM head, logits never stored) + z-loss + the MLPs'
-        ``aux_loss``. Sets ``self.last_losses`` (detached 0-d tensors, no host synchronisation):
-        ``ce``, ``z_loss``, ``aux`` (the MLPs' scaled auxiliary losses summed) and, for MoE models,
-        ``moe_aux`` and ``moe_z`` (the unscaled router losses averaged over the layers) and
-        ``moe_max_load`` (the busiest expert's load over a balanced one's, worst layer)."""
-        h = self.hidden(idx, cache)
+        loss: mean cross-entropy (fused with the LM head, logits never stored) + z-loss + the MoE
+        layers' auxiliary losses.
+
+        With ``return_losses`` (and ``targets``) returns ``(loss, losses)``, ``losses`` a dict of
+        detached 0-d tensors (no host synchronisation): ``ce``, ``z_loss``, ``aux`` (the MoE layers'
+        scaled auxiliary losses summed) and, for MoE models, ``moe_aux`` and ``moe_z`` (the unscaled
+        router losses averaged over the layers) and ``moe_max_load`` (the busiest expert's load over
+        a balanced one's, worst layer)."""
+        h, moe = self._hidden(idx, cache)
         if targets is None:
             return self.logits(h)
-        loss, z_loss = linear_cross_entropy(h.view(-1, h.shape[-1]), self.head_weight, targets.reshape(-1),
-                                            z_loss=self.cfg.z_loss_coef, return_z_loss=True,
-                                            softcap=self.cfg.logit_softcap)
+        loss, z_loss = self.head_loss(h, self.head_weight, targets)
         # 0-d bookkeeping only (PyTorch scalar ops): the logged CE without its z-loss part, and
-        # the MLPs' auxiliary losses summed into the training loss.
+        # the MoE layers' auxiliary losses summed into the training loss.
         ce = loss.detach() - z_loss if self.cfg.z_loss_coef else loss.detach()
         aux = torch.zeros((), device=loss.device)
-        stats = []
-        for m in self.modules():
-            if getattr(m, "aux_loss", None) is not None:
-                loss = loss + m.aux_loss
-                aux = aux + m.aux_loss.detach()
-                m.aux_loss = None  # consumed: kept, it would hold the step's autograd graph past the backward
-            if getattr(m, "stats", None):
-                stats.append(m.stats)
-        self.last_losses = {"ce": ce, "z_loss": z_loss.detach(), "aux": aux}
-        if stats:
-            per_layer = {k: torch.stack([s[k].float() for s in stats]) for k in stats[0]}
-            self.last_losses.update(moe_aux=per_layer["moe_aux"].mean(), moe_z=per_layer["moe_z"].mean(),
-                                    moe_max_load=per_layer["moe_max_load"].max())
-        return loss
+        for out in moe:
+            loss = loss + out.aux_loss
+            aux = aux + out.aux_loss.detach()
+        if not return_losses:
+            return loss
+        losses = {"ce": ce, "z_loss": z_loss.detach(), "aux": aux}
+        if moe:
+            per_layer = {k: torch.stack([out.stats[k].float() for out in moe]) for k in moe[0].stats}
+            losses.update(moe_aux=per_layer["moe_aux"].mean(), moe_z=per_layer["moe_z"].mean(),
+                          moe_max_load=per_layer["moe_max_load"].max())
+        return loss, losses
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM-head logits ``[..., V]`` of final-norm hidden states ``h [..., d_model]``, soft-capped to
         ``c * tanh(logits / c)`` when ``cfg.logit_softcap`` is c (the loss caps them inside the fused
         LM-head cross-entropy instead)."""
-        logits = linear(h, self.head_weight)
-        return logits if self.cfg.logit_softcap is None else softcap(logits, self.cfg.logit_softcap)
+        return self.head_loss.logits(h, self.head_weight)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameters held (a tied matrix once); ``exclude_embedding`` drops the token-embedding table
@@ -353,9 +271,7 @@ class Transformer(nn.Module):
         ves, skips = self.layer_value_embeds(tokens), []
         for i, block in enumerate(self.blocks):
             delta = self._skip_in(i, delta, skips)
-            h, x = block.attn_norm(delta, residual=x)
-            h, x = block.mlp_norm(_decode_attention(block.attn, h, cos, sin, cache, kv_len, ves[i]), residual=x)
-            delta = block.mlp(h)
+            x, delta = block.decode(x, delta, cos, sin, cache, kv_len, ves[i])
             x, delta = self._skip_out(i, x, delta, skips)
         h, _ = self.norm(delta, residual=x)
         cache.pos.copy_(kv_len)
@@ -422,28 +338,6 @@ _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def release_decoders(model: Transformer) -> None:
     """Free the KV caches, token buffers and CUDA graphs that :meth:`Transformer.generate` keeps for ``model``."""
     _DECODERS.pop(model, None)
-
-
-def _decode_attention(attn: Attention, x: torch.Tensor, cos, sin, cache: KVCache, kv_len: torch.Tensor,
-                      ve: torch.Tensor | None = None):
-    """:class:`Attention` for ``x [B, 1, d_model]`` at the cache's device position: RoPE at
-    ``cache.pos``, key and value written at that row (:func:`kv_cache_write_`), split-KV attention over
-    the cache's first ``kv_len`` rows (:func:`flash_attention_decode`); fixed shapes."""
-    B = x.shape[0]
-    Hq, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    qkv = attn.qkv(x).view(B, 1, Hq + 2 * Hkv, D)
-    if attn.q_norm is None:  # q and k are adjacent heads: one RoPE launch rotates both
-        qk, v = split_heads(qkv, (Hq + Hkv, Hkv))
-        q, k = split_heads(rope(qk, cos, sin, position_offset=cache.pos), (Hq, Hkv))
-    else:
-        q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
-        q = rope(attn.q_norm(q), cos, sin, position_offset=cache.pos)
-        k = rope(attn.k_norm(k), cos, sin, position_offset=cache.pos)
-    v = attn.mix_value(v, ve)
-    k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
-    kv_cache_write_(k, v, k_cache, v_cache, cache.pos)
-    y = flash_attention_decode(q, k_cache, v_cache, kv_len, causal=True, window=attn.window)
-    return attn.proj(y.reshape(B, 1, Hq * D))
 
 
 class _Decoder:

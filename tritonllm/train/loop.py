@@ -229,8 +229,7 @@ def evaluate(model, loader, n_batches: int, device, parallel=None) -> float:
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float32)
     for x, y in loader.batches(n_batches):
-        model(x.to(device), y.to(device))
-        total += model.last_losses["ce"]
+        total += model(x.to(device), y.to(device), return_losses=True)[1]["ce"]
     model.train()
     if parallel is not None:
         parallel.mean_(total)

@@ -54,8 +54,8 @@ log = logging.getLogger("tritonllm.train")
 class StepOutput:
     """Device tensors of one step: ``loss`` (mean over micro-batches, fp32 0-d), ``grad_norm`` (before
     clipping), ``skipped`` (int32 0-d, 1 if the update was skipped) and ``metrics``, an fp32 vector
-    ``[loss, grad_norm, skipped, *parts]`` with ``parts`` the model's ``last_losses`` other than ``ce``
-    (named by :attr:`TrainStep.metric_names`)."""
+    ``[loss, grad_norm, skipped, *parts]`` with ``parts`` the last micro-batch's losses dict (what
+    ``model(x, y, return_losses=True)`` returns) other than ``ce`` (named by :attr:`TrainStep.metric_names`)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
@@ -80,8 +80,8 @@ class TrainStep:
     """``step(batches, lr) -> StepOutput``: one optimizer step (see the module docstring).
 
     Args:
-        model: returns the scalar training loss from ``model(x, y)`` and sets ``model.last_losses``
-            (0-d tensors) as :class:`tritonllm.models.Transformer` does.
+        model: ``model(x, y, return_losses=True)`` returns the scalar training loss and a dict of
+            detached 0-d tensors to log, as :class:`tritonllm.models.Transformer` does.
         optimizer: :class:`tritonllm.optim.AdamW` (``step(found_inf=...)``, device ``lr``).
         grad_clip: max global gradient norm, or None (the norm is still computed).
         grad_accum: micro-batches per step.
@@ -139,7 +139,7 @@ class TrainStep:
         losses = []
         for i, (x, y) in enumerate(batches):
             with contextlib.nullcontext() if self.parallel is None else self.parallel.micro_batch(i == n - 1):
-                loss = self.forward(x, y)
+                loss, named = self.forward(x, y, return_losses=True)
                 (loss if n == 1 else loss / n).backward()
             losses.append(loss.detach().float())
         loss = losses[0] if n == 1 else torch.stack(losses).mean()
@@ -148,7 +148,7 @@ class TrainStep:
         norm = clip_grad_norm_(self.params, self.grad_clip, found_inf=self.found_inf, check=loss)
         self.optimizer.step(found_inf=self.found_inf)
         self.optimizer.zero_grad(set_to_none=True)
-        parts = {k: v for k, v in self.model.last_losses.items() if k != "ce"}
+        parts = {k: v for k, v in named.items() if k != "ce"}
         if self.metric_names is None:
             self.metric_names = ["loss", "grad_norm", "skipped", *parts]
         metrics = torch.stack([loss, norm.float(), self.found_inf.float(), *(v.float() for v in parts.values())])
