@@ -15,6 +15,16 @@ the kernels (no CUDA device visible and Triton not imported yet) and logs a line
 ``tritonllm.kernels`` logger saying so; on a machine with a CUDA device, or with Triton already
 imported, it changes nothing. ``interpreting()`` tells which mode is on, and a CPU tensor given to
 a kernel while the interpreter is off is refused with an error naming the argument and the variable.
+
+Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
+``swiglu``, ``relu2``, ``softcap``, ``rope``, ``embedding``, ``flash_attention``, ``split_heads``,
+``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``) is also registered as
+``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta) and
+autograd registrations (``kernels/library.py``). While ``torch.compiler.is_compiling()``, a call goes to
+those ops, which the graph keeps as single opaque nodes: a model built of these kernels compiles with
+``torch.compile(model, fullgraph=True)`` (any backend) without graph breaks, and works inside FSDP2's
+``fully_shard``, compiled or not. Eager calls run the autograd Functions unchanged (the check costs
+well under a microsecond). The optimizer steps and the MoE ops are not registered yet.
 """
 
 from ._interpreter import choose_interpreter as _choose_interpreter
@@ -22,6 +32,7 @@ from ._interpreter import choose_interpreter as _choose_interpreter
 _choose_interpreter()
 
 from ._common import interpreting  # noqa: E402
+from . import library  # noqa: E402,F401  (the torch.library ops, before the imports below: see library.py)
 # memory-bound ops
 from .rms_norm import rms_norm  # noqa: E402
 from .swiglu import swiglu  # noqa: E402

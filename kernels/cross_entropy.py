@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 
-from ._common import (INDEX_DTYPES, Launch, Plans, autotune, check_same_device, check_tensor, interpreting, needs_grad,
-                      next_pow2, rows_view)
+from ._common import (INDEX_DTYPES, Launch, Plans, autotune, check_same_device, check_tensor, compilable, interpreting,
+                      needs_grad, next_pow2, rows_view)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -301,6 +301,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return dx.reshape(ctx.logits_shape), None, None, None, None, None, None, None, None
 
 
+@compilable
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                   label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
                   return_z_loss: bool = False, inplace_backward: bool = False, validate: bool = True):

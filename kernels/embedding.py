@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, Launch, Plans, check_dot_dtype, check_same_device, check_tensor, interpreting,
-                      needs_grad)
+from ._common import (INDEX_DTYPES, Launch, Plans, check_dot_dtype, check_same_device, check_tensor, compilable,
+                      interpreting, needs_grad)
 
 #: Forward tile (fixed config, no autotune: the autotuner's per-call key building cost host time on
 #: a ~10 us gather): BLOCK_N tokens x BLOCK_D columns per program.
@@ -238,6 +238,7 @@ class EmbeddingFunction(torch.autograd.Function):
         return None, dw, None, None
 
 
+@compilable
 def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
               validate: bool = True) -> torch.Tensor:
     """Token embedding lookup.

@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting,
-                      needs_grad, next_pow2, num_sms, tma_scratch)
+from ._common import (Launch, Plans, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable,
+                      interpreting, needs_grad, next_pow2, num_sms, tma_scratch)
 from .swiglu import swiglu_bwd
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
@@ -656,6 +656,7 @@ class LinearFunction(torch.autograd.Function):
         return dx, dw, db, dy if need_dr else None, None
 
 
+@compilable
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, *, allow_tf32: bool = True) -> torch.Tensor:
     """``y = x @ weight.T (+ bias) (+ residual)`` with Triton GEMMs forward and backward.
@@ -716,6 +717,7 @@ class LinearSwiGLUFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+@compilable
 def linear_swiglu(x: torch.Tensor, w13: torch.Tensor, *, allow_tf32: bool = True) -> torch.Tensor:
     """SwiGLU MLP input projection ``silu(x @ W1.T) * (x @ W3.T)`` in one GEMM.
 

@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, interpreting, needs_grad, next_pow2,
-                      num_sms)
+from ._common import (INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, compilable, interpreting,
+                      needs_grad, next_pow2, num_sms)
 from .linear import as_matrix, check_linear_inputs, gemm, split_fill, split_k_for
 from .softcap import check_cap, softcap_math
 
@@ -424,6 +424,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None, None, None
 
 
+@compilable
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
                          chunk_size: int | None = None, return_z_loss: bool = False, *, allow_tf32: bool = True,

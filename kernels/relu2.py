@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import needs_grad
+from ._common import compilable, needs_grad
 from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
@@ -65,6 +65,7 @@ class Relu2Function(torch.autograd.Function):
         return relu2_bwd(x, dy)
 
 
+@compilable
 def relu2(x: torch.Tensor) -> torch.Tensor:
     """Squared ReLU ``relu(x)^2`` of a contiguous tensor (fp32 math), differentiable."""
     if needs_grad(x):

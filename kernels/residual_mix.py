@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad, rows_view
+from ._common import check_same_device, check_same_dtype, check_tensor, compilable, interpreting, needs_grad, rows_view
 
 #: tile of rows x columns per program on the GPU (memory-bound; not measured yet), and under the
 #: interpreter (cost per program: large tiles)
@@ -188,6 +188,7 @@ class WeightedAddFunction(torch.autograd.Function):
         return weighted_add_bwd(dout, x, y, weight, *ctx.needs_input_grad)
 
 
+@compilable
 def weighted_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``weight[0] * x + weight[1] * y`` (``weight`` of two elements) or ``x + weight[0] * y`` (one),
     fp32 math, differentiable in x, y and weight (deterministic weight gradients).
@@ -200,11 +201,12 @@ def weighted_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torc
     return weighted_add_fwd(x, y, weight)
 
 
-def _sum_grads(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    """a + b in one launch; the other when one is None (autograd's None: no gradient flowed)."""
+def _sum_grads(a: torch.Tensor | None, b: torch.Tensor | None, add=weighted_add_fwd) -> torch.Tensor | None:
+    """a + b in one launch (``add(a, b, None)``: kernels/library.py passes its op); the other when one is
+    None (autograd's None: no gradient flowed)."""
     if a is None or b is None:
         return b if a is None else a
-    return weighted_add_fwd(a, b, None)
+    return add(a, b, None)
 
 
 class ForkFunction(torch.autograd.Function):
@@ -217,6 +219,7 @@ class ForkFunction(torch.autograd.Function):
         return _sum_grads(g1, g2)
 
 
+@compilable
 def fork(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x, x)``: two aliases of ``x`` for two consumers; their gradients are summed by a Triton
     kernel in the backward. Without autograd both are ``x``."""
@@ -236,6 +239,7 @@ class AddForkFunction(torch.autograd.Function):
         return _sum_grads(gx, gs), _sum_grads(gy, gs)
 
 
+@compilable
 def add_fork(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, y, x + y)``: x and y passed through (aliases) and their sum materialised (new contiguous
     tensor) for another consumer; backward ``dx = gx + gs``, ``dy = gy + gs`` in Triton."""

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
-                      next_pow2, num_sms, rows_view)
+from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
+                      needs_grad, next_pow2, num_sms, rows_view)
 
 #: Longest row chunk held in registers; longer rows take the two-pass loop over chunks.
 _MAX_BLOCK_N = 8192
@@ -446,6 +446,7 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None, (dx if ctx.has_residual else None)
 
 
+@compilable
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None):
     """RMSNorm over the last dimension: ``y = x / sqrt(mean(x^2, -1) + eps) * weight``.
 

@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_tensor, interpreting, next_pow2
+from ._common import check_same_device, check_tensor, compilable, interpreting, next_pow2
 
 #: A rope program's tile holds _ROPE_TILE elements of each half (rows x heads x D/2), rotated by
 #: _ROPE_NUM_WARPS warps (fixed config: the autotuner's per-call key building cost host time on a
@@ -257,6 +257,7 @@ class RopeFunction(torch.autograd.Function):
         return _rope_launch(_unit_last(dy), cos, sin, ctx.position_offset, inverse=True), None, None, None
 
 
+@compilable
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
          position_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Rotary position embedding, half-split convention.

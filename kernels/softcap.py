@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import needs_grad
+from ._common import compilable, needs_grad
 from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
@@ -89,6 +89,7 @@ class SoftcapFunction(torch.autograd.Function):
         return softcap_bwd(y, dy, ctx.cap), None
 
 
+@compilable
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """Soft-capped ``cap * tanh(x / cap)`` of a contiguous tensor (fp32 math), differentiable in x;
     ``cap`` a number > 0."""

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, Plans, check_tensor, needs_grad, next_pow2
+from ._common import Launch, Plans, check_tensor, compilable, needs_grad, next_pow2
 
 #: elements of one [rows, head, D] tile a program copies (16 KiB of bf16)
 _TILE = 8192
@@ -91,6 +91,7 @@ class SplitHeadsFunction(torch.autograd.Function):
         return pack_heads(list(grads), ctx.sizes, ctx.shape, ctx.dtype, ctx.device), None
 
 
+@compilable
 def split_heads(x: torch.Tensor, sizes) -> tuple[torch.Tensor, ...]:
     """Split ``x [B, T, H, D]`` along the head axis into groups of ``sizes`` heads (``sum(sizes) == H``).
 

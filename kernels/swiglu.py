@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
-                      next_pow2, rows_view)
+from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
+                      needs_grad, next_pow2, rows_view)
 
 #: Elements per program (BLOCK_M * BLOCK_C) and warps on the GPU.
 _TILE = 4096
@@ -224,6 +224,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return dgate.view(gate_shape), dup.view(up_shape)
 
 
+@compilable
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU gating ``silu(gate) * up`` (``silu(g) = g * sigmoid(g)``), math in fp32.
 

@@ -1,0 +1,703 @@
+"""The public kernels as ``torch.library`` custom ops (namespace ``tritonllm``), for ``torch.compile``
+and FSDP2.
+
+Each op family registers an opaque forward op and backward op (``torch.ops.tritonllm.<op>_fwd`` /
+``<op>_bwd``) built on the module's own launchers, a fake (meta) implementation giving the outputs'
+shapes, dtypes and strides without launching anything, and an autograd formula
+(``register_autograd``) whose backward calls the backward op. Under ``torch.compile`` the ops stay in
+the graph as single nodes (no graph break, no tracing into Triton), so the launchers keep their
+cached :class:`~kernels._common.Launch` path and their autotuning at run time.
+
+Each family ends with a functional of the public signature, registered in ``COMPILED``;
+``@compilable`` on the public functional (kernels/_common.py) routes a call to it while
+``torch.compiler.is_compiling()``, and the eager path runs unchanged otherwise. ``split_heads``, ``fork``
+and ``add_fork`` return views, which an op may not: they stay autograd Functions that torch.compile traces
+(views forward, the pack / weighted_add ops backward). A custom op returns no None, so an output an op does not produce is a
+0-element tensor (:func:`_absent`), turned back into None by the functional or the autograd formula.
+
+Differences from eager, all memory rather than results (an op may neither mutate a tensor the graph
+holds nor return aliases): ``cross_entropy(inplace_backward=True)`` and ``rope(in_place_backward=True)``
+write their gradients into new tensors, ``linear_cross_entropy`` scales the gradients it computed in the
+forward into new tensors, and flash_attention's dq, dk, dv are three tensors, not one packed buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import (cross_entropy as _ce, embedding as _emb, flash_attention as _fa, linear as _lin,
+               linear_cross_entropy as _lce, relu2 as _relu2, residual_mix as _mix, rms_norm as _rms, rope as _rope,
+               softcap as _cap, split_heads as _split, swiglu as _swiglu)
+from ._common import COMPILED, compilable
+
+_custom_op = torch.library.custom_op
+
+
+def _absent(like: Tensor) -> Tensor:
+    """What an op returns for an output it does not produce: a 0-element tensor (custom ops return no None)."""
+    return like.new_empty(0)
+
+
+def _given(t: Tensor, produced: bool) -> Optional[Tensor]:
+    """``t`` where the op ``produced`` it, else None (``t`` is then :func:`_absent`)."""
+    return t if produced else None
+
+
+def _rows(x: Tensor) -> int:
+    """Rows of ``x [..., N]`` viewed as ``[rows, N]``."""
+    return math.prod(x.shape[:-1])
+
+
+def _public(fn):
+    """Register ``fn`` as the compiled version of the public functional of the same name."""
+    COMPILED[fn.__name__] = fn
+    return fn
+
+
+# ----------------------------------------------------------------------------- rms_norm
+
+@_custom_op("tritonllm::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, h or absent, rstd)`` of :func:`kernels.rms_norm.rms_norm_fwd`."""
+    y, h, rstd = _rms.rms_norm_fwd(x, weight, eps, residual)
+    return y, (h if h is not None else _absent(x)), rstd
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps, residual):
+    h = x.new_empty(x.shape) if residual is not None else _absent(x)
+    return x.new_empty(x.shape), h, x.new_empty(_rows(x), dtype=torch.float32)
+
+
+@_custom_op("tritonllm::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)`` of :func:`kernels.rms_norm.rms_norm_bwd` (``x`` the normalized tensor)."""
+    return _rms.rms_norm_bwd(dy, x, weight, rstd, dh)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, dh):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, residual = inputs
+    _, h, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(h if ctx.has_residual else x, weight, rstd)
+
+
+def _rms_norm_backward(ctx, dy, dh, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd(dy, x, weight, rstd, dh if ctx.has_residual else None)
+    return dx, dw, None, (dx if ctx.has_residual else None)
+
+
+rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+@_public
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Tensor | None = None):
+    y, h, _ = rms_norm_fwd(x, weight, eps, residual)
+    return (y, h) if residual is not None else y
+
+
+# ----------------------------------------------------------------------------- linear
+
+@_custom_op("tritonllm::linear_fwd", mutates_args=())
+def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+               allow_tf32: bool) -> Tensor:
+    """``x @ weight.T (+ bias) (+ residual)``: :func:`kernels.linear.linear_fwd`."""
+    return _lin.linear_fwd(x, weight, bias, residual, allow_tf32)
+
+
+@linear_fwd.register_fake
+def _(x, weight, bias, residual, allow_tf32):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_custom_op("tritonllm::linear_bwd", mutates_args=())
+def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool, need_db: bool,
+               allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias)`` of :func:`kernels.linear.linear_bwd`, absent where not needed."""
+    grads = _lin.linear_bwd(dy, x, weight, need_dx, need_dw, need_db, allow_tf32)
+    return tuple(g if g is not None else _absent(x) for g in grads)
+
+
+@linear_bwd.register_fake
+def _(dy, x, weight, need_dx, need_dw, need_db, allow_tf32):
+    return (x.new_empty(x.shape) if need_dx else _absent(x), weight.new_empty(weight.shape) if need_dw else _absent(x),
+            weight.new_empty(weight.shape[0]) if need_db else _absent(x))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, _, _, allow_tf32 = inputs
+    ctx.allow_tf32 = allow_tf32
+    ctx.save_for_backward(x, weight)
+
+
+def _linear_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
+    dx, dw, db = linear_bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.allow_tf32)
+    return _given(dx, need_dx), _given(dw, need_dw), _given(db, need_db), (dy if need_dr else None), None
+
+
+linear_fwd.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+@_public
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, *,
+           allow_tf32: bool = True) -> Tensor:
+    return linear_fwd(x, weight, bias, residual, allow_tf32)
+
+
+@_custom_op("tritonllm::linear_swiglu_fwd", mutates_args=())
+def linear_swiglu_fwd(x: Tensor, w13: Tensor, allow_tf32: bool) -> tuple[Tensor, Tensor]:
+    """``(h, gu)``: :func:`kernels.linear.linear_swiglu_fwd` with the pre-activations stored."""
+    return _lin.linear_swiglu_fwd(x, w13, allow_tf32, store_gu=True)
+
+
+@linear_swiglu_fwd.register_fake
+def _(x, w13, allow_tf32):
+    two_f = w13.shape[0]
+    return x.new_empty((*x.shape[:-1], two_f // 2)), x.new_empty((_rows(x), two_f))
+
+
+@_custom_op("tritonllm::linear_swiglu_bwd", mutates_args=())
+def linear_swiglu_bwd(dh: Tensor, x: Tensor, w13: Tensor, gu: Tensor, need_dx: bool, need_dw: bool,
+                      allow_tf32: bool) -> tuple[Tensor, Tensor]:
+    """``(dx, dw13)`` of :func:`kernels.linear.linear_swiglu_bwd`, absent where not needed."""
+    dx, dw = _lin.linear_swiglu_bwd(dh, x, w13, gu, need_dx, need_dw, allow_tf32)
+    return (dx if dx is not None else _absent(x)), (dw if dw is not None else _absent(x))
+
+
+@linear_swiglu_bwd.register_fake
+def _(dh, x, w13, gu, need_dx, need_dw, allow_tf32):
+    return x.new_empty(x.shape) if need_dx else _absent(x), w13.new_empty(w13.shape) if need_dw else _absent(x)
+
+
+def _linear_swiglu_setup(ctx, inputs, output):
+    x, w13, allow_tf32 = inputs
+    ctx.allow_tf32 = allow_tf32
+    ctx.save_for_backward(x, w13, output[1])
+
+
+def _linear_swiglu_backward(ctx, dh, _dgu):
+    x, w13, gu = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = linear_swiglu_bwd(dh, x, w13, gu, need_dx, need_dw, ctx.allow_tf32)
+    return _given(dx, need_dx), _given(dw, need_dw), None
+
+
+linear_swiglu_fwd.register_autograd(_linear_swiglu_backward, setup_context=_linear_swiglu_setup)
+
+
+@_public
+def linear_swiglu(x: Tensor, w13: Tensor, *, allow_tf32: bool = True) -> Tensor:
+    return linear_swiglu_fwd(x, w13, allow_tf32)[0]
+
+
+# ----------------------------------------------------------------------------- swiglu, relu2, softcap
+
+@_custom_op("tritonllm::swiglu_fwd", mutates_args=())
+def swiglu_fwd(gate: Tensor, up: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.swiglu.swiglu_fwd` (``up`` None: the packed ``[..., 2F]`` form)."""
+    return _swiglu.swiglu_fwd(gate, up)
+
+
+@swiglu_fwd.register_fake
+def _(gate, up):
+    f = gate.shape[-1] // 2 if up is None else gate.shape[-1]
+    return gate.new_empty((*gate.shape[:-1], f))
+
+
+@_custom_op("tritonllm::swiglu_bwd", mutates_args=())
+def swiglu_bwd(dy: Tensor, gate: Tensor, up: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(dgate, dup)``, or ``(dgate_up, absent)`` in the packed form: :func:`kernels.swiglu.swiglu_bwd`."""
+    if up is None:
+        return _swiglu.swiglu_bwd(dy, gate), _absent(gate)
+    return _swiglu.swiglu_bwd(dy, gate, up)
+
+
+@swiglu_bwd.register_fake
+def _(dy, gate, up):
+    return gate.new_empty(gate.shape), (_absent(gate) if up is None else gate.new_empty(gate.shape))
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dgate, dup = swiglu_bwd(dy, gate, up)
+    return dgate, (None if up is None else dup)
+
+
+swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+@_public
+def swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
+    return swiglu_fwd(gate, up)
+
+
+@_custom_op("tritonllm::relu2_fwd", mutates_args=())
+def relu2_fwd(x: Tensor) -> Tensor:
+    """:func:`kernels.relu2.relu2_fwd`."""
+    return _relu2.relu2_fwd(x)
+
+
+@_custom_op("tritonllm::relu2_bwd", mutates_args=())
+def relu2_bwd(x: Tensor, dy: Tensor) -> Tensor:
+    """:func:`kernels.relu2.relu2_bwd`."""
+    return _relu2.relu2_bwd(x, dy)
+
+
+@_custom_op("tritonllm::softcap_fwd", mutates_args=())
+def softcap_fwd(x: Tensor, cap: float) -> Tensor:
+    """:func:`kernels.softcap.softcap_fwd`."""
+    return _cap.softcap_fwd(x, cap)
+
+
+@_custom_op("tritonllm::softcap_bwd", mutates_args=())
+def softcap_bwd(y: Tensor, dy: Tensor, cap: float) -> Tensor:
+    """:func:`kernels.softcap.softcap_bwd` (from the forward's output ``y``)."""
+    return _cap.softcap_bwd(y, dy, cap)
+
+
+for _op in (relu2_fwd, relu2_bwd, softcap_fwd, softcap_bwd):
+    _op.register_fake(lambda x, *args: x.new_empty(x.shape))
+
+
+def _relu2_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _relu2_backward(ctx, dy):
+    return relu2_bwd(ctx.saved_tensors[0], dy)
+
+
+def _softcap_setup(ctx, inputs, output):
+    ctx.cap = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _softcap_backward(ctx, dy):
+    return softcap_bwd(ctx.saved_tensors[0], dy, ctx.cap), None
+
+
+relu2_fwd.register_autograd(_relu2_backward, setup_context=_relu2_setup)
+softcap_fwd.register_autograd(_softcap_backward, setup_context=_softcap_setup)
+
+
+@_public
+def relu2(x: Tensor) -> Tensor:
+    return relu2_fwd(x)
+
+
+@_public
+def softcap(x: Tensor, cap: float) -> Tensor:
+    return softcap_fwd(x, cap)
+
+
+# ----------------------------------------------------------------------------- rope, embedding
+
+@_custom_op("tritonllm::rope_fwd", mutates_args=())
+def rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, position_offset: int, offset: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.rope.rope_fwd` at ``offset`` (a 0-d int tensor read on the device) or else
+    ``position_offset``."""
+    return _rope.rope_fwd(x, cos, sin, offset if offset is not None else position_offset)
+
+
+@_custom_op("tritonllm::rope_bwd", mutates_args=())
+def rope_bwd(dy: Tensor, cos: Tensor, sin: Tensor, position_offset: int, offset: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.rope.rope_bwd`, offsets as :func:`rope_fwd`."""
+    return _rope.rope_bwd(dy, cos, sin, offset if offset is not None else position_offset)
+
+
+for _op in (rope_fwd, rope_bwd):
+    _op.register_fake(lambda x, cos, sin, position_offset, offset: x.new_empty(x.shape))
+
+
+def _rope_setup(ctx, inputs, output):
+    _, cos, sin, ctx.position_offset, offset = inputs
+    ctx.save_for_backward(cos, sin, offset)
+
+
+def _rope_backward(ctx, dy):
+    cos, sin, offset = ctx.saved_tensors
+    return rope_bwd(dy, cos, sin, ctx.position_offset, offset), None, None, None, None
+
+
+rope_fwd.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+@_public
+def rope(x: Tensor, cos: Tensor, sin: Tensor, *, position_offset: int | Tensor = 0,
+         in_place_backward: bool = False) -> Tensor:
+    # in_place_backward is not honoured: an op may not overwrite the gradient the graph hands it
+    if isinstance(position_offset, Tensor):
+        return rope_fwd(x, cos, sin, 0, position_offset)
+    return rope_fwd(x, cos, sin, position_offset, None)
+
+
+@_custom_op("tritonllm::embedding_fwd", mutates_args=())
+def embedding_fwd(ids: Tensor, weight: Tensor, padding_idx: Optional[int], validate: bool) -> Tensor:
+    """:func:`kernels.embedding.embedding_fwd`, ``padding_idx`` checked as :func:`kernels.embedding.embedding`."""
+    _emb._padding_index(padding_idx, weight.shape[0])
+    return _emb.embedding_fwd(ids, weight, validate)
+
+
+@embedding_fwd.register_fake
+def _(ids, weight, padding_idx, validate):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+@_custom_op("tritonllm::embedding_bwd", mutates_args=())
+def embedding_bwd(dy: Tensor, ids: Tensor, num_embeddings: int, padding_idx: Optional[int]) -> Tensor:
+    """:func:`kernels.embedding.embedding_bwd`: the weight gradient."""
+    return _emb.embedding_bwd(dy, ids, num_embeddings, padding_idx)
+
+
+@embedding_bwd.register_fake
+def _(dy, ids, num_embeddings, padding_idx):
+    return dy.new_empty((num_embeddings, dy.shape[-1]))
+
+
+def _embedding_setup(ctx, inputs, output):
+    ids, weight, ctx.padding_idx, _ = inputs
+    ctx.num_embeddings = weight.shape[0]
+    ctx.save_for_backward(ids)
+
+
+def _embedding_backward(ctx, dy):
+    return None, embedding_bwd(dy, ctx.saved_tensors[0], ctx.num_embeddings, ctx.padding_idx), None, None
+
+
+embedding_fwd.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+@_public
+def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None, validate: bool = True) -> Tensor:
+    return embedding_fwd(ids, weight, padding_idx, validate)
+
+
+# ----------------------------------------------------------------------------- attention
+
+@_custom_op("tritonllm::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Optional[int],
+                        softmax_scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``(o, lse)`` of :func:`kernels.flash_attention.flash_attention_fwd`; ``deterministic`` is the
+    backward's switch, carried here for the autograd formula."""
+    return _fa.flash_attention_fwd(q, k, v, causal, window, softmax_scale)
+
+
+@flash_attention_fwd.register_fake
+def _(q, k, v, causal, window, softmax_scale, deterministic):
+    B, T, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, T), dtype=torch.float32)
+
+
+@_custom_op("tritonllm::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
+                        window: Optional[int], softmax_scale: Optional[float],
+                        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`kernels.flash_attention.flash_attention_bwd`, each in a tensor of its
+    own (not its ``packed`` form: an op's outputs may not alias one another)."""
+    return _fa.flash_attention_bwd(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=deterministic)
+
+
+@flash_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flash_attention_setup(ctx, inputs, output):
+    q, k, v, *ctx.options = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _flash_attention_backward(ctx, do, _dlse):
+    dq, dk, dv = flash_attention_bwd(do, *ctx.saved_tensors, *ctx.options)
+    return dq, dk, dv, None, None, None, None
+
+
+flash_attention_fwd.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)
+
+
+# kernels/flash_attention.py is being rewritten: its functional is routed from here until it carries
+# @compilable itself (the package imports this module before it takes names from that one).
+_fa.flash_attention = compilable(_fa.flash_attention)
+
+
+@_public
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window: int | None = None,
+                    softmax_scale: float | None = None, deterministic: bool = False) -> Tensor:
+    return flash_attention_fwd(q, k, v, causal, window, softmax_scale, deterministic)[0]
+
+
+@_custom_op("tritonllm::pack_heads", mutates_args=())
+def pack_heads(grads: list[Optional[Tensor]], sizes: list[int], like: Tensor) -> Tensor:
+    """:func:`kernels.split_heads.pack_heads` into a tensor of ``like``'s shape, dtype and device."""
+    return _split.pack_heads(grads, sizes, like.shape, like.dtype, like.device)
+
+
+@pack_heads.register_fake
+def _(grads, sizes, like):
+    return like.new_empty(like.shape)
+
+
+class _SplitHeads(torch.autograd.Function):
+    """Views forward (traced as views), the pack op backward."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.sizes = sizes
+        ctx.save_for_backward(x)
+        return tuple(x.split(sizes, dim=2))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return pack_heads(list(grads), list(ctx.sizes), ctx.saved_tensors[0]), None
+
+
+@_public
+def split_heads(x: Tensor, sizes) -> tuple[Tensor, ...]:
+    return _SplitHeads.apply(x, tuple(int(s) for s in sizes))
+
+
+# ----------------------------------------------------------------------------- residual mixing
+
+@_custom_op("tritonllm::weighted_add_fwd", mutates_args=())
+def weighted_add_fwd(x: Tensor, y: Tensor, weight: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.residual_mix.weighted_add_fwd`."""
+    return _mix.weighted_add_fwd(x, y, weight)
+
+
+@weighted_add_fwd.register_fake
+def _(x, y, weight):
+    return x.new_empty(x.shape)
+
+
+@_custom_op("tritonllm::weighted_add_bwd", mutates_args=())
+def weighted_add_bwd(dout: Tensor, x: Tensor, y: Tensor, weight: Tensor, need_dx: bool, need_dy: bool,
+                     need_dw: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dy, dweight)`` of :func:`kernels.residual_mix.weighted_add_bwd`, absent where not needed;
+    dx is absent for a one-weight sum too (it is ``dout`` itself, which an op may not return)."""
+    dx, dy, dw = _mix.weighted_add_bwd(dout, x, y, weight, need_dx and weight.numel() == 2, need_dy, need_dw)
+    return tuple(g if g is not None else _absent(x) for g in (dx, dy, dw))
+
+
+@weighted_add_bwd.register_fake
+def _(dout, x, y, weight, need_dx, need_dy, need_dw):
+    return (x.new_empty(x.shape) if need_dx and weight.numel() == 2 else _absent(x),
+            y.new_empty(y.shape) if need_dy else _absent(x), weight.new_empty(weight.shape) if need_dw else _absent(x))
+
+
+def _weighted_add_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _weighted_add_backward(ctx, dout):
+    x, y, weight = ctx.saved_tensors
+    need_dx, need_dy, need_dw = ctx.needs_input_grad
+    dx, dy, dw = weighted_add_bwd(dout, x, y, weight, need_dx, need_dy, need_dw)
+    if need_dx and weight.numel() == 1:
+        dx = dout
+    return _given(dx, need_dx), _given(dy, need_dy), _given(dw, need_dw)
+
+
+weighted_add_fwd.register_autograd(_weighted_add_backward, setup_context=_weighted_add_setup)
+
+
+@_public
+def weighted_add(x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
+    return weighted_add_fwd(x, y, weight)
+
+
+class _Fork(_mix.ForkFunction):
+    """ForkFunction (aliases forward, traced as views) with its gradients summed by the weighted_add op."""
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        return _mix._sum_grads(g1, g2, weighted_add_fwd)
+
+
+class _AddFork(_mix.AddForkFunction):
+    """AddForkFunction with its sum and its gradients' sums by the weighted_add op."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return x.view_as(x), y.view_as(y), weighted_add_fwd(x, y, None)
+
+    @staticmethod
+    def backward(ctx, gx, gy, gs):
+        return _mix._sum_grads(gx, gs, weighted_add_fwd), _mix._sum_grads(gy, gs, weighted_add_fwd)
+
+
+@_public
+def fork(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _Fork.apply(x)
+
+
+@_public
+def add_fork(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _AddFork.apply(x, y)
+
+
+# ----------------------------------------------------------------------------- losses
+
+@_custom_op("tritonllm::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
+                      reduction: str, return_z_loss: bool, validate: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z or absent, lse, count or absent)`` of :func:`kernels.cross_entropy.cross_entropy_fwd`."""
+    loss, z, lse, count, _, _ = _ce.cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss,
+                                                      reduction, return_z_loss, validate)
+    return loss, (z if z is not None else _absent(lse)), lse, (count if count is not None else _absent(lse))
+
+
+@cross_entropy_fwd.register_fake
+def _(logits, target, ignore_index, label_smoothing, z_loss, reduction, return_z_loss, validate):
+    f32 = dict(dtype=torch.float32)
+    shape = target.shape if reduction == "none" else ()
+    return (logits.new_empty(shape, **f32), logits.new_empty(shape if return_z_loss else 0, **f32),
+            logits.new_empty(_rows(logits), **f32), logits.new_empty(() if reduction == "mean" else 0, **f32))
+
+
+@_custom_op("tritonllm::cross_entropy_bwd", mutates_args=())
+def cross_entropy_bwd(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Optional[Tensor],
+                      ignore_index: int, label_smoothing: float, z_loss: float) -> Tensor:
+    """dlogits (logits' shape) of :func:`kernels.cross_entropy.cross_entropy_bwd`."""
+    V = logits.shape[-1]
+    dx = _ce.cross_entropy_bwd(dloss, _ce.rows_view(logits, V), target.reshape(-1).contiguous(), lse, count,
+                               ignore_index, label_smoothing, z_loss)
+    return dx.view(logits.shape)
+
+
+@cross_entropy_bwd.register_fake
+def _(dloss, logits, target, lse, count, ignore_index, label_smoothing, z_loss):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, z_loss, reduction, _, _ = inputs
+    ctx.args, ctx.mean = (ignore_index, label_smoothing, z_loss), reduction == "mean"
+    ctx.save_for_backward(logits, target, output[2], output[3])
+
+
+def _cross_entropy_backward(ctx, dloss, _dz, _dlse, _dcount):
+    logits, target, lse, count = ctx.saved_tensors
+    dx = cross_entropy_bwd(dloss, logits, target, lse, count if ctx.mean else None, *ctx.args)
+    return dx, None, None, None, None, None, None, None
+
+
+cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+
+@_public
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  z_loss: float = 0.0, reduction: str = "mean", return_z_loss: bool = False,
+                  inplace_backward: bool = False, validate: bool = True):
+    loss, z, _, _ = cross_entropy_fwd(logits, target, ignore_index, float(label_smoothing), float(z_loss), reduction,
+                                      return_z_loss, validate)
+    return (loss, z.detach()) if return_z_loss else loss
+
+
+@_custom_op("tritonllm::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+                             z_loss: float, reduction: str, chunk_size: Optional[int], need_dx: bool, need_dw: bool,
+                             allow_tf32: bool, softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z, dx, dw, scale)`` of :func:`kernels.linear_cross_entropy.linear_cross_entropy_fwd`, absent
+    where it gives None (the gradients and the scale for ``reduction="none"``)."""
+    out = _lce.linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
+                                        chunk_size, need_dx, need_dw, allow_tf32, softcap)
+    return tuple(t if t is not None else _absent(x) for t in out)
+
+
+@linear_cross_entropy_fwd.register_fake
+def _(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, need_dx, need_dw,
+      allow_tf32, softcap):
+    f32 = dict(dtype=torch.float32)
+    if reduction == "none":
+        return (x.new_empty(target.shape, **f32), x.new_empty(target.shape, **f32), _absent(x), _absent(x),
+                _absent(x))
+    dw_dtype = torch.float32 if _lce.DW_FP32 else weight.dtype
+    return (x.new_empty((), **f32), x.new_empty((), **f32),
+            x.new_empty((_rows(x), x.shape[-1])) if need_dx else _absent(x),
+            weight.new_empty(weight.shape, dtype=dw_dtype) if need_dw else _absent(x), x.new_empty(1, **f32))
+
+
+@_custom_op("tritonllm::linear_cross_entropy_scale", mutates_args=())
+def linear_cross_entropy_scale(dloss: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], scale: Tensor,
+                               weight_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)`` of a ``mean``/``sum`` loss: the forward's gradients times ``dloss * scale`` into new
+    tensors (:func:`kernels.linear_cross_entropy.scale_stored_grads`), absent where not given."""
+    dx, dw, _ = _lce.scale_stored_grads(dloss, dx, dw, scale, weight_dtype, in_place=False)
+    return (dx if dx is not None else _absent(scale)), (dw if dw is not None else _absent(scale))
+
+
+@linear_cross_entropy_scale.register_fake
+def _(dloss, dx, dw, scale, weight_dtype):
+    return (_absent(scale) if dx is None else dx.new_empty(dx.shape),
+            _absent(scale) if dw is None else dw.new_empty(dw.shape, dtype=weight_dtype))
+
+
+@_custom_op("tritonllm::linear_cross_entropy_bwd", mutates_args=())
+def linear_cross_entropy_bwd(dloss: Tensor, x: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+                             label_smoothing: float, z_loss: float, chunk_size: Optional[int], need_dx: bool,
+                             need_dw: bool, allow_tf32: bool, softcap: Optional[float]) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)`` of a ``none`` loss: :func:`kernels.linear_cross_entropy.linear_cross_entropy_bwd`."""
+    dx, dw = _lce.linear_cross_entropy_bwd(dloss, x, weight, target, ignore_index, label_smoothing, z_loss,
+                                           chunk_size, need_dx, need_dw, allow_tf32, softcap)
+    return (dx if dx is not None else _absent(x)), (dw if dw is not None else _absent(x))
+
+
+@linear_cross_entropy_bwd.register_fake
+def _(dloss, x, weight, target, ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32,
+      softcap):
+    return x.new_empty(x.shape) if need_dx else _absent(x), weight.new_empty(weight.shape) if need_dw else _absent(x)
+
+
+def _linear_cross_entropy_setup(ctx, inputs, output):
+    x, weight, target, *args = inputs
+    ctx.none, ctx.x_shape, ctx.weight_dtype = args[3] == "none", x.shape, weight.dtype
+    ctx.need_dx, ctx.need_dw = args[5], args[6]
+    ctx.args = (*args[:3], *args[4:])  # the options but the reduction, as linear_cross_entropy_bwd takes them
+    if ctx.none:
+        ctx.save_for_backward(x, weight, target)
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _linear_cross_entropy_backward(ctx, dloss, _dz, _ddx, _ddw, _dscale):
+    if ctx.none:
+        dx, dw = linear_cross_entropy_bwd(dloss, *ctx.saved_tensors, *ctx.args)
+    else:
+        dx, dw, scale = ctx.saved_tensors
+        dx, dw = linear_cross_entropy_scale(dloss, _given(dx, ctx.need_dx), _given(dw, ctx.need_dw), scale,
+                                            ctx.weight_dtype)
+        if ctx.need_dx:
+            dx = dx.view(ctx.x_shape)
+    return (_given(dx, ctx.need_dx), _given(dw, ctx.need_dw)) + (None,) * 10
+
+
+linear_cross_entropy_fwd.register_autograd(_linear_cross_entropy_backward, setup_context=_linear_cross_entropy_setup)
+
+
+@_public
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
+                         chunk_size: int | None = None, return_z_loss: bool = False, *, allow_tf32: bool = True,
+                         softcap: float | None = None):
+    grad = torch.is_grad_enabled()
+    loss, z, *_ = linear_cross_entropy_fwd(x, weight, target, ignore_index, float(label_smoothing), float(z_loss),
+                                           reduction, chunk_size, grad and x.requires_grad,
+                                           grad and weight.requires_grad, allow_tf32,
+                                           None if softcap is None else float(softcap))
+    return (loss, z.detach()) if return_z_loss else loss

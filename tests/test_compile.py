@@ -1,0 +1,239 @@
+"""The kernels under torch.compile: a small model built only of tritonllm.kernels compiles with
+``fullgraph=True`` (no graph break), keeps every kernel in the graph as a ``torch.ops.tritonllm`` op, and
+gives eager's loss and gradients; each registered op passes ``torch.library.opcheck`` (schema, fake
+tensors, autograd registration, AOT dispatch); the model works inside FSDP2's ``fully_shard``."""
+
+import socket
+
+import pytest
+import torch
+
+from _checks import DEVICE, ON_GPU, randn
+
+from tritonllm.kernels import (add_fork, cross_entropy, embedding, flash_attention, fork, linear, linear_cross_entropy,
+                               linear_swiglu, relu2, rms_norm, rope, rope_cos_sin, softcap, split_heads, swiglu,
+                               weighted_add)
+from tritonllm.kernels import library as lib
+
+V, C, HQ, HKV, D, F = 64, 64, 2, 1, 32, 48  # vocab, width, query / key-value heads, head dim, MLP width
+B, T = 2, 16
+
+
+class TinyModel(torch.nn.Module):
+    """One pre-norm GQA block and a fused LM-head loss, every op a tritonllm kernel."""
+
+    def __init__(self):
+        super().__init__()
+        p = lambda *shape, scale=0.1: torch.nn.Parameter(randn(*shape, scale=scale))  # noqa: E731
+        self.wte = p(V, C, scale=1.0)
+        self.norm1, self.norm2, self.norm_f = (torch.nn.Parameter(1 + randn(C, scale=0.1)) for _ in range(3))
+        self.qkv = p((HQ + 2 * HKV) * D, C)
+        self.proj = p(C, HQ * D)
+        self.w13 = p(2 * F, C)
+        self.w2 = p(C, F)
+        self.head = p(V, C)
+        cos, sin = rope_cos_sin(T, D, device=DEVICE)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, ids, targets):
+        x = embedding(ids, self.wte, validate=False)
+        qkv = linear(rms_norm(x, self.norm1), self.qkv).view(B, T, HQ + 2 * HKV, D)
+        q, k, v = split_heads(qkv, (HQ, HKV, HKV))
+        q, k = rope(q, self.cos, self.sin), rope(k, self.cos, self.sin)
+        o = flash_attention(q, k, v, causal=True)
+        x = linear(o.view(B, T, HQ * D), self.proj, residual=x)
+        h, x = rms_norm(x, self.norm2, residual=linear(linear_swiglu(x, self.w13), self.w2))
+        return linear_cross_entropy(rms_norm(h, self.norm_f), self.head, targets)
+
+
+#: the custom ops the model's compiled graph must hold (forward ops; the backward ops run in the AOT graph)
+MODEL_OPS = {"embedding_fwd", "rms_norm_fwd", "linear_fwd", "rope_fwd", "flash_attention_fwd", "linear_swiglu_fwd",
+             "linear_cross_entropy_fwd"}
+
+
+def _batch():
+    ids = torch.randint(0, V, (B, T), device=DEVICE)
+    return ids, torch.randint(0, V, (B, T), device=DEVICE)
+
+
+def _loss_and_grads(model, run, ids, targets):
+    model.zero_grad(set_to_none=True)
+    loss = run(ids, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _compare(eager, compiled):
+    (loss_e, grads_e), (loss_c, grads_c) = eager, compiled
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    assert grads_c.keys() == grads_e.keys()
+    for name in grads_e:
+        assert grads_e[name] is not None, name
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
+def test_compiled_model_matches_eager(backend):
+    torch._dynamo.reset()
+    model = TinyModel()
+    ids, targets = _batch()
+    eager = _loss_and_grads(model, model, ids, targets)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    _compare(eager, _loss_and_grads(model, compiled, ids, targets))
+    _compare(eager, _loss_and_grads(model, compiled, ids, targets))  # the cached graph, second call
+
+
+def test_no_graph_break_and_kernels_stay_ops():
+    torch._dynamo.reset()
+    model = TinyModel()
+    explained = torch._dynamo.explain(model)(*_batch())
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    ops = {node.target._opname for graph in explained.graphs for node in graph.graph.nodes
+           if node.op == "call_function" and getattr(node.target, "namespace", None) == "tritonllm"}
+    assert MODEL_OPS <= ops, MODEL_OPS - ops
+
+
+def _functionals(x, y, mix, one, norm, target):
+    """The functionals TinyModel leaves out, chained into one differentiable loss."""
+    a, b = fork(x)
+    x2, y2, s = add_fork(a, y)
+    h = swiglu(weighted_add(s, b, mix), weighted_add(x2, y2, one))  # [4, 16]
+    h = softcap(relu2(swiglu(h)), 0.5)  # the packed form: [4, 8]
+    return cross_entropy(rms_norm(h, norm), target, label_smoothing=0.1, z_loss=1e-3, return_z_loss=True)
+
+
+def test_compiled_functionals_match_eager():
+    torch._dynamo.reset()
+    g = dict(requires_grad=True)
+    params = [randn(4, 16, **g), randn(4, 16, **g), randn(2, **g), randn(1, **g), (1 + randn(8, scale=0.1)).requires_grad_()]
+    target = torch.randint(0, 8, (4,), device=DEVICE)
+    results = []
+    for fn in (_functionals, torch.compile(_functionals, fullgraph=True, backend="aot_eager")):
+        loss, z = fn(*params, target)
+        loss.backward()
+        assert not z.requires_grad
+        results.append((torch.stack([loss, z]).detach(), {i: p.grad for i, p in enumerate(params)}))
+        for p in params:
+            p.grad = None
+    _compare(*results)
+
+
+def _op_cases():
+    """(op, args) with tiny inputs for every registered op; forward ops get inputs that require
+    gradients, backward ops the forward op's saved outputs."""
+    g = dict(requires_grad=True)
+    x, w = randn(5, 32, **g), (1 + randn(32, scale=0.1)).requires_grad_()
+    y, _, rstd = lib.rms_norm_fwd(x, w, 1e-6, None)
+    wl, bias = randn(16, 32, scale=0.2, **g), randn(16, **g)
+    w13 = randn(24, 32, scale=0.2, **g)
+    _, gu = lib.linear_swiglu_fwd(x, w13, True)
+    gate, up, packed = randn(5, 12, **g), randn(5, 12, **g), randn(5, 24, **g)
+    q, k, v = randn(2, 8, 2, 32, **g), randn(2, 8, 1, 32, **g), randn(2, 8, 1, 32, **g)
+    o, lse = lib.flash_attention_fwd(q, k, v, True, None, None, False)
+    cos, sin = rope_cos_sin(12, 32, device=DEVICE)
+    ids, table = torch.randint(0, 10, (3, 4), device=DEVICE), randn(10, 32, **g)
+    logits, target = randn(6, 10, **g), torch.randint(0, 10, (6,), device=DEVICE)
+    _, _, ce_lse, count = lib.cross_entropy_fwd(logits, target, -100, 0.0, 0.0, "mean", False, True)
+    lce = (x, wl, torch.randint(0, 16, (5,), device=DEVICE), -100, 0.0, 1e-4)
+    _, _, dx_l, dw_l, scale = lib.linear_cross_entropy_fwd(*lce, "mean", None, True, True, True, None)
+    dy, d4 = randn(5, 32), randn(2, 8, 2, 32)
+    lce_opts = (None, True, True, True, None)
+    return {
+        "rms_norm_fwd": (lib.rms_norm_fwd, (x, w, 1e-6, None)),
+        "rms_norm_fwd_residual": (lib.rms_norm_fwd, (x, w, 1e-6, randn(5, 32, **g))),
+        "rms_norm_bwd": (lib.rms_norm_bwd, (dy, x.detach(), w.detach(), rstd.detach(), None)),
+        "linear_fwd": (lib.linear_fwd, (x, wl, bias, randn(5, 16, **g), True)),
+        "linear_bwd": (lib.linear_bwd, (randn(5, 16), x.detach(), wl.detach(), True, True, True, True)),
+        "linear_swiglu_fwd": (lib.linear_swiglu_fwd, (x, w13, True)),
+        "linear_swiglu_bwd": (lib.linear_swiglu_bwd, (randn(5, 12), x.detach(), w13.detach(), gu.detach(), True, True,
+                                                      True)),
+        "swiglu_fwd": (lib.swiglu_fwd, (gate, up)),
+        "swiglu_fwd_packed": (lib.swiglu_fwd, (packed, None)),
+        "swiglu_bwd": (lib.swiglu_bwd, (randn(5, 12), gate.detach(), up.detach())),
+        "swiglu_bwd_packed": (lib.swiglu_bwd, (randn(5, 12), packed.detach(), None)),
+        "relu2_fwd": (lib.relu2_fwd, (x,)),
+        "relu2_bwd": (lib.relu2_bwd, (x.detach(), dy)),
+        "softcap_fwd": (lib.softcap_fwd, (x, 2.0)),
+        "softcap_bwd": (lib.softcap_bwd, (y.detach(), dy, 30.0)),
+        "rope_fwd": (lib.rope_fwd, (q, cos, sin, 2, None)),
+        "rope_fwd_tensor_offset": (lib.rope_fwd, (q, cos, sin, 0, torch.tensor(3, device=DEVICE))),
+        "rope_bwd": (lib.rope_bwd, (d4, cos, sin, 1, None)),
+        "embedding_fwd": (lib.embedding_fwd, (ids, table, 0, True)),
+        "embedding_bwd": (lib.embedding_bwd, (randn(3, 4, 32), ids, 10, None)),
+        "flash_attention_fwd": (lib.flash_attention_fwd, (q, k, v, True, None, None, False)),
+        "flash_attention_bwd": (lib.flash_attention_bwd, (d4, q.detach(), k.detach(), v.detach(), o.detach(),
+                                                          lse.detach(), True, None, None, False)),
+        "pack_heads": (lib.pack_heads, ([randn(2, 8, 2, 32), None], [2, 1], randn(2, 8, 3, 32))),
+        "weighted_add_fwd": (lib.weighted_add_fwd, (x, randn(5, 32, **g), randn(2, **g))),
+        "weighted_add_bwd": (lib.weighted_add_bwd, (dy, x.detach(), randn(5, 32), randn(1), True, True, True)),
+        "cross_entropy_fwd": (lib.cross_entropy_fwd, (logits, target, -100, 0.1, 1e-4, "mean", True, True)),
+        "cross_entropy_fwd_none": (lib.cross_entropy_fwd, (logits, target, -100, 0.0, 0.0, "none", False, True)),
+        "cross_entropy_bwd": (lib.cross_entropy_bwd, (torch.tensor(1.5, device=DEVICE), logits.detach(), target,
+                                                      ce_lse.detach(), count.detach(), -100, 0.0, 0.0)),
+        "linear_cross_entropy_fwd": (lib.linear_cross_entropy_fwd, (*lce, "mean", *lce_opts)),
+        "linear_cross_entropy_fwd_none": (lib.linear_cross_entropy_fwd, (*lce, "none", *lce_opts)),
+        "linear_cross_entropy_scale": (lib.linear_cross_entropy_scale, (torch.tensor(2.0, device=DEVICE),
+                                                                        dx_l.detach(), dw_l.detach(), scale.detach(),
+                                                                        torch.float32)),
+        "linear_cross_entropy_bwd": (lib.linear_cross_entropy_bwd, (randn(5), *[t.detach() for t in lce[:3]],
+                                                                    *lce[3:], *lce_opts)),
+    }
+
+
+@pytest.fixture(scope="module")
+def op_cases():
+    return _op_cases()
+
+
+def test_every_registered_op_is_checked(op_cases):
+    namespace = torch.ops.tritonllm
+    registered = {n for n in dir(namespace) if isinstance(getattr(namespace, n), torch._ops.OpOverloadPacket)}
+    assert {op._name for op, _ in op_cases.values()} == registered
+
+
+def test_opcheck(op_cases):
+    """Schema (no mutation, no aliasing), fake tensors against real outputs, autograd registration and
+    AOT dispatch with dynamic shapes, for every case; failures named together."""
+    failures = {}
+    for name, (op, args) in op_cases.items():
+        try:
+            torch.library.opcheck(op, args)
+        except Exception as e:  # noqa: BLE001 (collected, reported below with the case name)
+            failures[name] = f"{type(e).__name__}: {str(e)[:2000]}"
+    assert not failures, "\n".join(f"{n}: {m}" for n, m in failures.items())
+
+
+def _fsdp_rank(rank: int, world: int, port: int, backend: str) -> None:
+    """One rank: eager loss and gradients of the whole model, then the same model under fully_shard,
+    compiled with fullgraph, on the same batch (every rank the same, so the averaged gradients are the
+    single model's)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if ON_GPU:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if ON_GPU else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = TinyModel()
+        ids, targets = _batch()
+        eager = _loss_and_grads(model, model, ids, targets)
+        fully_shard(model)
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        loss, grads = _loss_and_grads(model, compiled, ids, targets)
+        _compare(eager, (loss, {n: g.full_tensor() for n, g in grads.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+@pytest.mark.skipif(ON_GPU and torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fsdp2_compiled_model_matches_eager(monkeypatch):
+    """Two ranks (gloo on the CPU, NCCL on two GPUs) of fully_shard + torch.compile(fullgraph=True)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks share the cores
+    torch.multiprocessing.spawn(_fsdp_rank, args=(2, port, "inductor" if ON_GPU else "aot_eager"), nprocs=2)
