@@ -1,6 +1,7 @@
 """``python -m tritonllm.bench kernels [--ops rms_norm,swiglu] [--sizes default,large]``
 ``python -m tritonllm.bench train +model=void125m [overrides]``
 ``python -m tritonllm.bench decode +model=void125m [--batch 1,32 --prompt-len 128 --new-tokens 256]``
+``python -m tritonllm.bench finetune [--config tinyllama --batch 4 --seq-len 2048 --rank 16]`` (LoRA, vs transformers + PEFT)
 
 Times tritonllm against the baselines on the GPU present, in one process run, prints a table and
 writes ``docs/perf/<kind>-<gpu>.json``.
@@ -70,7 +71,7 @@ def bench_kernels(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("kernels", "train", "decode"):
+    if not argv or argv[0] not in ("kernels", "train", "decode", "finetune"):
         sys.exit(__doc__)
     if argv[0] == "kernels":
         bench_kernels(argv[1:])
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         from tritonllm.bench.decode import main as bench_decode
 
         bench_decode(argv[1:])
+    elif argv[0] == "finetune":
+        from tritonllm.bench.finetune import main as bench_finetune
+
+        bench_finetune(argv[1:])
     else:
         from tritonllm.bench.train import main as bench_train
 

@@ -1,0 +1,41 @@
+"""python -m tritonllm.bench finetune: a CPU smoke run of every side's code path on a tiny model
+(the interpreter's timings mean nothing); the GPU-size run is the lead's (see the module docstring)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import ON_GPU
+
+pytest.importorskip("peft")
+
+from tritonllm.bench import finetune  # noqa: E402
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
+def test_smoke_run_writes_a_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "CPU smoke")  # names train-<gpu>.json
+    row = finetune.main(["--config", "tiny", "--dtype", "fp32", "--batch", "1", "--seq-len", "16", "--rank", "4",
+                         "--steps", "1", "--warmup", "1", "--sides", "tritonllm,peft,patch+peft",
+                         "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "train-cpu-smoke.json").read_text())["results"]
+    assert written == [row]
+    assert row["op"] == "finetune" and row["model"] == "tiny LoRA r4" and (row["batch"], row["seq_len"]) == (1, 16)
+    for figures in (row, row["baselines"]["peft"], row["patch"]):
+        assert figures["tokens_per_s"] > 0 and figures["step_ms"] > 0, figures
+    assert row["speedup"] > 0 and row["patch_speedup"] > 0
+
+
+def test_bad_options_name_the_option():
+    with pytest.raises(SystemExit):
+        finetune._parse(["--sides", "tritonllm,nope"])
+    with pytest.raises(SystemExit):
+        finetune._parse(["--config", "tiny", "--seq-len", "128"])
+
+
+def test_lora_flops_count_the_frozen_base_once_forward_once_backward():
+    import transformers
+
+    cfg = transformers.LlamaConfig(**finetune.CONFIGS["tiny"])
+    assert finetune.lora_flops_per_token(cfg, 1000, 16) == 4 * 1000 + 12 * 2 * 2 * 32 * 16
