@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -204,6 +204,43 @@ class GenerateConfig:
     dtype: str = _f("auto", choices=("auto", "bf16", "fp32"))
 
 
+# ----------------------------------------------------------------------------- evolve (conf/evolve.yaml)
+
+@dataclass
+class EvolveSampler:
+    seed: int = 1337
+    crossover_prob: float = _f(0.9, ge=0, le=1)
+    mutation_prob: Optional[float] = _f(None, gt=0, le=1)
+
+
+@dataclass
+class EvolveSandbox:
+    timeout_s: Optional[float] = _f(3600.0, gt=0)
+    host_memory_gb: Optional[float] = _f(None, gt=0)
+    enforce_memory_cap: bool = True
+
+
+@dataclass
+class EvolveConfig:
+    """``evolve:`` of ``conf/evolve.yaml`` (ranges the search checks itself: tritonllm/evolve/search.py)."""
+    budget: Any = "20M"  # tokens (int or "500k", "20M") or time ("90s", "5min") per candidate
+    population: int = 8
+    generations: int = 4
+    include_seed: bool = True
+    mutants: float = 0.25
+    max_proposals: int = _f(20, ge=1)
+    objectives: List[str] = _f(["val_loss", "tokens_per_s", "peak_mem_gb"])
+    memory_cap_gb: Optional[float] = _f(None, gt=0)
+    max_params: Optional[int] = _f(None, ge=1)
+    multiple_of: int = _f(64, ge=1)
+    keep_checkpoints: bool = False
+    warm_start: bool = False
+    evaluator: str = "tritonllm.evolve.evaluate:evaluate_candidate"
+    sampler: EvolveSampler = field(default_factory=EvolveSampler)
+    sandbox: EvolveSandbox = field(default_factory=EvolveSandbox)
+    space: Dict[str, Any] = field(default_factory=dict)  # gene -> choices (conf/evolve_space)
+
+
 SCHEMAS = {
     "trainer": {"default": TrainerConfig},
     "optim": {"adamw": AdamWConfig, "muon": MuonConfig},
@@ -214,12 +251,14 @@ SCHEMAS = {
 
 
 def register() -> None:
-    """Store every schema in Hydra's ConfigStore (``schema/<group>/<option>``, ``schema/generate``)."""
+    """Store every schema in Hydra's ConfigStore (``schema/<group>/<option>``, ``schema/generate``,
+    ``schema/evolve``)."""
     cs = ConfigStore.instance()
     for group, options in SCHEMAS.items():
         for name, node in options.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
     cs.store(group="schema", name="generate", node=GenerateConfig)
+    cs.store(group="schema", name="evolve", node=EvolveConfig)
 
 
 BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}

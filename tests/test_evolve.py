@@ -1,11 +1,13 @@
 """Architecture search (tritonllm.evolve): mutations keep every constraint over many random draws,
 repair and rejection, budgets, the Pareto front and the capped choice, the sandbox (a candidate that
 raises, is killed, diverges or hangs is recorded as failed and the search goes on), a tiny real
-search (2 generations x 2 candidates of a shrunken void_tiny) with its outputs, and resume."""
+search (2 generations x 2 candidates of a shrunken void_tiny) with its outputs, resume, and a warm
+start (a child with an inserted layer starts from its parent's trained weights)."""
 
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -289,6 +291,44 @@ def test_search_end_to_end_and_resume(tmp_path, data_overrides):
     assert ModelConfig.from_dict(cfg.model).param_count() == best["params"]
 
 
+def test_warm_start_end_to_end(tmp_path, data_overrides):
+    """evolve.warm_start=true: the seed's mutant (one layer inserted) starts from the seed's trained
+    weights: its first training loss is the seed's final weights' loss on that batch."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tritonllm.data import load_corpus
+    from tritonllm.models import build_model
+
+    out = tmp_path / "run"
+    summary = run_search(compose_evolve(*SEARCH, *data_overrides, "evolve.space.kv_ratio=null", "evolve.space.lr=null",
+                                        "evolve.generations=1", "evolve.warm_start=true", f"out_dir={out}"))
+    seed, child = read_records(out)
+    assert seed["origin"] == "seed" and not seed["warm"] and seed["warm_from"] is None
+    assert child["parent"] == "seed" and child["warm"] is True and child["warm_from"] == seed["trial"]
+    assert child["growth"] == ["n_layers 1 -> 2"] and child["status"] == "ok"
+    for r in (seed, child):  # each keeps its trained weights for its children; the step-0 checkpoint is gone
+        assert os.path.exists(out / r["folder"] / "weights.safetensors")
+        assert not os.path.exists(out / r["folder"] / "warm_start")
+    with open(out / "results.csv") as f:
+        header, *rows = f.read().splitlines()
+    warm_col = header.split(",").index("warm")
+    assert [row.split(",")[warm_col] for row in rows] == ["False", "True"]
+    assert summary["warm"]["warm"]["n"] == 1 and summary["warm"]["cold"]["n"] == 0
+    assert summary["warm"]["warm"]["vs_parent"] == pytest.approx(child["val_loss"] - seed["val_loss"])
+
+    with initialize_config_module("tritonllm.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[*TINY, *data_overrides])
+    x, y = load_corpus(cfg.data).loaders(2, 32, cfg.seed, seed["model"]["vocab_size"])[0].next_batch()
+    parent = build_model(seed["model"])
+    parent.load_state_dict(load_file(out / seed["folder"] / "weights.safetensors"))
+    with torch.no_grad():
+        expected = parent(x, y).item()
+    with open(out / child["folder"] / "run" / "metrics.jsonl") as f:
+        first = next(r for r in map(json.loads, f) if r["kind"] == "train")
+    assert first["step"] == 1 and first["loss"] == pytest.approx(expected, rel=1e-5)
+
+
 def compose_train_with_searchpath(out):
     with initialize_config_module("tritonllm.conf", version_base="1.3"):
         return compose("train", overrides=[f"hydra.searchpath=[file://{out}]", "+model=best"])
@@ -311,10 +351,13 @@ def test_cli(tmp_path, data_overrides):
     """python -m tritonllm.evolve with a stand-in evaluator: progress on the console, the outputs written."""
     env = child_env(os.path.dirname(__file__), ROOT)
     r = subprocess.run([sys.executable, "-m", "tritonllm.evolve", *SEARCH, *data_overrides, "evolve.generations=1",
-                        "evolve.evaluator=_evolve_targets:fake", f"hydra.run.dir={tmp_path / 'run'}"],
+                        "evolve.evaluator=_evolve_targets:fake", "evolve.warm_start=true",
+                        f"hydra.run.dir={tmp_path / 'run'}"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     console = r.stdout + r.stderr
     assert "generation 1/1, candidate 2/2" in console and "best under the cap: trial" in console
+    # the stand-in evaluator keeps no weights: every child starts cold, set against its parent
+    assert re.search(r"warm starts: 0 warm; 1 cold: mean val_loss [0-9.]+, [+-][0-9.]+ vs their parents \(1\)", console)
     with open(tmp_path / "run" / "best.json") as f:
         assert json.load(f)["counts"]["ok"] == 2

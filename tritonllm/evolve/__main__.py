@@ -8,6 +8,7 @@ from tritonllm.runtime import hydra_app
 
 @hydra_app("evolve")
 def main(cfg) -> float | None:
+    from tritonllm.evolve.results import describe_warm
     from tritonllm.evolve.search import run_search
 
     summary = run_search(cfg)
@@ -16,6 +17,8 @@ def main(cfg) -> float | None:
     log = logging.getLogger("tritonllm.evolve")
     log.info("done: %d evaluated, %d failed, %d rejected before training, %d duplicates; Pareto front of %d",
              c["ok"], c["failed"], c["rejected"], c["duplicate"], len(summary["front"]))
+    if cfg.evolve.warm_start:
+        log.info("warm starts: %s", describe_warm(summary["warm"]))
     if best is None:
         log.info("no candidate fits the memory cap")
         return None

@@ -15,27 +15,44 @@
   (``torch.cuda.set_per_process_memory_fraction``), so a candidate over the memory cap fails with
   an out-of-memory error instead of succeeding on a larger GPU than the cap describes.
 
+- ``warm_start`` (``evolve.warm_start``): null, or ``{"weights": <parent's weights.safetensors>,
+  "parent_model": <its model config>, "parent_trial": n}``: the candidate starts from its parent's
+  trained weights grown to its own shape (:func:`tritonllm.evolve.grow.grow`: same logits as the
+  parent before the first step). :func:`warm_start_checkpoint` writes them as a step-0 checkpoint
+  (fresh optimizer state, the data position of a fresh run) in ``folder/warm_start``, and the run
+  resumes from it (``trainer.resume``), so the trainer checks the grown weights as any checkpoint
+  (shapes against the candidate's model, finite values); the folder is removed after training;
+- ``save_weights``: keep the trained weights as ``folder/weights.safetensors`` (the final
+  checkpoint's ``model.safetensors``), for the candidate's own children to grow from.
+
 It returns ``val_loss`` (what ``train`` returns), ``tokens_per_s`` (training tokens over training
 time, the first log window left out when there are more: it holds compilation and CUDA-graph
 capture), ``peak_mem_gb`` (``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the process's
-peak resident set, interpreter and libraries included: ``peak_mem_kind`` says which), ``params``,
-``active_params``, ``tokens`` and ``steps`` trained. A non-finite validation loss raises (the
-candidate diverged), as do the trainer's own errors (too many non-finite steps in a row, ...).
+peak resident set, interpreter and libraries included: ``peak_mem_kind`` says which), ``device``
+(the GPU's name, or ``cpu``), ``params``, ``active_params``, ``tokens`` and ``steps`` trained, and
+for a warm start ``growth`` (the steps from the parent's shape). A non-finite validation loss
+raises (the candidate diverged), as do the trainer's own errors (too many non-finite steps in a
+row, ...).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
+import shutil
 import threading
 import time
+import uuid
 
 from tritonllm.errors import TrainingError
 
 #: seconds between checks for the trainer's start while a time budget waits
 _POLL_S = 0.2
+#: a candidate's trained weights in its folder (``save_weights``); the step-0 checkpoint of a warm start
+WEIGHTS, WARM_DIR = "weights.safetensors", "warm_start"
 
 
 def _first_log_written(metrics_path: str) -> bool:
@@ -85,11 +102,43 @@ def training_throughput(metrics_path: str) -> tuple[float, int, int]:
     return sum(tok for tok, _ in timed) / seconds, records[-1]["tokens"], records[-1]["step"]
 
 
+def warm_start_checkpoint(cfg, warm: dict, folder: str) -> tuple[str, list[str]]:
+    """Grow the parent's weights (``warm``, see module docstring) to the model of the run config
+    ``cfg`` and write them as a step-0 checkpoint in ``folder/warm_start``: fresh optimizer state (as
+    the run builds it: its master-weight setting follows ``trainer.dtype``), the training loader's
+    position before its first batch. Returns the checkpoint's path and the growth steps."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tritonllm.checkpoint import save_checkpoint
+    from tritonllm.data import load_corpus
+    from tritonllm.evolve.grow import grow, growth_steps
+    from tritonllm.models import build_model
+    from tritonllm.models.config import ModelConfig
+    from tritonllm.runtime import resolve_device, resolve_dtype
+    from tritonllm.train.loop import build_optimizer
+
+    parent, child = ModelConfig.from_dict(warm["parent_model"]), ModelConfig.from_dict(cfg.model)
+    steps = growth_steps(parent, child)
+    torch.manual_seed(cfg.seed)
+    model = build_model(child)
+    model.load_state_dict(grow(load_file(warm["weights"]), parent, child, seed=cfg.seed), strict=True)
+    tr, master = cfg.trainer, cfg.optim.master_weights
+    dtype = resolve_dtype(tr.dtype, resolve_device(cfg.device))
+    optimizer = build_optimizer(model, cfg.optim, dtype != torch.float32 if master == "auto" else bool(master))
+    loader, _ = load_corpus(cfg.data).loaders(tr.batch_size, tr.seq_len, cfg.seed, child.vocab_size)
+    state = {"data": loader.state_dict(), "model_config": child.to_dict(), "tokens_seen": 0, "bad_steps": 0,
+             "tokens_per_step": tr.batch_size * tr.seq_len * tr.grad_accum}
+    path = save_checkpoint(os.path.join(folder, WARM_DIR), 0, model, optimizer, state, run_id=uuid.uuid4().hex[:12])
+    return path, steps
+
+
 def evaluate_candidate(payload: dict, folder: str) -> dict:
     """Train the candidate ``payload`` describes in ``folder/run``; its metrics (see module docstring)."""
     import torch
     from omegaconf import OmegaConf
 
+    from tritonllm.checkpoint import MODEL_FILE, list_checkpoints
     from tritonllm.models.config import ModelConfig
     from tritonllm.runtime import resolve_device
     from tritonllm.train import train
@@ -101,6 +150,12 @@ def evaluate_candidate(payload: dict, folder: str) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, payload["gpu_memory_gb"] / total), device)
     run_dir = str(cfg.out_dir)
     os.makedirs(run_dir, exist_ok=True)
+    warm = payload.get("warm_start")
+    if warm:
+        path, growth = warm_start_checkpoint(cfg, warm, folder)
+        logging.getLogger("tritonllm.evolve").info("warm start from trial %s: %s", warm["parent_trial"],
+                                                   ", ".join(growth))
+        cfg.trainer.resume = path
     done = threading.Event()
     timer = None
     if payload.get("budget_s"):
@@ -113,6 +168,7 @@ def evaluate_candidate(payload: dict, folder: str) -> dict:
         done.set()
         if timer is not None:
             timer.join()
+        shutil.rmtree(os.path.join(folder, WARM_DIR), ignore_errors=True)
     wall = time.perf_counter() - t0
     if not math.isfinite(val_loss):
         raise TrainingError(f"diverged: validation loss {val_loss}")
@@ -121,7 +177,11 @@ def evaluate_candidate(payload: dict, folder: str) -> dict:
         peak, kind = torch.cuda.max_memory_allocated(device) / 1e9, "cuda_allocated"
     else:
         peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "host_rss"  # KiB on Linux
+    if payload.get("save_weights"):
+        final = list_checkpoints(str(cfg.trainer.ckpt_dir))[-1][1]
+        shutil.copyfile(os.path.join(final, MODEL_FILE), os.path.join(folder, WEIGHTS))
     model = ModelConfig.from_dict(cfg.model)
     return {"val_loss": val_loss, "tokens_per_s": tok_s, "peak_mem_gb": peak, "peak_mem_kind": kind,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "params": model.param_count(), "active_params": model.param_count(active=True), "tokens": tokens,
-            "steps": steps, "train_wall_s": wall}
+            "steps": steps, "train_wall_s": wall, **({"growth": growth} if warm else {})}

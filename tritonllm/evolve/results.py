@@ -7,10 +7,15 @@
   memory is within ``evolve.memory_cap_gb`` (every candidate when the cap is null), ties broken by
   tokens/s; null while none qualifies;
 - ``pareto.png``: validation loss against training tokens/s, colour = peak memory, the front
-  joined, the seed and the best marked;
+  joined, the seed, the best and the warm-started children marked;
 - ``model/<name>.yaml``: the front's and the best's models as ``conf/model`` files
   (``python -m tritonllm.train hydra.searchpath=[file://<run folder>] +model=<name> optim.lr=<lr>``;
   the lr each was trained with is in the file's header), the best also as ``model/best.yaml``.
+
+``tokens_per_s`` and ``peak_mem_gb`` are what the evaluator measured where the candidate ran
+(``device``: the GPU's name; ``peak_mem_kind``: ``cuda_allocated`` on a GPU, ``host_rss`` on the
+CPU). ``warm`` / ``warm_from``: the candidate started from that trial's weights, grown
+(``evolve.warm_start``); :func:`warm_comparison` sets warm children against cold ones.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ log = logging.getLogger("tritonllm.evolve")
 
 #: direction of each objective (True: larger is better)
 MAXIMIZE = {"tokens_per_s"}
-COLUMNS = ("trial", "generation", "origin", "parent", "status", "reason", "n_layers", "d_model", "n_heads",
-           "n_kv_heads", "head_dim", "d_ff", "window", "qk_norm", "n_experts", "moe_top_k", "lr", "params",
-           "active_params", "val_loss", "tokens_per_s", "peak_mem_gb", "tokens", "wall_s", "pareto")
+COLUMNS = ("trial", "generation", "origin", "parent", "warm", "warm_from", "status", "reason", "n_layers", "d_model",
+           "n_heads", "n_kv_heads", "head_dim", "d_ff", "window", "qk_norm", "n_experts", "moe_top_k", "lr", "params",
+           "active_params", "val_loss", "tokens_per_s", "peak_mem_gb", "peak_mem_kind", "device", "tokens", "wall_s",
+           "pareto")
 
 
 def _dominates(a: dict, b: dict, objectives) -> bool:
@@ -54,6 +60,40 @@ def best_under_cap(records: list[dict], cap_gb: float | None) -> dict | None:
     """Lowest ``val_loss`` among the evaluated records with ``peak_mem_gb <= cap_gb`` (ties: higher tokens/s)."""
     ok = [r for r in records if r.get("status") == "ok" and (cap_gb is None or r["peak_mem_gb"] <= cap_gb)]
     return min(ok, key=lambda r: (r["val_loss"], -r["tokens_per_s"]), default=None)
+
+
+def warm_comparison(records: list[dict]) -> dict:
+    """Warm-started against cold children (evaluated candidates other than the seed): per group
+    ``{"n", "val_loss"}`` (mean) and ``"vs_parent"``: the mean of ``val_loss`` minus the parent's
+    over the children with an evaluated parent (a warm child's is the trial it grew from, a cold
+    mutant's its mutation parent; an NSGA-II proposal has none), with how many that mean is over."""
+    ok = {r["trial"]: r for r in records if r.get("status") == "ok"}
+    seed = next((r["trial"] for r in ok.values() if r["origin"] == "seed"), None)
+    out = {}
+    for group, warm in (("warm", True), ("cold", False)):
+        children = [r for r in ok.values() if r["origin"] != "seed" and bool(r.get("warm")) == warm]
+        deltas = []
+        for r in children:
+            parent = r.get("warm_from") if warm else (seed if r.get("parent") == "seed" else r.get("parent"))
+            if parent in ok:
+                deltas.append(r["val_loss"] - ok[parent]["val_loss"])
+        out[group] = {"n": len(children),
+                      "val_loss": sum(r["val_loss"] for r in children) / len(children) if children else None,
+                      "vs_parent": sum(deltas) / len(deltas) if deltas else None, "with_parent": len(deltas)}
+    return out
+
+
+def describe_warm(comparison: dict) -> str:
+    """One line of :func:`warm_comparison`."""
+    parts = []
+    for group in ("warm", "cold"):
+        c = comparison[group]
+        if not c["n"]:
+            parts.append(f"0 {group}")
+            continue
+        vs = f", {c['vs_parent']:+.4f} vs their parents ({c['with_parent']})" if c["vs_parent"] is not None else ""
+        parts.append(f"{c['n']} {group}: mean val_loss {c['val_loss']:.4f}{vs}")
+    return "; ".join(parts)
 
 
 def _row(r: dict, on_front: set) -> dict:
@@ -93,6 +133,10 @@ def plot(path: str, records: list[dict], front: list[dict], best: dict | None, c
         line = sorted(front, key=lambda r: r["tokens_per_s"])
         ax.plot([r["tokens_per_s"] for r in line], [r["val_loss"] for r in line], "--", color="gray", zorder=1,
                 label="Pareto front (all objectives)")
+        warm = [r for r in ok if r.get("warm")]
+        if warm:
+            ax.scatter([r["tokens_per_s"] for r in warm], [r["val_loss"] for r in warm], marker="^", s=90,
+                       facecolors="none", edgecolors="tab:orange", zorder=3, label="warm start (grown parent)")
         for r in ok:
             if r["origin"] == "seed":
                 ax.scatter([r["tokens_per_s"]], [r["val_loss"]], marker="s", s=110, facecolors="none",
@@ -120,12 +164,13 @@ def _dump(path: str, obj) -> None:
 
 
 def write_all(out_dir: str, records: list[dict], ev, seed) -> dict:
-    """Write every output file; returns ``{"best", "front", "counts"}``."""
+    """Write every output file; returns ``{"best", "front", "counts", "warm"}`` (``warm``: :func:`warm_comparison`)."""
     objectives = list(ev.objectives)
     front = pareto_front(records, objectives)
     best = best_under_cap(records, ev.memory_cap_gb)
     on_front = {r["trial"] for r in front}
     counts = {s: sum(r.get("status") == s for r in records) for s in ("ok", "failed", "rejected", "duplicate")}
+    warm = warm_comparison(records)
     _dump(os.path.join(out_dir, "results.json"), records)
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -133,7 +178,7 @@ def write_all(out_dir: str, records: list[dict], ev, seed) -> dict:
         writer.writerows(_row(r, on_front) for r in records)
     _dump(os.path.join(out_dir, "pareto.json"), {"objectives": objectives, "front": front})
     _dump(os.path.join(out_dir, "best.json"), {"memory_cap_gb": ev.memory_cap_gb, "seed_model": seed.name,
-                                               "best": best, "counts": counts})
+                                               "best": best, "counts": counts, "warm_start": warm})
     model_dir = os.path.join(out_dir, "model")
     os.makedirs(model_dir, exist_ok=True)
     for old in os.listdir(model_dir):  # a model that left the front
@@ -149,4 +194,4 @@ def write_all(out_dir: str, records: list[dict], ev, seed) -> dict:
         plot(os.path.join(out_dir, "pareto.png"), records, front, best, ev.memory_cap_gb)
     except MissingExtraError as e:
         log.info("pareto.png not written: %s", e)
-    return {"best": best, "front": front, "counts": counts}
+    return {"best": best, "front": front, "counts": counts, "warm": warm}

@@ -13,6 +13,17 @@
   Optuna as such and costs no training (after ``evolve.max_proposals`` of them in a row a
   front mutant takes the slot).
 
+Warm starts (``evolve.warm_start=true``): every evaluated candidate keeps its trained weights
+(``candidates/<trial>/weights.safetensors``), and a child that is a function-preserving growth of
+an evaluated candidate (:mod:`.grow`: layers inserted, FFN, heads or ``d_model`` widened; nothing
+else changed) starts from that candidate's weights grown to its shape instead of from scratch: a
+mutant from its mutation parent, an NSGA-II proposal from the evaluated candidate with the lowest
+validation loss it grows from. Its record has ``warm: true``, ``warm_from`` (that trial) and
+``growth``; ``results.csv`` has the ``warm`` column and the summary compares warm and cold children
+(:func:`tritonllm.evolve.results.warm_comparison`). A warm child has trained longer than its budget
+(its parent's tokens and its own): its loss says what growing buys, not what the architecture
+reaches from scratch.
+
 Every candidate runs in its own process (:func:`tritonllm.evolve.sandbox.run_sandboxed`) with a
 wall-clock limit; one that fails (raises, diverges, runs out of memory, crashes, times out) is
 recorded with its reason, its checkpoints are removed, and the search goes on.
@@ -48,8 +59,11 @@ from omegaconf import OmegaConf, open_dict
 
 from tritonllm.errors import ConfigError
 from tritonllm.evolve import results
+from tritonllm.evolve.evaluate import WEIGHTS
+from tritonllm.evolve.grow import GrowthError, growth_steps
 from tritonllm.evolve.sandbox import run_sandboxed
 from tritonllm.evolve.space import GENES, Candidate, Limits, SearchSpace, SpaceExhausted
+from tritonllm.models.config import ModelConfig
 
 log = logging.getLogger("tritonllm.evolve")
 
@@ -184,7 +198,7 @@ class Search:
                 "memory_cap_gb": ev["memory_cap_gb"], "include_seed": ev["include_seed"],
                 "data": OmegaConf.to_container(self.cfg.data, resolve=True),
                 "trainer": {k: self.cfg.trainer[k] for k in ("batch_size", "seq_len", "grad_accum")},
-                "seed": self.cfg.seed}
+                "seed": self.cfg.seed, **({"warm_start": True} if ev["warm_start"] else {})}
 
     def _restore(self) -> list[dict]:
         """Check ``search.json`` and rebuild the study from the journal; the finished trials' records."""
@@ -270,7 +284,25 @@ class Search:
 
     # ------------------------------------------------------------------ evaluation
 
-    def _payload(self, cand: Candidate, run_dir: str, name: str) -> dict:
+    def _warm_source(self, cand: Candidate, parent, records: list[dict]) -> tuple[dict, list[str]] | None:
+        """``(record, growth steps)`` of the evaluated candidate whose weights ``cand`` grows from
+        (module docstring), or None: ``cand`` starts from scratch."""
+        if not self.ev.warm_start:
+            return None
+        sources = [r for r in records if r.get("status") == "ok"
+                   and os.path.exists(os.path.join(self.out_dir, r["folder"], WEIGHTS))]
+        if parent is not None:
+            sources = [r for r in sources if r["trial"] == parent or (parent == "seed" and r["origin"] == "seed")]
+        for r in sorted(sources, key=lambda r: r["val_loss"]):
+            try:
+                steps = growth_steps(ModelConfig.from_dict(r["model"]), cand.model)
+            except GrowthError:
+                continue
+            if steps:
+                return r, steps
+        return None
+
+    def _payload(self, cand: Candidate, run_dir: str, name: str, warm: tuple | None) -> dict:
         cfg = OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=False))
         tr = cfg.trainer
         with open_dict(cfg):
@@ -292,27 +324,35 @@ class Search:
                 tr.sample_interval = None
             if self.budget_kind == "seconds":
                 tr.control = True
+        source = warm[0] if warm else None
         return {"config": OmegaConf.to_container(cfg, resolve=True),
                 "budget_s": self.budget if self.budget_kind == "seconds" else None,
-                "gpu_memory_gb": self.ev.memory_cap_gb if self.ev.sandbox.enforce_memory_cap else None}
+                "gpu_memory_gb": self.ev.memory_cap_gb if self.ev.sandbox.enforce_memory_cap else None,
+                "save_weights": bool(self.ev.warm_start),
+                "warm_start": {"weights": os.path.join(self.out_dir, source["folder"], WEIGHTS),
+                               "parent_model": source["model"], "parent_trial": source["trial"]} if source else None}
 
-    def _evaluate(self, slot: int, trial, cand: Candidate, origin: str, parent) -> dict:
+    def _evaluate(self, slot: int, trial, cand: Candidate, origin: str, parent, records: list[dict]) -> dict:
         generation = slot // self.ev.population
         folder = os.path.join(self.out_dir, "candidates", f"{trial.number:04d}")
         if os.path.exists(folder):  # left by an interrupted earlier attempt at this trial
             shutil.rmtree(folder)
         name = f"{self.seed.name}_evo{trial.number:04d}"
         m = cand.model = dataclasses.replace(cand.model, name=name)
+        warm = self._warm_source(cand, parent, records)
         log.info("generation %d/%d, candidate %d/%d (trial %d, %s%s): %d layers, d_model %d, heads %d/%d x %d, "
-                 "d_ff %d%s%s%s, lr %.2e, %.2fM params", generation + 1, self.ev.generations,
+                 "d_ff %d%s%s%s, lr %.2e, %.2fM params%s", generation + 1, self.ev.generations,
                  slot % self.ev.population + 1, self.ev.population, trial.number, origin,
                  f" of trial {parent}" if parent is not None else "", m.n_layers, m.d_model, m.n_heads,
                  m.n_kv_heads, m.head_dim, m.d_ff, f", window {m.window}" if m.window else "",
                  ", qk_norm" if m.qk_norm else "", f", {m.n_experts} experts top-{m.moe_top_k}" if m.n_experts else "",
-                 cand.lr, m.param_count() / 1e6)
-        out = run_sandboxed(self.ev.evaluator, self._payload(cand, os.path.join(folder, "run"), name), folder,
+                 cand.lr, m.param_count() / 1e6,
+                 f"; warm start from trial {warm[0]['trial']} ({', '.join(warm[1])})" if warm else "")
+        out = run_sandboxed(self.ev.evaluator, self._payload(cand, os.path.join(folder, "run"), name, warm), folder,
                             self.ev.sandbox.timeout_s, self.ev.sandbox.host_memory_gb)
-        record = {"slot": slot, "generation": generation, "origin": origin, "parent": parent, "genome": cand.genome,
+        record = {"slot": slot, "generation": generation, "origin": origin, "parent": parent,
+                  "warm": warm is not None, "warm_from": warm[0]["trial"] if warm else None,
+                  "growth": warm[1] if warm else None, "genome": cand.genome,
                   "key": cand.key, "name": name, "model": m.to_dict(), "lr": cand.lr, "repairs": cand.repairs,
                   "wall_s": out.wall_s, "folder": os.path.relpath(folder, self.out_dir)}
         values = None
@@ -328,6 +368,8 @@ class Search:
         if values is None:
             record.update(status="failed", reason=out.reason)
             shutil.rmtree(os.path.join(folder, "run", "checkpoints"), ignore_errors=True)  # rollback
+            if os.path.exists(os.path.join(folder, WEIGHTS)):
+                os.remove(os.path.join(folder, WEIGHTS))
             log.warning("trial %d failed (%s); the search goes on. Log: %s", trial.number, out.reason,
                         os.path.join(folder, "log.txt"))
         else:
@@ -351,7 +393,7 @@ class Search:
             except SpaceExhausted as e:
                 log.warning("search ends after %d of %d candidates: %s", slot, self.total, e)
                 break
-            records.append(self._evaluate(slot, trial, cand, origin, parent))
+            records.append(self._evaluate(slot, trial, cand, origin, parent, records))
             summary = results.write_all(self.out_dir, records, self.ev, self.seed)
             if summary["best"] is not None:
                 b = summary["best"]
