@@ -36,14 +36,23 @@ output gradient::
     dK_j    = s * sum_{h in group(j), i} dS_ij q_i
     dQ_i    = s * sum_j dS_ij k_j
 
-The dK/dV kernel gives each program one key block of one KV head; it loops over every query
-head of the group and the query blocks that see the key block, accumulating in registers (no
-atomics: deterministic). The dQ kernel gives each program one query block and loops over key
-blocks. Seven tile products per (query, key) tile pair where a fused kernel with dQ atomics needs
-five: the price of determinism. Both recompute ``P = exp2(s log2(e) q.k - lse log2(e))`` with one
-FMA per score and leave the resident tile unscaled: pre-scaling it, as the forward does with q,
+The backward has two variants. The default, ``deterministic=True``, is reproducible and, measured
+on an H100 with Triton 3.6, the faster: the dK/dV kernel gives each program one key block of one KV
+head; it loops over every query head of the group and the query blocks that see the key block,
+accumulating dK and dV in registers; the dQ kernel gives each program one query block and loops over
+key blocks. Seven tile products per (query, key) tile pair, no atomics. ``deterministic=False``
+runs the fused kernel of FlashAttention-2: the same dK/dV kernel also adds its share of dQ (``dS k``,
+without the scale) into an fp32 ``[B, Hq, T, D]`` buffer with atomic adds, and a finalize kernel
+scales it into dQ: five products, but the order in which the atomics land varies, so dQ may differ
+between runs in its last bits, and Triton's element-wise fp32 atomics cost more than the two
+products they save (a TMA reduce-add, tried, cost more still). The preprocess
+kernel computes delta and the base-2 lse (and zeroes the fused variant's dQ accumulator). All recompute
+``P = exp2(s log2(e) q.k - lse log2(e))`` with one FMA per score and leave the resident tile
+unscaled: pre-scaling it, as the forward does with q,
 turns it from a shared-memory operand of the tensor-core product into a register one (+32
-registers per thread at D128, enough to spill in dK/dV). Reference: Dao,
+registers per thread at D128, enough to spill in dK/dV). With ``T == S`` the gradients are written
+as head slices of one ``[B, T, Hq + 2 Hkv, D]`` buffer, the layout of a packed qkv projection's
+gradient. Reference: Dao,
 "FlashAttention-2" (2023); Triton's fused-attention tutorial.
 """
 
@@ -57,7 +66,7 @@ import triton
 import triton.language as tl
 
 from ._common import (Launch, Plans, autotune, check_dot_dtype, check_same_device, check_same_dtype, check_tensor,
-                      interpreting, needs_grad, next_pow2, num_sms, tma_scratch)
+                      compilable, interpreting, needs_grad, next_pow2, num_sms, tma_scratch)
 
 #: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -100,7 +109,9 @@ FWD_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 
 #: compile (TMA, one loop), registers / spill bytes per thread at D128 and D64: 32x128 w8 s2 255/0,
 #: 131/0; 64x128 w8 s2 (FlashAttention-2's tile) 255/136, 216/0 (the dK, dV accumulators alone take
 #: 128 registers at D128); Triton's tutorial tile 32x128 w4 s5 spills at both (768, 136): left out.
-DKDV_CONFIGS = [(32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 3), (16, 64, 4, 2)]
+#: 64x128 w8 s3 first: 1.37x / 1.29x the 32x128 w8 s2 tile at B8 Hq32/Hkv8 T4096 D128 / B16 Hq12 T1024 D64
+#: on an H100 (scripts/tune_attention.py), spills and all.
+DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 2)]
 #: dQ: q/dO tiles resident, k/v tiles pipelined (128x32 4 warps 5 stages: Triton's tutorial; spills
 #: 32 bytes at D128)
 #: 128x64 w8 s3 first: 1.16x the 128x64 w8 s2 tile at B8 Hq32/Hkv8 T4096 D128 on an H200 (tune_attention.py)
@@ -359,24 +370,29 @@ def _flash_attention_combine_kernel(
 # ----------------------------------------------------------------------------- backward kernels
 
 @triton.jit
+def _row_block(T, HQ, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(b, h, rows, d, row mask, tile mask) of a program over grid (row blocks of T, B * HQ)."""
+    pid_bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    return ((pid_bh // HQ).to(tl.int64), (pid_bh % HQ).to(tl.int64), offs_m, offs_d, row_ok,
+            row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
 def _flash_attention_bwd_preprocess_kernel(
     O,                          # [B, T, Hq, D] forward output, contiguous
     DO,                         # [B, T, Hq, D] output gradient: any strides, last dim contiguous
     LSE,                        # [B, Hq, T] fp32 forward log-sum-exp (natural log)
     DELTA,                      # out [B, Hq, T(pitch)] fp32: rowsum(dO * O)
     LSE2,                       # out [B, Hq, T(pitch)] fp32: lse * log2(e), +inf for rows that saw no key
+    DQ_ACC,                     # out with ZERO_DQ: [B, Hq, T, D] fp32 set to 0 (the fused backward's dQ accumulator)
     stride_dob, stride_dot, stride_doh,
     T, HQ, stat_pitch,          # stat_pitch: row pitch of DELTA and LSE2 (T rounded up to 4)
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    h = (pid_bh % HQ).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < T
-    io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    b, h, offs_m, offs_d, row_ok, io_mask = _row_block(T, HQ, HEAD_DIM, BLOCK_D, BLOCK_M)
     o_rows = ((b * T + offs_m) * HQ + h)[:, None]
     o = tl.load(O + o_rows * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0)
     do_rows = offs_m.to(tl.int64)[:, None] * stride_dot
@@ -386,16 +402,38 @@ def _flash_attention_bwd_preprocess_kernel(
     # +inf makes the recomputed probabilities of an empty row exp2(s - inf) = 0
     lse = tl.load(LSE + (b * HQ + h) * T + offs_m, mask=row_ok, other=0.0)
     tl.store(LSE2 + stat, tl.where(lse == _NEG_INF, _POS_INF, lse * 1.4426950408889634), mask=row_ok)
+    if ZERO_DQ:
+        acc_rows = ((b * HQ + h) * T + offs_m)[:, None]
+        tl.store(DQ_ACC + acc_rows * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=io_mask)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt, stride_dot,
+def _flash_attention_bwd_dq_finalize_kernel(
+    DQ_ACC,                     # [B, Hq, T, D] fp32: dQ / s from the fused backward's atomic adds
+    DQ,                         # out [B, T, Hq, D], strides stride_dq* (e.g. a slice of a packed gradient)
+    stride_dqb, stride_dqt, stride_dqh,
+    T, HQ, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    b, h, offs_m, offs_d, row_ok, io_mask = _row_block(T, HQ, HEAD_DIM, BLOCK_D, BLOCK_M)
+    acc_rows = ((b * HQ + h) * T + offs_m)[:, None]
+    dq = tl.load(DQ_ACC + acc_rows * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0) * softmax_scale
+    dq_rows = b * stride_dqb + h * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqt
+    tl.store(DQ + dq_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, DQ_src, stride_qt, stride_dot,
                 lo, hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
-                BLOCK_M: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                HEAD_DIM: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     """dK/dV contributions of query tiles lo, lo + BLOCK_M, ... < hi of one query head; key j is seen by
     queries [first_j, end_j). MASK as in :func:`_fwd_inner`. Scores are kept transposed ([keys,
     queries]) as in the Triton tutorial. Q_src, DO_src, LSE2_src, DELTA_src: tensor descriptors
-    (USE_TMA) or base pointers."""
+    (USE_TMA) or base pointers. DQ_ATOMIC: also add ``dS k`` (dQ / s) of each tile pair into the
+    fp32 rows ``DQ_src [T, HEAD_DIM]`` with atomic adds (the fifth tile product; the dQ kernel is then
+    not run)."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < T
@@ -427,8 +465,12 @@ def _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, st
         else:
             delta = tl.load(DELTA_src + rows, mask=row_ok, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if DQ_ATOMIC:  # this key tile's share of dQ / s, added into the fp32 accumulator
+            dq_part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
+            tl.atomic_add(DQ_src + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], dq_part,
+                          mask=(rows < T)[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -436,18 +478,21 @@ def _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, st
 def _flash_attention_bwd_dkdv_kernel(
     Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: any strides, last dim contiguous
     LSE2, DELTA,                # [B, Hq, T(pitch)] fp32 from the preprocess kernel
-    DK, DV,                     # out [B, S, Hkv, D], contiguous
+    DQ_ACC,                     # with DQ_ATOMIC: [B, Hq, T, D] fp32 dQ / s, zeroed by the preprocess kernel
+    DK, DV,                     # out [B, S, Hkv, D] (strides stride_dk*, e.g. slices of a packed gradient)
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dot, stride_doh,
     T, S, HQ, stat_pitch,       # lengths, query heads, row pitch of LSE2 and DELTA
+    stride_dkb, stride_dks, stride_dkh,  # strides of DK and DV (equal)
     HKV, GROUP,                 # KV heads, query heads per KV head
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
+    DQ_ATOMIC: tl.constexpr,    # also accumulate dQ (the fused backward, deterministic=False)
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -472,6 +517,7 @@ def _flash_attention_bwd_dkdv_kernel(
         DO_src = DO + b * stride_dob + h * stride_doh
         LSE2_src = LSE2 + (b * HQ + h) * stat_pitch
         DELTA_src = DELTA + (b * HQ + h) * stat_pitch
+        DQ_src = DQ_ACC + (b * HQ + h) * T * HEAD_DIM
         if USE_TMA:
             Q_src = tl.make_tensor_descriptor(Q_src, shape=[T, HEAD_DIM], strides=[stride_qt, 1],
                                               block_shape=[BLOCK_M, BLOCK_D])
@@ -480,23 +526,23 @@ def _flash_attention_bwd_dkdv_kernel(
             LSE2_src = tl.make_tensor_descriptor(LSE2_src, shape=[T], strides=[1], block_shape=[BLOCK_M])
             DELTA_src = tl.make_tensor_descriptor(DELTA_src, shape=[T], strides=[1], block_shape=[BLOCK_M])
         if ONE_LOOP:
-            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt,
-                                 stride_dot, lo, hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
-                                 BLOCK_M, 2, USE_TMA, DOT_PRECISION)
+            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, DQ_src,
+                                 stride_qt, stride_dot, lo, hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
+                                 BLOCK_M, 2, USE_TMA, DOT_PRECISION, HEAD_DIM, DQ_ATOMIC)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt,
-                                 stride_dot, lo, full_lo, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
-                                 BLOCK_M, 1, USE_TMA, DOT_PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt,
-                                 stride_dot, full_lo, full_hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d,
+            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, DQ_src,
+                                 stride_qt, stride_dot, lo, full_lo, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
+                                 BLOCK_M, 1, USE_TMA, DOT_PRECISION, HEAD_DIM, DQ_ATOMIC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, DQ_src,
+                                 stride_qt, stride_dot, full_lo, full_hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d,
                                  d_ok,
-                                 BLOCK_M, 0, USE_TMA, DOT_PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, stride_qt,
-                                 stride_dot, full_hi, hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
-                                 BLOCK_M, 1, USE_TMA, DOT_PRECISION)
-    out_rows = ((b * S + cols) * HKV + hk)[:, None]
-    tl.store(DK + out_rows * HEAD_DIM + offs_d[None, :], (dk * softmax_scale).to(DK.dtype.element_ty), mask=io_mask)
-    tl.store(DV + out_rows * HEAD_DIM + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=io_mask)
+                                 BLOCK_M, 0, USE_TMA, DOT_PRECISION, HEAD_DIM, DQ_ATOMIC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, first, end, Q_src, DO_src, LSE2_src, DELTA_src, DQ_src,
+                                 stride_qt, stride_dot, full_hi, hi, full_lo, full_hi, T, qk_scale, offs_m, offs_d, d_ok,
+                                 BLOCK_M, 1, USE_TMA, DOT_PRECISION, HEAD_DIM, DQ_ATOMIC)
+    out = (b * stride_dkb + hk * stride_dkh + kv_rows * stride_dks) + offs_d[None, :]
+    tl.store(DK + out, (dk * softmax_scale).to(DK.dtype.element_ty), mask=io_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -532,12 +578,13 @@ def _dq_inner(dq, q, do, lse2, delta, first, end, K_src, V_src, stride_ks, strid
 def _flash_attention_bwd_dq_kernel(
     Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: any strides, last dim contiguous
     LSE2, DELTA,                # [B, Hq, T(pitch)] fp32 from the preprocess kernel
-    DQ,                         # out [B, T, Hq, D], contiguous
+    DQ,                         # out [B, T, Hq, D] (strides stride_dq*, e.g. a slice of a packed gradient)
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dot, stride_doh,
     T, S, HQ, stat_pitch,       # lengths, query heads, row pitch of LSE2 and DELTA
+    stride_dqb, stride_dqt, stride_dqh,
     GROUP,                      # query heads per KV head
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
@@ -583,8 +630,8 @@ def _flash_attention_bwd_dq_kernel(
                        full_lo, full_hi, qk_scale, offs_n, offs_d, d_ok, BLOCK_N, 0, USE_TMA, DOT_PRECISION)
         dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_src, V_src, stride_ks, stride_vs, full_hi, hi, full_lo,
                        full_hi, qk_scale, offs_n, offs_d, d_ok, BLOCK_N, 1, USE_TMA, DOT_PRECISION)
-    dq_rows = ((b * T + offs_m) * HQ + h)[:, None]
-    tl.store(DQ + dq_rows * HEAD_DIM + offs_d[None, :], (dq * softmax_scale).to(DQ.dtype.element_ty), mask=io_mask)
+    dq_rows = b * stride_dqb + h * stride_dqh + q_rows * stride_dqt
+    tl.store(DQ + dq_rows + offs_d[None, :], (dq * softmax_scale).to(DQ.dtype.element_ty), mask=io_mask)
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -643,7 +690,7 @@ _split_fwd_kernel = _tuned(
 # dK/dV: k, v tiles resident, q and dO tiles pipelined; accumulators dK, dV: 2 x BLOCK_N x BLOCK_D,
 # P and dP: 2 x BLOCK_N x BLOCK_M
 _dkdv_kernel = _tuned(
-    _flash_attention_bwd_dkdv_kernel, {"BLOCK_M": 16, "BLOCK_N": 32}, _mn(DKDV_CONFIGS), _KEYS,
+    _flash_attention_bwd_dkdv_kernel, {"BLOCK_M": 16, "BLOCK_N": 32}, _mn(DKDV_CONFIGS), _KEYS + ["DQ_ATOMIC"],
     lambda c, bd, st: bd * (2 * c["BLOCK_N"] + 2 * st * c["BLOCK_M"]),
     lambda c, bd: 2 * c["BLOCK_N"] * (bd + c["BLOCK_M"]))
 
@@ -844,25 +891,49 @@ def flash_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, causal: bool = True, window: int | None = None,
-                        softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward attention from the forward's ``o`` and ``lse``: ``(dq, dk, dv)``, contiguous, shaped like
-    ``q``, ``k``, ``v``."""
-    bwd = _Backward(do, q, k, v, o, lse, causal, window, softmax_scale)
-    dk, dv = bwd.dkdv()
-    return bwd.dq(), dk, dv
+                        softmax_scale: float | None = None, deterministic: bool = True,
+                        packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward attention from the forward's ``o`` and ``lse``: ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``.
+
+    ``deterministic=True`` (the default, and the faster of the two measured: see
+    :func:`flash_attention`): dK/dV and dQ in two kernels without atomics (seven tile products per
+    tile pair), bitwise reproducible. ``deterministic=False``: one fused kernel per key block computes
+    dK, dV and adds dQ into an fp32 buffer with atomic adds (five products; the order of the additions
+    varies between runs, so dQ may differ in the last bits).
+    ``packed=True`` (needs ``S == T``): the three gradients are written into one
+    ``[B, T, Hq + 2 Hkv, D]`` buffer and returned as its head slices, the layout of the gradient of a
+    packed qkv projection (:func:`~tritonllm.kernels.split_heads` then packs them without a copy);
+    otherwise each is contiguous.
+    """
+    bwd = _Backward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic)
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if packed:
+        if S != T:
+            raise ValueError(f"packed=True needs as many keys as queries, got T={T} and S={S}")
+        buf = torch.empty((B, T, Hq + 2 * Hkv, D), dtype=q.dtype, device=q.device)
+        dq, dk, dv = buf.split((Hq, Hkv, Hkv), dim=2)
+    else:
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    bwd.run(dq, dk, dv)
+    return dq, dk, dv
 
 
-#: launch plans of the backward's preprocess kernel per problem
+#: launch plans of the backward's preprocess and dQ finalize kernels per problem
 _PREPROCESS_PLANS = Plans()
+_FINALIZE_PLANS = Plans()
 
 
 class _Backward:
     """The backward's inputs, checked, with ``delta = rowsum(dO * O)`` and the base-2 lse from the
-    preprocess kernel; :meth:`dkdv` and :meth:`dq` launch the two gradient kernels (separately, so
-    that scripts/tune_attention.py can time each)."""
+    preprocess kernel (which also zeroes the fused backward's dQ accumulator); :meth:`dkdv` and
+    :meth:`dq` launch the gradient kernels (separately, so that scripts/tune_attention.py can time
+    each), :meth:`run` all of them."""
 
-    def __init__(self, do, q, k, v, o, lse, causal, window, softmax_scale):
+    def __init__(self, do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=True):
         scale = _check_attention_inputs(q, k, v, causal, window, softmax_scale)
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
         check_tensor("do", do, ndim=4)
         check_tensor("o", o, ndim=4)
         check_tensor("lse", lse, dtypes=(torch.float32,), ndim=3)
@@ -878,45 +949,58 @@ class _Backward:
         q, k, v, do = (_last_dim_contiguous(t) for t in (q, k, v, do))
         o, lse = o.contiguous(), lse.contiguous()
         self.q, self.k, self.v, self.do, self.window = q, k, v, do, window
+        self.scale, self.fused = scale, not deterministic
         self.flags = _kernel_flags(q, causal, window)
         # rows padded to 16 bytes, so that each (b, h) row can be a tensor descriptor
         pitch = triton.cdiv(T, 4) * 4
         self.delta = torch.empty((B, Hq, pitch), dtype=torch.float32, device=q.device)
         self.lse2 = torch.empty((B, Hq, pitch), dtype=torch.float32, device=q.device)
+        self.dq_acc = torch.empty((B, Hq, T, D) if self.fused else (0,), dtype=torch.float32, device=q.device)
         do_strides = _strides(do)
-        key = (B, T, Hq, D, do_strides, pitch)
+        key = (B, T, Hq, D, do_strides, pitch, self.fused)
         preprocess = _PREPROCESS_PLANS.get(key) or _PREPROCESS_PLANS.add(key, Launch(
             _flash_attention_bwd_preprocess_kernel, (triton.cdiv(T, _PREPROCESS_BLOCK_M), B * Hq), HEAD_DIM=D,
-            BLOCK_D=self.flags["BLOCK_D"], BLOCK_M=_PREPROCESS_BLOCK_M, num_warps=1 if interpreting() else 4))
-        preprocess(o, do, lse, self.delta, self.lse2, *do_strides, T, Hq, pitch)
+            BLOCK_D=self.flags["BLOCK_D"], BLOCK_M=_PREPROCESS_BLOCK_M, ZERO_DQ=self.fused,
+            num_warps=1 if interpreting() else 4))
+        preprocess(o, do, lse, self.delta, self.lse2, self.dq_acc, *do_strides, T, Hq, pitch)
         # the arguments both gradient kernels share, from the strides on
         self.common = (*_strides(q), *_strides(k), *_strides(v), *do_strides, T, S, Hq, pitch)
         self.scales = (S - T, window or 0, scale * _LOG2E, scale, next_pow2(T), next_pow2(S))
         #: what, besides the streamed tensors' alignment (USE_TMA), fixes the gradient kernels' plans
         self.key = (B, D, Hkv, self.common, causal, window, q.dtype)
 
-    def dkdv(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Write the three gradients into ``dq``, ``dk``, ``dv`` (any strides with a contiguous last
+        dimension; ``dk`` and ``dv`` with equal strides)."""
+        self.dkdv(dk, dv)
+        self.dq(dq)
+
+    def dkdv(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         q, k, v, do = self.q, self.k, self.v, self.do
         B, S, Hkv, _ = k.shape
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         stream = _stream_flags("dkdv", self.window, q, do)
         _dkdv_kernel.launch(
-            (self.key, *stream.values()), lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv),
-            q, k, v, do, self.lse2, self.delta, dk, dv, *self.common, Hkv, q.shape[2] // Hkv, *self.scales,
-            **self.flags, **stream)
-        return dk, dv
+            (self.key, dk.stride(), self.fused, *stream.values()),
+            lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv),
+            q, k, v, do, self.lse2, self.delta, self.dq_acc, dk, dv, *self.common, *_strides(dk), Hkv,
+            q.shape[2] // Hkv, *self.scales, **self.flags, **stream, DQ_ATOMIC=self.fused)
 
-    def dq(self) -> torch.Tensor:
+    def dq(self, dq: torch.Tensor) -> None:
         q, k, v, do = self.q, self.k, self.v, self.do
         B, T, Hq, D = q.shape
-        dq = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+        if self.fused:  # dQ / s is in the accumulator: scale and convert
+            key = (B, T, Hq, D, dq.stride(), dq.dtype)
+            finalize = _FINALIZE_PLANS.get(key) or _FINALIZE_PLANS.add(key, Launch(
+                _flash_attention_bwd_dq_finalize_kernel, (triton.cdiv(T, _PREPROCESS_BLOCK_M), B * Hq),
+                HEAD_DIM=D, BLOCK_D=self.flags["BLOCK_D"], BLOCK_M=_PREPROCESS_BLOCK_M,
+                num_warps=1 if interpreting() else 4))
+            finalize(self.dq_acc, dq, *_strides(dq), T, Hq, self.scale)
+            return
         stream = _stream_flags("dq", self.window, k, v)
         _dq_kernel.launch(
-            (self.key, *stream.values()), lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq),
-            q, k, v, do, self.lse2, self.delta, dq, *self.common, Hq // k.shape[2], *self.scales,
+            (self.key, dq.stride(), *stream.values()), lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq),
+            q, k, v, do, self.lse2, self.delta, dq, *self.common, *_strides(dq), Hq // k.shape[2], *self.scales,
             **self.flags, **stream)
-        return dq
 
 
 # ----------------------------------------------------------------------------- autograd + functional
@@ -925,21 +1009,26 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: forward saves q, k, v, the output and the fp32 log-sum-exp only."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, window, softmax_scale):
+    def forward(ctx, q, k, v, causal, window, softmax_scale, deterministic):
         o, lse = flash_attention_fwd(q, k, v, causal, window, softmax_scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.window, ctx.softmax_scale = causal, window, softmax_scale
+        ctx.causal, ctx.window, ctx.softmax_scale, ctx.deterministic = causal, window, softmax_scale, deterministic
+        # one gradient buffer for q, k, v when they share the (B, T) of a packed projection
+        ctx.packed = q.shape[:2] == k.shape[:2]
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.window, ctx.softmax_scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.window, ctx.softmax_scale,
+                                         ctx.deterministic, ctx.packed)
+        return dq, dk, dv, None, None, None, None
 
 
+@compilable
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    window: int | None = None, softmax_scale: float | None = None) -> torch.Tensor:
+                    window: int | None = None, softmax_scale: float | None = None,
+                    deterministic: bool = True) -> torch.Tensor:
     """Softmax attention ``softmax(s * q k^T + mask) v`` with GQA/MQA, computed without the T x S matrix.
 
     Args:
@@ -953,10 +1042,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             ``i + S - T - window < j <= i + S - T``, the last ``window`` keys, itself included.
             Work grows with T * window, not T * S.
         softmax_scale: ``s``, default ``1 / sqrt(D)``.
+        deterministic: True (default): the backward without atomics, bitwise reproducible (a dK/dV
+            and a dQ kernel, seven tile products per tile pair). False: one fused kernel with five
+            products that adds dQ with fp32 atomics, whose order varies between runs. On an H100 with
+            Triton 3.6 the atomics cost more than the two products they save (B8 Hq32/Hkv8 T4096 D128
+            backward 8.9 ms fused against 7.2 ms; ``docs/perf/NOTES.md``), so the reproducible one is
+            also the faster default.
 
     Returns:
-        ``[B, T, Hq, D]`` contiguous, in the dtype of q. Differentiable in q, k, v.
+        ``[B, T, Hq, D]`` contiguous, in the dtype of q. Differentiable in q, k, v; with ``T == S``
+        the three gradients are slices of one ``[B, T, Hq + 2 Hkv, D]`` buffer (a packed qkv
+        projection's gradient layout).
     """
     if needs_grad(q, k, v):
-        return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale)
+        return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale, deterministic)
     return flash_attention_fwd(q, k, v, causal, window, softmax_scale)[0]  # nothing to differentiate

@@ -32,7 +32,7 @@ from torch import Tensor
 from . import (cross_entropy as _ce, embedding as _emb, flash_attention as _fa, linear as _lin,
                linear_cross_entropy as _lce, relu2 as _relu2, residual_mix as _mix, rms_norm as _rms, rope as _rope,
                softcap as _cap, split_heads as _split, swiglu as _swiglu)
-from ._common import COMPILED, compilable
+from ._common import COMPILED
 
 _custom_op = torch.library.custom_op
 
@@ -431,14 +431,9 @@ def _flash_attention_backward(ctx, do, _dlse):
 flash_attention_fwd.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)
 
 
-# kernels/flash_attention.py is being rewritten: its functional is routed from here until it carries
-# @compilable itself (the package imports this module before it takes names from that one).
-_fa.flash_attention = compilable(_fa.flash_attention)
-
-
 @_public
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window: int | None = None,
-                    softmax_scale: float | None = None, deterministic: bool = False) -> Tensor:
+                    softmax_scale: float | None = None, deterministic: bool = True) -> Tensor:
     return flash_attention_fwd(q, k, v, causal, window, softmax_scale, deterministic)[0]
 
 

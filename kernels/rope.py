@@ -83,13 +83,14 @@ def _rope_kernel(
     x_ptr,  # [B, T, H, D] input (dy for the backward), any strides, last dim contiguous
     cos_ptr,  # [S, D/2] cosine table, last dim contiguous
     sin_ptr,  # [S, D/2] sine table, last dim contiguous
-    out_ptr,  # [B, T, H, D] output, contiguous
+    out_ptr,  # [B, T, H, D] output, any strides, last dim contiguous (may be x itself: in place)
     R,  # rows B * T
     T,  # sequence length
     H,  # number of heads
     stride_xb,  # x stride between batch entries (elements)
     stride_xt,  # x stride between positions
     stride_xh,  # x stride between heads
+    stride_ob, stride_ot, stride_oh,  # the same strides of out
     stride_cos,  # cos row stride
     stride_sin,  # sin row stride
     S,  # table rows
@@ -129,7 +130,8 @@ def _rope_kernel(
     x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
 
-    out_offs = (row.to(tl.int64) * H)[:, None, None] * (2 * HALF) + h[None, :, None] * (2 * HALF) + d[None, None, :]
+    out_offs = ((b.to(tl.int64) * stride_ob + t.to(tl.int64) * stride_ot)[:, None, None]
+                + h.to(tl.int64)[None, :, None] * stride_oh + d[None, None, :])
     dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + out_offs, (x1 * c - x2 * s).to(dtype), mask=mask)
     tl.store(out_ptr + out_offs + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
@@ -205,18 +207,20 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _rope_launch(x, cos, sin, position_offset: int | torch.Tensor, inverse: bool) -> torch.Tensor:
+def _rope_launch(x, cos, sin, position_offset: int | torch.Tensor, inverse: bool, in_place: bool = False) -> torch.Tensor:
     """Unchecked launch: ``x`` (or ``dy``) ``[B, T, H, D]`` with unit last stride, tables with unit last
-    stride, ``position_offset`` an int or a 0-d int tensor on the device."""
+    stride, ``position_offset`` an int or a 0-d int tensor on the device. ``in_place``: the result
+    overwrites ``x`` (each program reads its elements before it writes them) and ``x`` is returned."""
     B, T, H, D = x.shape
-    out = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
+    out = x if in_place else torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     block_r, block_h, block_half, row_programs, head_programs, num_warps = _plan(
         B * T, H, D // 2, _ROPE_TILE, _ROPE_NUM_WARPS)
     sb, st, sh, _ = x.stride()
     _rope_kernel[(row_programs, head_programs)](
-        x, cos, sin, out, B * T, T, H, sb, st, sh, cos.stride(0), sin.stride(0), cos.shape[0], position_offset,
+        x, cos, sin, out, B * T, T, H, sb, st, sh, *out.stride()[:3], cos.stride(0), sin.stride(0), cos.shape[0],
+        position_offset,
         HALF=D // 2, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_HALF=block_half, INVERSE=inverse,
         OFFSET_IN_MEMORY=isinstance(position_offset, torch.Tensor), num_warps=num_warps,
     )
@@ -244,22 +248,25 @@ class RopeFunction(torch.autograd.Function):
     forward checks the inputs; the backward launches unchecked."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, position_offset):
+    def forward(ctx, x, cos, sin, position_offset, in_place_backward):
         _check_rope_args("x", x, cos, sin, position_offset)
         cos, sin = _unit_last(cos), _unit_last(sin)
         ctx.save_for_backward(cos, sin)
-        ctx.position_offset = position_offset
+        ctx.position_offset, ctx.in_place_backward = position_offset, in_place_backward
         return _rope_launch(x, cos, sin, position_offset, inverse=False)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        return _rope_launch(_unit_last(dy), cos, sin, ctx.position_offset, inverse=True), None, None, None
+        # in place only into memory dy owns alone (an expanded gradient shares elements between rows)
+        in_place = ctx.in_place_backward and dy.stride(-1) == 1 and 0 not in dy.stride()
+        dx = _rope_launch(_unit_last(dy), cos, sin, ctx.position_offset, inverse=True, in_place=in_place)
+        return dx, None, None, None, None
 
 
 @compilable
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-         position_offset: int | torch.Tensor = 0) -> torch.Tensor:
+         position_offset: int | torch.Tensor = 0, in_place_backward: bool = False) -> torch.Tensor:
     """Rotary position embedding, half-split convention.
 
     Args:
@@ -271,13 +278,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
             an int >= 0 (checked against ``S``), or a 0-d int32/int64 tensor on the device of ``x`` that
             the kernel reads (no host synchronisation, so the call can be captured in a CUDA graph and
             replayed as the value changes; rows past the tables are not checked and rotate by ``c = s = 0``).
+        in_place_backward: the backward rotates the incoming gradient in place and returns it as the
+            gradient of ``x`` (no new buffer, and its layout kept: a slice of the attention backward's
+            packed ``[B, T, Hq + 2 Hkv, D]`` gradient stays one, so the qkv gradient needs no copy). Only
+            for a caller that knows nothing else reads the output's gradient (no hook or ``retain_grad``
+            on it): the model's attention does.
 
     Returns:
         ``[B, T, H, D]`` contiguous, dtype of ``x``: with ``c, s = cos[p + t], sin[p + t]``,
         ``out[..., :D/2] = x1 c - x2 s`` and ``out[..., D/2:] = x2 c + x1 s`` (fp32 math).
         Differentiable in ``x``; the tables get no gradient.
     """
-    return RopeFunction.apply(x, cos, sin, position_offset)
+    return RopeFunction.apply(x, cos, sin, position_offset, in_place_backward)
 
 
 _SCALING_KEYS = {

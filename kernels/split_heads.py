@@ -6,7 +6,9 @@ so q, k and v of a packed qkv projection reach RoPE and attention in place.
 Backward: the gradients of the views ``g_i [B, T, sizes[i], D]`` are packed into one
 ``dx [B, T, sum(sizes), D]`` by a Triton kernel (autograd's own split backward would launch a
 PyTorch concatenation): ``dx[:, :, o_i:o_i + sizes[i]] = g_i``; a view whose gradient is None gets
-zeros.
+zeros. When the ``g_i`` already are consecutive head slices of one buffer (flash_attention's
+backward writes dq, dk, dv so, and RoPE's in-place backward keeps them there), ``dx`` is a view
+of that buffer: no kernel, no copy.
 """
 
 from __future__ import annotations
@@ -52,9 +54,27 @@ def _pack_heads_kernel(
 _PLANS = Plans()
 
 
+def _adjacent(grads: list, sizes: list[int], dtype: torch.dtype) -> bool:
+    """The gradients are consecutive head ranges of one buffer, laid out as the packed ``x``'s head
+    groups (as flash_attention's backward writes dq, dk, dv): their concatenation is a view of it."""
+    g0 = grads[0]
+    if any(g is None for g in grads) or g0.dtype != dtype or g0.stride(-1) != 1 or g0.stride(2) != g0.shape[3]:
+        return False
+    step, ptr = g0.element_size() * g0.stride(2), g0.data_ptr()
+    for g, hg in zip(grads, sizes):
+        if g.stride() != g0.stride() or g.data_ptr() != ptr or g.untyped_storage().data_ptr() \
+                != g0.untyped_storage().data_ptr():
+            return False
+        ptr += hg * step
+    return True
+
+
 def pack_heads(grads: list, sizes: list[int], shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """``shape = [B, T, sum(sizes), D]`` holding ``grads[i]`` at its head range (zeros where None)."""
+    """``shape = [B, T, sum(sizes), D]`` holding ``grads[i]`` at its head range (zeros where None):
+    a view without a copy when the gradients are already adjacent slices of one buffer."""
     B, T, H, D = shape
+    if _adjacent(grads, sizes, dtype):
+        return grads[0].as_strided(shape, grads[0].stride())
     dx = torch.empty((B, T, H, D), dtype=dtype, device=device)
     offset = 0
     for g, hg in zip(grads, sizes):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [train] [trainrun]   (default: tests bench)
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [train] [trainrun]   (default: tests bench)
 # trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
@@ -9,8 +9,8 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 # the recorded results, so that new rows merge into them (write_results replaces same-key rows)
 for f in docs/perf/*-*.json; do [ -e "$OUT/$(basename "$f")" ] || cp "$f" "$OUT/"; done
-if [ -d .whl ]; then  # wheels carried to a machine without network: hydra, omegaconf, antlr4, liger-kernel
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+if [ -d .whl ]; then  # wheels carried (scripts/gpu_wheels.sh): hydra, omegaconf, antlr4, liger-kernel; .whl/extra: test deps
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null) \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
@@ -25,6 +25,8 @@ for stage in $stages; do
         bench|bench=*)
             ops=${stage#bench}; ops=${ops#=}
             timeout ${BENCH_TIMEOUT:-540} python3 -m tritonllm.bench kernels ${ops:+--ops $ops} ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^--" | tail -${TAIL:-80} ;;
+        tune)  # scripts/tune_attention.py (TUNE_ARGS, e.g. "--shapes causal64 --kernels fused")
+            timeout ${TUNE_TIMEOUT:-300} python3 scripts/tune_attention.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -${TAIL:-80} ;;
         train)
             timeout ${TRAIN_TIMEOUT:-400} python3 -m tritonllm.bench train +model=${MODEL:-void125m} --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
         trainrun)

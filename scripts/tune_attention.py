@@ -2,7 +2,7 @@
 
 Usage (on the GPU, about 100 s from a cold Triton cache; the table is printed last)::
 
-    python scripts/tune_attention.py [--shapes causal128,causal64,window] [--kernels fwd,dkdv,dq]
+    python scripts/tune_attention.py [--shapes causal128,causal64,window] [--kernels fwd,fused,dkdv,dq]
                                      [--budget 105] [--json FILE]
 
 Shapes (bf16, inputs stored [B, H, T, D] and passed as [B, T, H, D] views, as in the benchmark):
@@ -53,8 +53,10 @@ SHAPES = {
     "causal64": (16, 12, 12, 1024, 64, None),
     "window": (1, 32, 8, 16384, 128, 1024),
 }
-KERNELS = {"fwd": ("_fwd_kernel", "FWD_CONFIGS", 1.0), "dkdv": ("_dkdv_kernel", "DKDV_CONFIGS", 2.0),
-           "dq": ("_dq_kernel", "DQ_CONFIGS", 1.5)}  # autotuned kernel, config list, FLOPs / forward FLOPs
+# autotuned kernel, config list, FLOPs / forward FLOPs, TMA / ONE_LOOP knob: the deterministic backward's two
+# kernels (dkdv, dq) and the default fused one (dK, dV and atomic dQ in the dK/dV kernel, with preprocess + finalize)
+KERNELS = {"fwd": ("_fwd_kernel", "FWD_CONFIGS", 1.0, "fwd"), "dkdv": ("_dkdv_kernel", "DKDV_CONFIGS", 2.0, "dkdv"),
+           "dq": ("_dq_kernel", "DQ_CONFIGS", 1.5, "dq"), "fused": ("_dkdv_kernel", "DKDV_CONFIGS", 2.5, "dkdv")}
 TOLERANCE = 2e-2  # relative L2 error against SDPA (bf16 operands: 1e-3 to 1e-2)
 DEVICE, DTYPE = "cuda", torch.bfloat16
 
@@ -110,19 +112,19 @@ class Knobs:
     """Sets one kernel's config and its TMA / ONE_LOOP knobs; ``restore`` puts the module's back."""
 
     def __init__(self):
-        self.saved = {name: list(getattr(fa, attr).configs) for name, (attr, _, _) in KERNELS.items()}
+        self.saved = {attr: list(getattr(fa, attr).configs) for attr, *_ in KERNELS.values()}
         self.tma, self.one_loop = dict(fa.TMA), {k: dict(v) for k, v in fa.ONE_LOOP.items()}
 
     def set(self, kernel: str, config: tuple, tma: bool, one_loop: bool, kind: str) -> None:
         bm, bn, warps, stages = config
-        getattr(fa, KERNELS[kernel][0]).configs = [
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)]
-        fa.TMA[kernel] = tma
-        fa.ONE_LOOP[kernel][kind] = one_loop
+        attr, _, _, knob = KERNELS[kernel]
+        getattr(fa, attr).configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)]
+        fa.TMA[knob] = tma
+        fa.ONE_LOOP[knob][kind] = one_loop
 
     def restore(self) -> None:
-        for name, (attr, _, _) in KERNELS.items():
-            getattr(fa, attr).configs = self.saved[name]
+        for attr, configs in self.saved.items():
+            getattr(fa, attr).configs = configs
         fa.TMA.update(self.tma)
         for k, v in self.one_loop.items():
             fa.ONE_LOOP[k].update(v)
@@ -131,8 +133,9 @@ class Knobs:
 def variants(kernel: str, kind: str) -> list[tuple[int, str, tuple, bool, bool]]:
     """(priority, label, config, tma, one_loop): the default and the two knob flips (priority 0), then the
     other configs but the last, the fp32 fallback (priority 1)."""
-    configs = getattr(fa, KERNELS[kernel][1])
-    tma, one_loop = fa.TMA[kernel], fa.ONE_LOOP[kernel][kind]
+    _, configs_attr, _, knob = KERNELS[kernel]
+    configs = getattr(fa, configs_attr)
+    tma, one_loop = fa.TMA[knob], fa.ONE_LOOP[knob][kind]
     return ([(0, "default", configs[0], tma, one_loop), (0, f"TMA={not tma}", configs[0], not tma, one_loop),
              (0, f"ONE_LOOP={not one_loop}", configs[0], tma, not one_loop)]
             + [(1, "cfg {}x{} w{} s{}".format(*c), c, tma, one_loop) for c in configs[1:-1]])
@@ -159,7 +162,8 @@ class Shape:
             ref_grads = torch.autograd.grad(ref_out, (self.q, self.k, self.v), self.do)
         else:
             ref_out, *ref_grads = window_reference(self.q, self.k, self.v, self.do, W)
-        self.refs = {"fwd": (ref_out,), "dkdv": tuple(ref_grads[1:]), "dq": tuple(ref_grads[:1])}
+        self.refs = {"fwd": (ref_out,), "dkdv": tuple(ref_grads[1:]), "dq": tuple(ref_grads[:1]),
+                     "fused": tuple(ref_grads)}
         self.o, self.lse = fa.flash_attention_fwd(*self.qkv(), True, W)
         # every pass of SDPA and ours (current knobs, first configs); with a window both also without it
         # (full causal: the window ratio's denominators, and the fourth target shape)
@@ -177,8 +181,16 @@ class Shape:
         """A call running only ``kernel`` and returning its outputs as a tuple."""
         if kernel == "fwd":
             return lambda: fa.flash_attention_fwd(*self.qkv(), True, self.window)[:1]
-        bwd = fa._Backward(self.do, *self.qkv(), self.o, self.lse, True, self.window, None)
-        return bwd.dkdv if kernel == "dkdv" else lambda: (bwd.dq(),)
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self.qkv())
+        if kernel == "fused":  # preprocess (zeroes the dQ accumulator), fused kernel, dQ finalize
+            def fused():
+                fa._Backward(self.do, *self.qkv(), self.o, self.lse, True, self.window, None).run(dq, dk, dv)
+                return dq, dk, dv
+            return fused
+        bwd = fa._Backward(self.do, *self.qkv(), self.o, self.lse, True, self.window, None, deterministic=True)
+        if kernel == "dkdv":
+            return lambda: (bwd.dkdv(dk, dv), (dk, dv))[1]
+        return lambda: (bwd.dq(dq), (dq,))[1]
 
 
 def main() -> None:
@@ -225,7 +237,7 @@ def main() -> None:
         knobs.set(kernel, config, tma, one_loop, sh.kind)
         try:
             fn = sh.launcher(kernel)
-            first, second = fn(), fn()
+            first, second = (tuple(t.clone() for t in fn()) for _ in range(2))
             torch.cuda.synchronize()
             ms = bench_ms(fn)
         except Exception as e:  # noqa: BLE001  (a variant that does not compile is a result)
@@ -233,7 +245,8 @@ def main() -> None:
             continue
         finally:
             knobs.restore()
-        race = any(not torch.equal(a, b) for a, b in zip(first, second))
+        # the fused kernel's dQ is summed by atomics in a varying order: only dK, dV must repeat bitwise
+        race = any(not torch.equal(a, b) for a, b in zip(first[kernel == "fused":], second[kernel == "fused":]))
         err_sdpa = max(rel_l2(x, r) for x, r in zip(first, sh.refs[kernel]))
         if label == "default":
             defaults[(i, kernel)] = (first, ms)

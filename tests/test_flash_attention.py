@@ -14,6 +14,7 @@ import torch
 
 from _checks import DTYPES, assert_close, dtype_id, non_contiguous, randn
 from tritonllm.kernels.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
+from tritonllm.kernels.split_heads import split_heads
 
 fa = importlib.import_module("tritonllm.kernels.flash_attention")  # the module (the package exports the function)
 
@@ -86,12 +87,13 @@ def _inputs(c: Case, dtype, layout="contiguous"):
     return q, k, v
 
 
-def _check_fwd_bwd(c: Case, dtype, layout="contiguous", strided_grad=False):
+def _check_fwd_bwd(c: Case, dtype, layout="contiguous", strided_grad=False, deterministic=True):
     q, k, v = _inputs(c, dtype, layout)
     do = randn(c.B, c.T, c.Hq, c.D, dtype=dtype)
     if strided_grad:
         do = non_contiguous(do)
-    out = flash_attention(q, k, v, causal=c.causal, window=c.window, softmax_scale=c.scale)
+    out = flash_attention(q, k, v, causal=c.causal, window=c.window, softmax_scale=c.scale,
+                          deterministic=deterministic)
     assert out.is_contiguous() and out.shape == q.shape and out.dtype == dtype
     grads = torch.autograd.grad(out, (q, k, v), do)
 
@@ -171,15 +173,72 @@ def test_flash_attention_fwd_kernels(case, split_kv):
     assert_close("lse", lse[~empty], ref_lse[~empty])
 
 
-def test_flash_attention_deterministic():
-    c = Case("gqa", 1, 4, 2, 40, 40, 32)
-    q, k, v = (t.detach() for t in _inputs(c, torch.float32))
-    do = randn(1, 40, 4, 32)
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5], CASES[9], CASES[12]], ids=lambda c: c.name)
+def test_flash_attention_fused_backward(case):
+    """deterministic=False (the fused backward, dQ by atomic adds) against the reference."""
+    _check_fwd_bwd(case, torch.float32, deterministic=False)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 70, 70, 32), (1, 8, 2, 300, 300, 64)], ids=["gqa-T70", "gqa-T300"])
+def test_flash_attention_deterministic(shape):
+    """deterministic=True (the default) is bitwise reproducible; the fused backward (dQ by atomics in
+    a varying order) agrees with it within rounding."""
+    B, Hq, Hkv, T, S, D = shape
+    c = Case("gqa", B, Hq, Hkv, T, S, D)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    q, k, v = (t.detach() for t in _inputs(c, dtype))
+    do = randn(B, T, Hq, D, dtype=dtype)
     out, lse = flash_attention_fwd(q, k, v)
-    first = flash_attention_bwd(do, q, k, v, out, lse)
-    second = flash_attention_bwd(do, q, k, v, out, lse)
+    first = flash_attention_bwd(do, q, k, v, out, lse, deterministic=True)
+    second = flash_attention_bwd(do, q, k, v, out, lse, deterministic=True)
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(a, b), f"{name} differs between two identical backward calls"
+    fused = flash_attention_bwd(do, q, k, v, out, lse, deterministic=False)
+    for name, a, b in zip(("dq", "dk", "dv"), first, fused):
+        assert_close(name, b.float(), a.double(), same=a.float())
+
+
+def test_flash_attention_packed_gradient():
+    """With T == S, dq, dk, dv are head slices of one [B, T, Hq + 2 Hkv, D] buffer, and the model's
+    chain (split_heads, RoPE with its in-place backward, split_heads) hands it on as the gradient of
+    the packed qkv projection without a pack kernel or a copy."""
+    from tritonllm.kernels.rope import rope, rope_cos_sin
+
+    B, T, Hq, Hkv, D = 2, 19, 4, 2, 32
+    q, k, v = (t.detach() for t in _inputs(Case("gqa", B, Hq, Hkv, T, T, D), torch.float32))
+    out, lse = flash_attention_fwd(q, k, v)
+    dq, dk, dv = flash_attention_bwd(randn(B, T, Hq, D), q, k, v, out, lse, packed=True)
+    base = dq.data_ptr()
+    assert dq.stride() == dk.stride() == dv.stride() == (T * (Hq + 2 * Hkv) * D, (Hq + 2 * Hkv) * D, D, 1)
+    assert dk.data_ptr() == base + Hq * D * 4 and dv.data_ptr() == base + (Hq + Hkv) * D * 4
+
+    cos, sin = rope_cos_sin(T, D)
+    qkv = randn(B, T, Hq + 2 * Hkv, D, requires_grad=True)
+    qkv64 = qkv.detach().double().requires_grad_()
+    qk, v = split_heads(qkv, (Hq + Hkv, Hkv))
+    q, k = split_heads(rope(qk, cos, sin, in_place_backward=True), (Hq, Hkv))
+    out = flash_attention(q, k, v)
+    do = randn(B, T, Hq, D)
+
+    class NoPacking(dict):
+        def get(self, key):
+            raise AssertionError("split_heads launched a pack kernel for adjacent gradients")
+
+    sh_module = importlib.import_module("tritonllm.kernels.split_heads")
+    saved = sh_module._PLANS
+    sh_module._PLANS = NoPacking()
+    try:
+        (dqkv,) = torch.autograd.grad(out, qkv, do)
+    finally:
+        sh_module._PLANS = saved
+    # the reference: rope in float64 as plain tensor ops, then attention
+    c64, s64 = cos.double(), sin.double()
+    x1, x2 = qkv64[:, :, :Hq + Hkv].chunk(2, dim=-1)
+    cc, ss = c64[None, :, None], s64[None, :, None]
+    rot = torch.cat([x1 * cc - x2 * ss, x2 * cc + x1 * ss], dim=-1)
+    ref_out, _ = reference(rot[:, :, :Hq], rot[:, :, Hq:], qkv64[:, :, Hq + Hkv:])
+    (ref,) = torch.autograd.grad(ref_out, qkv64, do.double())
+    assert_close("dqkv", dqkv, ref)
 
 
 def _qkv(B=1, T=8, Hq=4, Hkv=2, D=32, S=None, dtype=torch.float32):

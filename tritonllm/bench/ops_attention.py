@@ -9,6 +9,8 @@ cuDNN inside), and where the score matrix is small enough to materialize, ``torc
 softmax in the same dtype) and its ``torch.compile``. Liger-Kernel has no attention op and
 Triton's tutorial kernel is not importable as a module, so neither is a baseline here.
 The window case is compared with full causal attention at the same shape (ours and SDPA).
+``flash_attention_fused`` times the fused backward with atomic dQ (``deterministic=False``) at the
+causal shapes; ``flash_attention``'s ms over its ms is the cost of determinism.
 
 FLOPs: ``4 * B * Hq * D * pairs`` forward with pairs = T * S (halved for causal; the exact count of
 visible pairs with a window), backward 2.5x forward. Decode (forward only) is memory-bound: GB/s
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from tritonllm.bench.harness import Case, compiled, with_host
 from tritonllm.kernels import flash_attention
 
-OPS = ["flash_attention", "flash_attention_window", "flash_attention_decode"]
+OPS = ["flash_attention", "flash_attention_fused", "flash_attention_window", "flash_attention_decode"]
 
 # (B, Hq, Hkv, T, D), all causal with S = T
 SHAPES = {
@@ -106,12 +108,21 @@ def _causal_case(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: torch.dtype) 
                 ours=flash_attention, baselines=_baselines(B, Hq, T, T), flops=_attention_flops(B, Hq, T, T, D, True))
 
 
+def _fused(q, k, v):
+    return flash_attention(q, k, v, causal=True, deterministic=False)
+
+
 def cases(size: str, dtype: torch.dtype):
     for i, shape in enumerate(SHAPES.get(size, [])):
         case = _causal_case(*shape, dtype)
         if size == "default" and i == 0:
             with_host(case, _causal_case(*HOST_SHAPE, dtype), "sdpa")
         yield case
+        # the fused backward (dQ by atomics, not reproducible) against the default reproducible one
+        B, Hq, Hkv, T, D = shape
+        yield Case("flash_attention_fused", _shape(B, Hq, Hkv, T, T, D), dtype,
+                   _make_inputs(B, Hq, Hkv, T, T, D, dtype), ours=_fused, baselines={"sdpa": _sdpa(True)},
+                   flops=_attention_flops(B, Hq, T, T, D, True), passes=("bwd", "fwd+bwd"))
 
     for B, Hq, Hkv, T, D, W in WINDOW.get(size, []):
         def windowed(q, k, v, W=W):
