@@ -115,13 +115,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
+        # RoPE's outputs feed only the attention, whose backward writes dq, dk, dv as slices of one packed
+        # buffer: rotated back in place there, they reach the qkv projection as its gradient without a copy
         if self.q_norm is None:  # q and k are adjacent heads: one RoPE launch rotates both
             qk, v = split_heads(qkv, (Hq + Hkv, Hkv))
-            q, k = split_heads(rope(qk, cos, sin, position_offset=pos), (Hq, Hkv))
+            q, k = split_heads(rope(qk, cos, sin, position_offset=pos, in_place_backward=True), (Hq, Hkv))
         else:
             q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
-            q = rope(self.q_norm(q), cos, sin, position_offset=pos)
-            k = rope(self.k_norm(k), cos, sin, position_offset=pos)
+            q = rope(self.q_norm(q), cos, sin, position_offset=pos, in_place_backward=True)
+            k = rope(self.k_norm(k), cos, sin, position_offset=pos, in_place_backward=True)
         if ve is not None:  # the layer's value embedding [B, T, Hkv * D]
             v = weighted_add(v, ve.view(v.shape), self.value_mix)
         return q, k, v
