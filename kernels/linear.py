@@ -71,6 +71,16 @@ GPU_CONFIGS = [
     (128, 128, 32, 4, 4),
     (64, 128, 64, 4, 4),
 ]
+#: the same for fp8 operands (one byte each: twice the K per stage of the bf16 configs)
+FP8_GPU_CONFIGS = [
+    (128, 256, 128, 3, 8),
+    (128, 128, 128, 4, 8),
+    (128, 128, 128, 3, 8),
+    (64, 128, 128, 4, 4),
+    (128, 256, 64, 4, 8),
+]
+#: fp8 operand dtypes the GEMM takes (``a_scale`` / ``b_scale`` dequantize them)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: shared memory a config may use for its pipelined operand tiles and store staging (H100/H200:
 #: 227 KiB per block)
 SMEM_LIMIT = 220 * 1024
@@ -127,6 +137,8 @@ def _matmul_kernel(
     gu_ptr,  # [M, 2N] out (STORE_GU): gate then up pre-activations, strides (stride_gm, 1)
     bias_ptr,  # [N] bias added to every row (HAS_BIAS)
     e_ptr,  # [M, N] residual added to C (HAS_RESIDUAL)
+    sa_ptr,  # [M] fp32 scale of A's rows (SCALED): C = sa[m] sb[n] (A @ B) before the other epilogue terms
+    sb_ptr,  # [N] fp32 scale of B's columns (SCALED)
     M, N, K,  # problem size (N: output columns of one accumulator)
     stride_am, stride_ak,  # element strides of A
     stride_bk, stride_bn,  # element strides of B
@@ -144,6 +156,8 @@ def _matmul_kernel(
     TMA_STORE: tl.constexpr,  # store C and gu through tensor descriptors (unit column stride)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "tf32" or "ieee" (fp32 inputs only)
     SPLIT_K: tl.constexpr,  # programs per output tile, each over 1/SPLIT_K of K (PLAIN, no epilogue inputs)
+    SCALED: tl.constexpr,  # PLAIN: multiply the product by the row scales of A and the column scales of B
+    FP8: tl.constexpr,  # fp8 operands: fp32 accumulation promoted once per BLOCK_K (Hopper's fp8 MMA adds in less)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,  # module knob FLATTEN (off under warp specialization)
@@ -225,7 +239,10 @@ def _matmul_kernel(
                 mask_k = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if FP8:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if GATED:
                 if USE_TMA:
                     if B_N_CONTIGUOUS:
@@ -247,6 +264,10 @@ def _matmul_kernel(
         mc = pid_mc * BLOCK_M
         nc = pid_nc * BLOCK_N
         if EPILOGUE == 0:
+            if SCALED:
+                sa = tl.load(sa_ptr + mc + rm, mask=mc + rm < M, other=0.0)
+                sb = tl.load(sb_ptr + nc + rn, mask=nc + rn < N, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
             if HAS_BIAS or HAS_RESIDUAL or ACCUMULATE:
                 mask_nc = nc + rn < N
                 mask = (mc + rm < M)[:, None] & mask_nc[None, :]
@@ -353,13 +374,13 @@ def _config(bm, bn, bk, stages, warps, flatten=None, warp_specialize=None, subti
 
 
 _AUTOTUNE_KEY = ["M", "N", "K", "EPILOGUE", "ACCUMULATE", "STORE_GU", "USE_TMA", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS",
-                 "TMA_STORE", "PRECISION", "SPLIT_K"]
-_matmul_kernel_tuned = triton.autotune(
-    configs=[_config(*cfg) for cfg in GPU_CONFIGS],
+                 "TMA_STORE", "PRECISION", "SPLIT_K", "SCALED"]
+_matmul_kernel_tuned, _matmul_kernel_fp8_tuned = (triton.autotune(
+    configs=[_config(*cfg) for cfg in configs],
     key=_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_configs},
     restore_value=["c_ptr"],  # ACCUMULATE reads C: every timed config must start from the same C
-)(_matmul_kernel)
+)(_matmul_kernel) for configs in (GPU_CONFIGS, FP8_GPU_CONFIGS))
 
 #: launch plans per problem (:func:`_gemm_key`): the kernel's Launch with the autotuner's choice
 #: (made on the problem's first launch), its integer arguments and the split-K sum's Launch; later
@@ -370,7 +391,7 @@ _LAUNCH_CONFIGS = Plans()
 _INT_ARGS = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cs", "stride_cm", "stride_cn",
              "stride_gm", "stride_em", "stride_en")
 _FLAG_ARGS = ("EPILOGUE", "HAS_BIAS", "HAS_RESIDUAL", "ACCUMULATE", "STORE_GU", "USE_TMA", "A_K_CONTIGUOUS",
-              "B_N_CONTIGUOUS", "TMA_STORE", "PRECISION", "SPLIT_K")
+              "B_N_CONTIGUOUS", "TMA_STORE", "PRECISION", "SPLIT_K", "SCALED", "FP8")
 
 
 def _interpreter_config(M: int, N: int, K: int) -> dict:
@@ -414,9 +435,12 @@ def split_k_for(M: int, N: int, K: int, sms: int) -> int:
     return next(s for s, f in enumerate(fills, 1) if f >= max(fills) - SPLIT_K_FILL_SLACK)
 
 
-def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k):
+def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None,
+               b_scale=None):
     """The kernel arguments, grid and launch-cache key of :func:`gemm` (C = the fp32 partials
     when split along K)."""
+    if (a_scale is None) != (b_scale is None) or (a_scale is not None and epilogue != PLAIN):
+        raise ValueError("a_scale and b_scale go together, with the PLAIN epilogue")
     M, K = a.shape
     N = c.shape[1]
     a_k, b_n = _tma_operand(a), _tma_operand(b)
@@ -438,6 +462,7 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
     args = dict(
         a_ptr=a, b_ptr=b, c_ptr=out, gu_ptr=c if gu is None else gu, bias_ptr=c if bias is None else bias,
         e_ptr=c if residual is None else residual,
+        sa_ptr=c if a_scale is None else a_scale, sb_ptr=c if b_scale is None else b_scale,
         M=M, N=N, K=K,
         stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
         stride_cs=M * N if split_k > 1 else 0, stride_cm=out.stride(-2), stride_cn=out.stride(-1),
@@ -446,7 +471,8 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
         stride_en=0 if residual is None else residual.stride(1),
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACCUMULATE=accumulate,
         STORE_GU=store_gu, USE_TMA=bool(use_tma), A_K_CONTIGUOUS=bool(a_k), B_N_CONTIGUOUS=bool(b_n),
-        TMA_STORE=tma_store, PRECISION=precision, SPLIT_K=split_k,
+        TMA_STORE=tma_store, PRECISION=precision, SPLIT_K=split_k, SCALED=a_scale is not None,
+        FP8=a.dtype in FP8_DTYPES,
     )
     sms = num_sms()
 
@@ -454,14 +480,15 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
         return (min(sms, split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
     key = (M, N, K, epilogue, bias is not None, residual is not None, accumulate, store_gu, bool(use_tma), a_k, b_n,
-           tma_store, precision, split_k, a.dtype, c.dtype)
+           tma_store, precision, split_k, a.dtype, c.dtype, a_scale is not None)
     return args, grid, key
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, gu: torch.Tensor | None = None, epilogue: int = PLAIN,
          accumulate: bool = False, allow_tf32: bool = True, use_tma: bool | None = None,
-         split_k: int | None = None, config: triton.Config | None = None) -> torch.Tensor:
+         split_k: int | None = None, config: triton.Config | None = None, a_scale: torch.Tensor | None = None,
+         b_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``c = a @ b`` (+ epilogue) in place; the building block of every linear op (no input checks).
 
     a [M, K] and b [K, N] may have any strides (pass ``w.t()`` for x W^T). ``PLAIN`` adds ``bias``
@@ -472,15 +499,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     TMA where it can. ``split_k`` splits K over that many programs per output tile (PLAIN with no
     bias, residual or accumulate; fp32 partials summed in a fixed order); None picks it
     (:func:`split_k_for`). ``config`` launches that config instead of the autotuner's choice
-    (scripts/tune_linear.py).
+    (scripts/tune_linear.py). fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
+    ``b_scale`` [N] (fp32, ``PLAIN``): c = a_scale[m] b_scale[n] (a @ b), fp32 accumulation
+    promoted once per BLOCK_K.
     """
     if c.shape[0] == 0 or c.shape[1] == 0:
         return c
     key = None if config is not None else _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32,
-                                                   use_tma, split_k)
+                                                   use_tma, split_k, a_scale)
     plan = None if key is None else _LAUNCH_CONFIGS.get(key)
     if plan is None:
-        plan = _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config)
+        plan = _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
+                           a_scale, b_scale)
         if key is not None:
             _LAUNCH_CONFIGS[key] = plan
         return c
@@ -488,13 +518,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     out = c if splits == 1 else torch.empty((splits, c.shape[0], c.shape[1]), dtype=torch.float32, device=c.device)
     if tma:
         triton.set_allocator(tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
-    launch(a, b, out, c if gu is None else gu, c if bias is None else bias, c if residual is None else residual, *ints)
+    launch(a, b, out, c if gu is None else gu, c if bias is None else bias, c if residual is None else residual,
+           c if a_scale is None else a_scale, c if b_scale is None else b_scale, *ints)
     if splits > 1:
         sum_splits(out, c, *ints[:2], splits, c.stride(0), c.stride(1))
     return c
 
 
-def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k) -> tuple:
+def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None) -> tuple:
     """What a gemm launch plan depends on: shapes, strides, dtypes, the 16-byte alignment of the
     operands (TMA), the options, the device and the module knobs."""
     return (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), a.dtype, b.dtype, c.dtype,
@@ -502,14 +533,17 @@ def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use
             None if bias is None else bias.dtype,
             None if residual is None else (residual.stride(), residual.dtype),
             None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
-            epilogue, accumulate, allow_tf32, use_tma, split_k, FLATTEN, WARP_SPECIALIZE, TMA_STORE, EPILOGUE_SUBTILE)
+            epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, FLATTEN, WARP_SPECIALIZE, TMA_STORE,
+            EPILOGUE_SUBTILE)
 
 
-def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config) -> tuple:
+def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
+                a_scale=None, b_scale=None) -> tuple:
     """Plan a problem and launch it once (through the autotuner on the GPU, which picks the config
     on a problem's first launch); return the plan later launches of the problem reuse:
     ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA)``."""
-    args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k)
+    args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k,
+                                 a_scale, b_scale)
     tma = args["USE_TMA"] and not interpreting()
     if tma:
         triton.set_allocator(tma_scratch)
@@ -518,11 +552,12 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
     elif config is not None:
         meta = config.all_kwargs()
     else:
-        _matmul_kernel_tuned[grid](**args)
-        meta = _matmul_kernel_tuned.best_config.all_kwargs()
+        tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
+        tuned[grid](**args)
+        meta = tuned.best_config.all_kwargs()
     launch = Launch(_matmul_kernel, grid(meta), **{k: args[k] for k in _FLAG_ARGS}, **meta)
     ints = tuple(args[k] for k in _INT_ARGS)
-    tensors = (args["a_ptr"], args["b_ptr"], args["c_ptr"], args["gu_ptr"], args["bias_ptr"], args["e_ptr"])
+    tensors = tuple(args[k] for k in ("a_ptr", "b_ptr", "c_ptr", "gu_ptr", "bias_ptr", "e_ptr", "sa_ptr", "sb_ptr"))
     if interpreting() or config is not None:
         launch(*tensors, *ints)
     sum_splits = None

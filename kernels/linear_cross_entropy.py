@@ -26,6 +26,10 @@ Forward, one chunk of C tokens at a time (C = ``chunk_size``), through one [C, V
                                          Liger-Kernel, or in fp32 with ``DW_FP32``
   then one program reduces the row losses in a fixed order and stores the scale of the gradients
   (1 / #valid rows for ``mean``, 1 for ``sum``).
+FP8 head (``fp8=True``): step 1 multiplies x and W quantized per row to e4m3 (scales applied in
+the GEMM's epilogue), step 2 also writes dloss/dz quantized per row to e5m2 (fp32 row maximum, one
+more read of the row when it does not fit in registers) and step 3 multiplies that by W^T quantized
+to e4m3 per column of W; step 4 is unchanged (x's dtype).
 Backward only scales the stored gradients by dloss * scale (one elementwise Triton kernel per
 tensor), as Liger-Kernel does; with ``GRAD_IN_PLACE`` in place, so the returned gradients are the
 forward's buffers (a second backward through a retained graph rescales them again, by the ratio
@@ -48,6 +52,7 @@ import triton.language as tl
 
 from ._common import (INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, compilable, interpreting,
                       needs_grad, next_pow2, num_sms)
+from .fp8 import FP8_MAX, fp8_saturate, fp8_scales, quantize_rows_into
 from .linear import as_matrix, check_linear_inputs, gemm, split_fill, split_k_for
 from .softcap import check_cap, softcap_math
 
@@ -108,13 +113,18 @@ def _linear_cross_entropy_fwd_kernel(
     z_ptr,  # [C] fp32 out: per-row z-loss term zl * lse^2 (STORE_Z)
     row_grad_ptr,  # [C] upstream gradient of each row's loss, stride stride_g (HAS_ROW_GRAD)
     stride_g,
+    gq_ptr,  # [C, V] out (QUANT_G): dloss/dl quantized per row to fp8 (kernels.fp8), row stride stride_q
+    stride_q,
+    gs_ptr,  # [C] fp32 out (QUANT_G): the rows' dequantization scales
     V, ignore_index, label_smoothing, z_loss,
     softcap,  # fp32 logit cap c (SOFTCAP): z = c tanh(l / c)
+    fp8_max,  # largest finite value of gq's format (QUANT_G)
     HAS_SMOOTHING: tl.constexpr,  # label_smoothing > 0
     SOFTCAP: tl.constexpr,  # cap the logits
     HAS_GRAD: tl.constexpr,
     STORE_Z: tl.constexpr,
     HAS_ROW_GRAD: tl.constexpr,
+    QUANT_G: tl.constexpr,  # also write the gradient row quantized to fp8 (the FP8 head's dx GEMM operand)
     SINGLE_PASS: tl.constexpr,  # BLOCK_V >= V: the row is read once and held in registers
     BLOCK_V: tl.constexpr,
 ):
@@ -161,15 +171,31 @@ def _linear_cross_entropy_fwd_kernel(
         if HAS_ROW_GRAD:
             scale = scale * tl.load(row_grad_ptr + row * stride_g).to(tl.float32)
         coef = 1.0 + 2.0 * z_loss * lse
+        q_row = gq_ptr + row * stride_q
         if SINGLE_PASS:
             g = _dlogits(z_row.to(tl.float32), offs, V, t, lse, coef, scale, label_smoothing, softcap, SOFTCAP)
             tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=offs < V)
+            if QUANT_G:
+                inv, g_scale = fp8_scales(tl.max(tl.where(offs < V, tl.abs(g), 0.0), axis=0), fp8_max)
+                tl.store(gs_ptr + row, g_scale)
+                tl.store(q_row + offs, fp8_saturate(g, inv, fp8_max).to(gq_ptr.dtype.element_ty), mask=offs < V)
         else:
+            if QUANT_G:  # the row's largest |gradient| first: one more read of the logits
+                amax = tl.zeros([], tl.float32)
+                for start in range(0, V, BLOCK_V):
+                    cols = start + offs
+                    z = _load_logits(row_ptr + cols, cols < V, softcap, SOFTCAP).to(tl.float32)
+                    g = _dlogits(z, cols, V, t, lse, coef, scale, label_smoothing, softcap, SOFTCAP)
+                    amax = tl.maximum(amax, tl.max(tl.where(cols < V, tl.abs(g), 0.0), axis=0))
+                inv, g_scale = fp8_scales(amax, fp8_max)
+                tl.store(gs_ptr + row, g_scale)
             for start in range(0, V, BLOCK_V):
                 cols = start + offs
                 z = _load_logits(row_ptr + cols, cols < V, softcap, SOFTCAP).to(tl.float32)
                 g = _dlogits(z, cols, V, t, lse, coef, scale, label_smoothing, softcap, SOFTCAP)
                 tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=cols < V)
+                if QUANT_G:
+                    tl.store(q_row + cols, fp8_saturate(g, inv, fp8_max).to(gq_ptr.dtype.element_ty), mask=cols < V)
 
 
 @triton.jit
@@ -230,8 +256,11 @@ def _linear_cross_entropy_bwd_kernel(
     tl.store(dst_ptr + offs, (src * factor).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, softcap):
+def _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, softcap, fp8):
     check_linear_inputs(x, weight)
+    if fp8 and (interpreting() or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) < (8, 9)):
+        raise ValueError(f"fp8=True needs a CUDA GPU with fp8 tensor cores (compute capability 8.9 or newer); "
+                         f"x is on {x.device}{' under the interpreter' if interpreting() else ''}")
     check_tensor("target", target, dtypes=INDEX_DTYPES)
     check_same_device(x=x, target=target)
     if tuple(target.shape) != tuple(x.shape[:-1]):
@@ -276,11 +305,35 @@ def default_chunk(T: int, H: int, V: int, elem: int, sms: int) -> tuple[int, int
 _ROW_PLANS, _SCALE_PLANS, _REDUCE_PLANS = Plans(), Plans(), Plans()
 
 
+def _fp8_empty(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised fp8 [rows, cols] whose row stride is padded to 16 bytes (a TMA operand)."""
+    return torch.empty((rows, -(-cols // 16) * 16), dtype=dtype, device=device)[:, :cols]
+
+
+def _fp8_operands(x2, weight, need_dx, chunk, dev):
+    """The FP8 head's quantized operands (kernels.fp8, per-row scales): x and W in e4m3 for the
+    logits GEMM, W^T in e4m3 (scales per column of W) for dx = g W, and the chunk's e5m2 gradient
+    buffer with its row scales, which the row kernel fills."""
+    T, H = x2.shape
+    V = weight.shape[0]
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    ops = {"x": _fp8_empty(T, H, e4m3, dev), "sx": torch.empty(T, dtype=torch.float32, device=dev),
+           "w": _fp8_empty(V, H, e4m3, dev), "sw": torch.empty(V, dtype=torch.float32, device=dev)}
+    quantize_rows_into(x2, ops["x"], ops["sx"], FP8_MAX[e4m3])
+    quantize_rows_into(weight, ops["w"], ops["sw"], FP8_MAX[e4m3])
+    if need_dx:
+        ops.update(wt=_fp8_empty(H, V, e4m3, dev), swt=torch.empty(H, dtype=torch.float32, device=dev),
+                   g=_fp8_empty(min(chunk, T), V, e5m2, dev), sg=torch.empty(min(chunk, T), dtype=torch.float32,
+                                                                            device=dev))
+        quantize_rows_into(weight.t(), ops["wt"], ops["swt"], FP8_MAX[e4m3])
+    return ops
+
+
 def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, allow_tf32,
-                need_dx, need_dw, store_z, row_grad=None, softcap=None):
+                need_dx, need_dw, store_z, row_grad=None, softcap=None, fp8=False):
     """Per-row losses (and z terms) of all T rows; with need_dx / need_dw also dx [T, H] (x's
     dtype) and dW [V, H] (fp32 with DW_FP32, else W's dtype) of sum_i g_i loss_i (g_i = row_grad[i],
-    else 1)."""
+    else 1). ``fp8``: the logits and dx GEMMs on fp8 operands (:func:`_fp8_operands`)."""
     T, H = x2.shape
     V = weight.shape[0]
     dev = x2.device
@@ -295,24 +348,33 @@ def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, all
     dw_dtype = torch.float32 if DW_FP32 else weight.dtype
     dw = (torch.zeros if T == 0 else torch.empty)((V, H), dtype=dw_dtype, device=dev) if need_dw else None
     buf = torch.empty((min(chunk, T), V), dtype=x2.dtype, device=dev)
+    q = _fp8_operands(x2, weight, need_dx, chunk, dev) if fp8 and T else None
+    quant_g = q is not None and need_dx
     single = next_pow2(V) <= (1024 if interpreting() else ROW_SINGLE_PASS_MAX_V)
     block_v = next_pow2(V) if single else min(next_pow2(V), 1024 if interpreting() else ROW_BLOCK_V)
     for i, s in enumerate(range(0, T, chunk)):
         e = min(s + chunk, T)
-        logits = gemm(x2[s:e], weight.t(), buf[: e - s], allow_tf32=allow_tf32)
+        if q is None:
+            logits = gemm(x2[s:e], weight.t(), buf[: e - s], allow_tf32=allow_tf32)
+        else:
+            logits = gemm(q["x"][s:e], q["w"].t(), buf[: e - s], a_scale=q["sx"][s:e], b_scale=q["sw"])
         rg_stride = 0 if row_grad is None else row_grad.stride(0)
         flags = dict(HAS_SMOOTHING=label_smoothing > 0, SOFTCAP=softcap is not None, HAS_GRAD=need_dx or need_dw,
-                     STORE_Z=store_z, HAS_ROW_GRAD=row_grad is not None, SINGLE_PASS=single)
-        key = (e - s, logits.stride(0), t.stride(0), rg_stride, V, ignore_index, block_v, ROW_NUM_WARPS,
+                     STORE_Z=store_z, HAS_ROW_GRAD=row_grad is not None, QUANT_G=quant_g, SINGLE_PASS=single)
+        gq, sg = (q["g"], q["sg"]) if quant_g else (buf, loss_rows)
+        key = (e - s, logits.stride(0), t.stride(0), rg_stride, gq.stride(0), V, ignore_index, block_v, ROW_NUM_WARPS,
                *flags.values())
         plan = _ROW_PLANS.get(key) or _ROW_PLANS.add(key, Launch(
             _linear_cross_entropy_fwd_kernel, (e - s,), **flags, BLOCK_V=block_v,
             num_warps=ROW_NUM_WARPS if not interpreting() else 1))
         plan(logits, logits.stride(0), t[s:e], t.stride(0), loss_rows[s:e],
              loss_rows if z_rows is None else z_rows[s:e],
-             loss_rows if row_grad is None else row_grad[s:e], rg_stride,
-             V, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0))
-        if need_dx:
+             loss_rows if row_grad is None else row_grad[s:e], rg_stride, gq, gq.stride(0), sg,
+             V, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
+             FP8_MAX[torch.float8_e5m2])
+        if quant_g:
+            gemm(gq[: e - s], q["wt"].t(), dx[s:e], split_k=dx_splits, a_scale=sg[: e - s], b_scale=q["swt"])
+        elif need_dx:
             gemm(logits, weight, dx[s:e], allow_tf32=allow_tf32, split_k=dx_splits)
         if need_dw:
             gemm(logits.t(), x2[s:e], dw, accumulate=i > 0, allow_tf32=allow_tf32)
@@ -336,7 +398,7 @@ def _scaled(src: torch.Tensor, dtype: torch.dtype, dloss: torch.Tensor, scale: t
 
 def linear_cross_entropy_fwd(x, weight, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                              reduction="mean", chunk_size=None, need_dx=False, need_dw=False, allow_tf32=True,
-                             softcap=None):
+                             softcap=None, fp8=False):
     """Loss, z-loss term and, for ``mean``/``sum``, the gradients of the loss (unscaled by dloss).
 
     Returns ``(loss, z, dx, dw, scale)``: loss and z are 0-dim fp32 (``mean``/``sum``) or per-row
@@ -344,14 +406,14 @@ def linear_cross_entropy_fwd(x, weight, target, ignore_index=-100, label_smoothi
     dtype; None unless requested, and always None for ``none``); scale is the fp32 [1] factor the
     gradients still need (1 / #valid rows for ``mean``, else 1).
     """
-    _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, softcap)
+    _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, softcap, fp8)
     H = weight.shape[1]
     x2 = as_matrix(x, H)
     t = target.reshape(-1)
     none = reduction == "none"
     loss_rows, z_rows, dx, dw = _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk_size,
                                             allow_tf32, need_dx and not none, need_dw and not none, store_z=True,
-                                            softcap=softcap)
+                                            softcap=softcap, fp8=fp8)
     if none:
         return loss_rows.view(target.shape), z_rows.view(target.shape), None, None, None
     loss, z = (torch.empty((), dtype=torch.float32, device=x.device) for _ in range(2))
@@ -381,13 +443,13 @@ def scale_stored_grads(dloss, dx, dw, scale, weight_dtype, in_place, applied=Non
 
 
 def linear_cross_entropy_bwd(dloss, x, weight, target, ignore_index, label_smoothing, z_loss, chunk_size,
-                             need_dx, need_dw, allow_tf32, softcap=None):
+                             need_dx, need_dw, allow_tf32, softcap=None, fp8=False):
     """(dx, dW) of ``reduction="none"``: the chunk loop again, each row of dloss/dz times its
     upstream gradient ``dloss[i]``."""
     x2 = as_matrix(x, weight.shape[1])
     _, _, dx, dw = _chunk_loop(x2, weight, target.reshape(-1), ignore_index, label_smoothing, z_loss, chunk_size,
                                allow_tf32, need_dx, need_dw, store_z=False, row_grad=dloss.reshape(-1),
-                               softcap=softcap)
+                               softcap=softcap, fp8=fp8)
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
     return None if dx is None else dx.view(x.shape), dw
@@ -396,15 +458,15 @@ def linear_cross_entropy_bwd(dloss, x, weight, target, ignore_index, label_smoot
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size,
-                return_z_loss, allow_tf32, softcap):
+                return_z_loss, allow_tf32, softcap, fp8):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, z, dx, dw, scale = linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss,
                                                           reduction, chunk_size, need_dx, need_dw, allow_tf32,
-                                                          softcap)
+                                                          softcap, fp8)
         ctx.reduction = reduction
         if reduction == "none":
             ctx.save_for_backward(x, weight, target)
-            ctx.args = (ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32, softcap)
+            ctx.args = (ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32, softcap, fp8)
         else:
             ctx.save_for_backward(dx, dw, scale)
             ctx.x_shape, ctx.weight_dtype, ctx.in_place, ctx.applied = x.shape, weight.dtype, GRAD_IN_PLACE, None
@@ -421,14 +483,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dx, dw, scale = ctx.saved_tensors
             dx, dw, ctx.applied = scale_stored_grads(dloss, dx, dw, scale, ctx.weight_dtype, ctx.in_place, ctx.applied)
             dx = None if dx is None else dx.view(ctx.x_shape)
-        return dx, dw, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None
 
 
 @compilable
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
                          chunk_size: int | None = None, return_z_loss: bool = False, *, allow_tf32: bool = True,
-                         softcap: float | None = None):
+                         softcap: float | None = None, fp8: bool = False):
     """Cross-entropy of the LM head ``x @ weight.T`` against ``target``, never materializing the logits.
 
     x [..., H] (fp32/fp16/bf16), weight [V, H] in x's dtype, target [...] (int32/int64, x's leading
@@ -443,10 +505,17 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     gradients are buffers of the forward). Returns the fp32 loss, or ``(loss, z_loss_term)`` when
     ``return_z_loss`` (the z-loss part of the loss, reduced the same way, for logging; not
     differentiable).
+
+    ``fp8`` (GPU with fp8 tensor cores; off by default): the FP8 head. x's rows and W's rows are
+    quantized to e4m3 with per-row scales (:mod:`kernels.fp8`) and the logits GEMM runs on them
+    (fp32 accumulation, the scales applied in its epilogue, logits stored in x's dtype); dx = g W
+    runs on g quantized per row to e5m2 (by the row kernel, from the fp32 gradient) and W^T
+    quantized to e4m3 per column of W; dW = g^T x stays in x's dtype (g and x unquantized: the
+    weight gradient sums over every token).
     """
     if not needs_grad(x, weight):
         loss, z, *_ = linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
-                                               chunk_size, allow_tf32=allow_tf32, softcap=softcap)
+                                               chunk_size, allow_tf32=allow_tf32, softcap=softcap, fp8=fp8)
         return (loss, z) if return_z_loss else loss
     return LinearCrossEntropyFunction.apply(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
-                                            chunk_size, return_z_loss, allow_tf32, softcap)
+                                            chunk_size, return_z_loss, allow_tf32, softcap, fp8)

@@ -51,6 +51,7 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal init; output projections get init_std / sqrt(2 * n_layers)
     logit_softcap: float | None = None  # cap c of the LM-head logits, c * tanh(logits / c); None = uncapped
     z_loss_coef: float = 0.0  # weight of the LM-head z-loss (mean logsumexp^2) added to the training loss
+    lm_head_fp8: bool = False  # training loss's LM head on fp8 operands (e4m3 x, W; e5m2 dlogits; per-row scales; GPU)
     n_experts: int = 0  # routed experts per MoE layer; 0 = dense SwiGLU MLP
     moe_top_k: int = 2  # experts each token is routed to
     d_expert: int | None = None  # hidden width of one expert's SwiGLU; None = d_ff
