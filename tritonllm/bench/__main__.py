@@ -2,6 +2,7 @@
 ``python -m tritonllm.bench train +model=void125m [overrides]``
 ``python -m tritonllm.bench decode +model=void125m [--batch 1,32 --prompt-len 128 --new-tokens 256]``
 ``python -m tritonllm.bench finetune [--config tinyllama --batch 4 --seq-len 2048 --rank 16]`` (LoRA, vs transformers + PEFT)
+``python -m tritonllm.bench speedrun +model=void125m [--target 2.0 --bin 'train_*.bin' --sides adamw,recipe,torch]``
 
 Times tritonllm against the baselines on the GPU present, in one process run, prints a table and
 writes ``docs/perf/<kind>-<gpu>.json``.
@@ -23,6 +24,7 @@ FAMILIES = [
     "tritonllm.bench.ops_loss_optim",
     "tritonllm.bench.ops_attention",
     "tritonllm.bench.ops_moe",
+    "tritonllm.bench.ops_fp8",
 ]
 
 
@@ -71,10 +73,14 @@ def bench_kernels(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("kernels", "train", "decode", "finetune"):
+    if not argv or argv[0] not in ("kernels", "train", "decode", "speedrun", "finetune"):
         sys.exit(__doc__)
     if argv[0] == "kernels":
         bench_kernels(argv[1:])
+    elif argv[0] == "speedrun":
+        from tritonllm.bench.speedrun import main as bench_speedrun
+
+        bench_speedrun(argv[1:])
     elif argv[0] == "decode":
         from tritonllm.bench.decode import main as bench_decode
 

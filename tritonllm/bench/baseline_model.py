@@ -5,13 +5,20 @@ parameter names and shapes, so ``load_state_dict`` from a tritonllm model works)
 parameters under ``torch.autocast("cuda", torch.bfloat16)`` and ``torch.compile``:
 
     x = embed[idx]                                           (fp32 residual stream)
-    per block:
+    per block i:
+        x    = x + gate_j x_j                                 (U-net skips: j = n_layers - 1 - i < n_layers / 2,
+                                                               x_j the stream after block j)
         qkv  = rms_norm(x) @ W_qkv^T  -> [B, Hq + 2 Hkv, T, D] (one packed GEMM, heads transposed)
+        v    = a v + b value_embed_t[idx]                     (value embeddings: the layer's table t)
         q, k = rope(q_norm(q)), rope(k_norm(k))               (QK-norm when configured)
-        y    = SDPA(q, k, v, is_causal=True, enable_gqa)      (contiguous [B, H, T, D]; a boolean
-                                                               mask only for a sliding window)
+        y    = SDPA(q, k, v, is_causal=True, enable_gqa)      (contiguous [B, H, T, D]; the layer's
+                                                               sliding window through FlexAttention
+                                                               with a block mask built once for
+                                                               ``seq_len`` on CUDA, else SDPA with
+                                                               a boolean mask)
         x    = x + y @ W_proj^T
         x    = x + mlp(rms_norm(x))                           (SwiGLU over the packed gate/up weight,
+                                                               relu(x W1^T)^2 W2^T with mlp_act relu2,
                                                                or the MoE layer below)
     loss = cross_entropy(rms_norm(x) @ W_head^T, targets)     (logits capped to c tanh(l / c) in fp32
                                                                with logit_softcap c; + z_loss_coef * mean lse^2,
@@ -92,34 +99,65 @@ class _Weight(nn.Module):
             nn.init.normal_(self.weight, mean=0.0, std=std)
 
 
+def sliding_window_mask(window: int, seq_len: int, device):
+    """FlexAttention block mask of causal attention where query t sees keys t - window < s <= t."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def keep(b, h, q, k):
+        return (k <= q) & (q - k < window)
+
+    return create_block_mask(keep, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer: int = 0, block_mask=None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window, self.eps = cfg.window, cfg.norm_eps
+        self.window, self.eps = cfg.layer_window(layer), cfg.norm_eps
+        self.block_mask = block_mask  # FlexAttention mask of the window at the training length, or None
         self.qkv = _Weight((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.d_model, std=cfg.init_std)
         self.q_norm = _Weight(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _Weight(cfg.head_dim) if cfg.qk_norm else None
         self.proj = _Weight(cfg.d_model, cfg.n_heads * cfg.head_dim, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        if cfg.layer_value_embedding(layer) is not None:
+            self.value_mix = nn.Parameter(torch.full((2,), 0.5))  # [a, b]: v = a v + b ve
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, ve=None):
         B, T, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = F.linear(x, self.qkv.weight)
         dtype = qkv.dtype
         q, k, v = qkv.view(B, T, Hq + 2 * Hkv, D).transpose(1, 2).split([Hq, Hkv, Hkv], dim=1)
+        if ve is not None:
+            v = self.value_mix[0] * v + self.value_mix[1] * ve.view(B, T, Hkv, D).transpose(1, 2)
         if self.q_norm is not None:
             q = F.rms_norm(q, (D,), self.q_norm.weight.to(q.dtype), self.eps)  # bf16 in and out under autocast
             k = F.rms_norm(k, (D,), self.k_norm.weight.to(k.dtype), self.eps)
         q, k, v = apply_rope(q, cos, sin, dtype), apply_rope(k, cos, sin, dtype), v.contiguous()
         if self.window is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
+        elif self.block_mask is not None and self.block_mask.shape[-2] == T:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            y = flex_attention(q, k, v, block_mask=self.block_mask, enable_gqa=Hq != Hkv)
         else:  # query t sees keys t - window < s <= t
             pos = torch.arange(T, device=x.device)
             lag = pos[:, None] - pos[None, :]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=(lag >= 0) & (lag < self.window),
                                                enable_gqa=Hq != Hkv)
         return F.linear(y.transpose(1, 2).reshape(B, T, Hq * D), self.proj.weight)
+
+
+class ReLU2MLP(nn.Module):
+    """Dense squared-ReLU MLP (``mlp_act: relu2``): ``relu(x W1^T)^2 W2^T``. Returns ``(y, None)``."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.w1 = _Weight(cfg.d_ff, cfg.d_model, std=cfg.init_std)
+        self.w2 = _Weight(cfg.d_model, cfg.d_ff, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def forward(self, x):
+        return F.linear(F.relu(F.linear(x, self.w1.weight)).square(), self.w2.weight), None
 
 
 class MLP(nn.Module):
@@ -207,15 +245,18 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, experts: str):
+    def __init__(self, cfg, experts: str, layer: int = 0, block_mask=None):
         super().__init__()
         self.eps, self.dim = cfg.norm_eps, (cfg.d_model,)
         self.attn_norm, self.mlp_norm = _Weight(cfg.d_model), _Weight(cfg.d_model)
-        self.attn = Attention(cfg)
-        self.mlp = MoE(cfg, experts) if cfg.n_experts else MLP(cfg)
+        self.attn = Attention(cfg, layer, block_mask)
+        if cfg.n_experts:
+            self.mlp = MoE(cfg, experts)
+        else:
+            self.mlp = ReLU2MLP(cfg) if cfg.mlp_act == "relu2" else MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(F.rms_norm(x, self.dim, self.attn_norm.weight, self.eps), cos, sin)
+    def forward(self, x, cos, sin, ve=None):
+        x = x + self.attn(F.rms_norm(x, self.dim, self.attn_norm.weight, self.eps), cos, sin, ve)
         y, aux_loss = self.mlp(F.rms_norm(x, self.dim, self.mlp_norm.weight, self.eps))
         return x + y, aux_loss
 
@@ -224,18 +265,29 @@ class BaselineTransformer(nn.Module):
     """Plain-PyTorch twin of ``tritonllm.models.Transformer`` written for speed (see the module docstring).
 
     ``experts`` (MoE models): ``"grouped_mm"`` or ``"loop"``; None picks :func:`default_expert_impl`
-    of the current device (the CUDA one when there is one).
+    of the current device (the CUDA one when there is one). ``seq_len``: the training length, for
+    which the sliding-window layers get FlexAttention block masks (built once, on CUDA; other
+    lengths and the CPU use SDPA with a boolean mask).
     """
 
-    def __init__(self, cfg, experts: str | None = None):
+    def __init__(self, cfg, experts: str | None = None, seq_len: int | None = None):
         super().__init__()
         self.cfg = cfg
+        cuda = torch.cuda.is_available()
         if experts is None:
-            experts = default_expert_impl("cuda" if torch.cuda.is_available() else "cpu")
+            experts = default_expert_impl("cuda" if cuda else "cpu")
+        windows = {cfg.layer_window(i) for i in range(cfg.n_layers)} - {None}
+        masks = {w: sliding_window_mask(w, seq_len, "cuda") for w in windows} if seq_len and cuda else {}
         self.embed = _Weight(cfg.vocab_size, cfg.d_model, std=cfg.init_std)
-        self.blocks = nn.ModuleList(Block(cfg, experts) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, experts, i, masks.get(cfg.layer_window(i)))
+                                    for i in range(cfg.n_layers))
         self.norm = _Weight(cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else _Weight(cfg.vocab_size, cfg.d_model, std=cfg.init_std)
+        kv = cfg.n_kv_heads * cfg.head_dim
+        self.value_embeds = nn.ModuleList(_Weight(cfg.vocab_size, kv, std=cfg.init_std)
+                                          for _ in range(cfg.value_embeddings)) if cfg.value_embeddings else None
+        self.skip_gates = nn.ParameterList(nn.Parameter(torch.ones(1)) for _ in range(cfg.n_layers // 2)) \
+            if cfg.unet_skips else None
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -251,8 +303,15 @@ class BaselineTransformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = F.embedding(idx, self.embed.weight)
         aux_loss = None
-        for block in self.blocks:
-            x, aux = block(x, cos, sin)
+        tables = [F.embedding(idx, t.weight) for t in self.value_embeds or ()]
+        n, skips = cfg.n_layers, []
+        for i, block in enumerate(self.blocks):
+            t = cfg.layer_value_embedding(i)
+            if self.skip_gates is not None and i >= n - n // 2:  # U-net: block j's output, gated, into block n-1-j
+                x = x + self.skip_gates[n - 1 - i] * skips.pop()
+            x, aux = block(x, cos, sin, None if t is None else tables[t])
+            if self.skip_gates is not None and i < n // 2:
+                skips.append(x)
             if aux is not None:
                 aux_loss = aux if aux_loss is None else aux_loss + aux
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
