@@ -17,6 +17,10 @@ be captured (it synchronises with the host) is timed eagerly instead and named i
 ``eager_timed``. The host is shown apart (:func:`host_us`): the host time of one eager call of
 each pass at a small shape, ours and the corresponding PyTorch op, as ``host_us`` and
 ``baseline_host_us``.
+
+Before timing, the forward of ours is checked against the case's ``reference`` (a function of
+:mod:`tritonllm.bench.reference_ops`, the float64 references the tests use too) by
+:func:`check_case`; each row records ``max_err``, ``reference_max_err`` and ``correct``.
 """
 
 from __future__ import annotations
@@ -73,6 +77,47 @@ class Case:
     #: the small case's baselines)
     host: Case | None = None
     host_baseline: str | None = None
+    #: the op in plain PyTorch (:mod:`tritonllm.bench.reference_ops`), called like ours on ours' inputs;
+    #: :func:`check_case` runs it in float64 and in the case's dtype
+    reference: Callable | None = None
+
+
+#: absolute slack of the correctness check per dtype, relative to max(1, max|ref|) (the tests' rule;
+#: float32 at TF32's truncation of both GEMM operands, 2^-9)
+CHECK_ATOL = {torch.float32: 2.0 ** -9, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _max_err(outs: tuple, refs: tuple) -> float:
+    """Largest ``max|out - ref| / max(1, max|ref|)`` over the outputs (inf if any output is not finite)."""
+    err = 0.0
+    for out, ref in zip(outs, refs):
+        out, ref = out.detach().double(), ref.detach().double()
+        if not torch.isfinite(out).all():
+            return math.inf
+        if out.numel():
+            err = max(err, (out - ref).abs().max().item() / max(1.0, ref.abs().max().item()))
+    return err
+
+
+def check_case(case: Case, inputs: tuple | None = None) -> dict:
+    """Ours' forward outputs against ``case.reference`` in float64, on ``inputs`` (ours' inputs; None:
+    fresh ones), with the reference in the case's dtype as the yardstick: ``correct`` when ours' error
+    is at most twice the yardstick's plus ``CHECK_ATOL`` (the tests' tolerance rule). Returns
+    ``{"max_err", "reference_max_err", "correct"}`` (errors relative to max(1, max|ref64|)), or {}
+    for a case without a reference."""
+    if case.reference is None:
+        return {}
+    if inputs is None:
+        inputs = case.make_inputs()
+        inputs = case.ours_inputs(inputs) if case.ours_inputs is not None else inputs
+    with torch.no_grad():
+        outs = _as_tuple(case.ours(*inputs))
+        as64 = [t.detach().double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
+        ref64 = _as_tuple(case.reference(*as64))
+        same = _as_tuple(case.reference(*inputs))
+    err, err_same = _max_err(outs, ref64), _max_err(same, ref64)
+    return {"max_err": err, "reference_max_err": err_same,
+            "correct": err <= 2 * err_same + CHECK_ATOL.get(case.dtype, 0.0)}
 
 
 def with_host(case: Case, small: Case, baseline: str) -> Case:
@@ -233,6 +278,11 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
     rows = []
     inputs = case.make_inputs()
     ours_inputs = case.ours_inputs(inputs) if case.ours_inputs is not None else inputs
+    check = check_case(case, ours_inputs)
+    if check and not check["correct"]:
+        print(f"  [{case.op} {case.shape}] WRONG: max error {check['max_err']:.3e} against float64, PyTorch in "
+              f"{_dtype_name(case.dtype)} {check['reference_max_err']:.3e}")
+    torch.cuda.empty_cache()
     host = _host_rows(case.host, case.host_baseline) if case.host is not None else {}
     for kind in case.passes:
         label = f"{case.op} {case.shape} {kind}"
@@ -262,6 +312,7 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
         if kind in case.flops:
             row["TFLOP/s"] = round(case.flops[kind] / (ms * 1e-3) / 1e12, 1)
         row["baselines_ms"] = base
+        row.update(check)
         row["cuda_graph"] = True
         if eager:
             row["eager_timed"] = eager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tritonllm.bench import reference_ops as ref
 from tritonllm.bench.harness import Case, compiled, liger_available, with_host
 from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu
 
@@ -52,12 +53,7 @@ def _linear_case(m: int, k: int, n: int, dtype: torch.dtype) -> Case:
     # torch eager is F.linear, i.e. the cuBLAS baseline itself
     baselines = {"cuBLAS": F.linear, "torch.compile": compiled(F.linear)}
     return Case("linear", f"{m}x{k}x{n}", dtype, make_inputs, ours=linear, baselines=baselines,
-                flops=_gemm_flops(m, n, k))
-
-
-def _swiglu_torch(x, w13):
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.silu(gate) * up
+                flops=_gemm_flops(m, n, k), reference=ref.linear)
 
 
 def _swiglu_cublas_triton(x, w13):
@@ -77,12 +73,12 @@ def _linear_swiglu_case(m: int, k: int, f: int, dtype: torch.dtype) -> Case:
     def make_inputs():
         return torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True), _weight(2 * f, k, dtype)
 
-    baselines = {"cuBLAS+swiglu": _swiglu_cublas_triton, "torch": _swiglu_torch,
-                 "torch.compile": compiled(_swiglu_torch)}
+    baselines = {"cuBLAS+swiglu": _swiglu_cublas_triton, "torch": ref.linear_swiglu,
+                 "torch.compile": compiled(ref.linear_swiglu)}
     if liger_available():
         baselines["liger"] = _swiglu_liger
     return Case("linear_swiglu", f"{m}x{k}x{2 * f}", dtype, make_inputs, ours=linear_swiglu, baselines=baselines,
-                flops=_gemm_flops(m, 2 * f, k))
+                flops=_gemm_flops(m, 2 * f, k), reference=ref.linear_swiglu)
 
 
 def _lce_torch(x, w, t):
@@ -105,7 +101,8 @@ def _linear_cross_entropy_case(tokens: int, hidden: int, vocab: int, dtype: torc
         baselines["liger"] = _lce_liger
     return Case("linear_cross_entropy", f"{tokens}x{hidden}x{vocab}", dtype, make_inputs,
                 ours=lambda x, w, t: linear_cross_entropy(x, w, t), baselines=baselines,
-                flops=_gemm_flops(tokens, vocab, hidden), measure_memory=True)
+                flops=_gemm_flops(tokens, vocab, hidden), measure_memory=True,
+                reference=ref.linear_cross_entropy)
 
 
 def cases(size: str, dtype: torch.dtype):

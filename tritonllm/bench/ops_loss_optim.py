@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tritonllm.bench import reference_ops as ref
 from tritonllm.bench.harness import Case, compiled, liger_available, with_host
 from tritonllm.kernels import cross_entropy
 from tritonllm.kernels.muon import NEWTON_SCHULZ_COEFFS, lr_adjustment
@@ -71,7 +72,7 @@ def _cross_entropy_case(n: int, v: int, dtype: torch.dtype) -> Case:
     fwd = n * v * es + 8 * n + 4                           # read logits, targets; write the loss
     bwd = 2 * n * v * es + 8 * n + 4 * n                   # read logits, targets, lse; write dlogits
     return Case("cross_entropy", f"{n}x{v}", dtype, make_inputs, ours=_ce_ours, baselines=baselines,
-                bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd})
+                bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}, reference=ref.cross_entropy)
 
 
 def _stepper(make_optimizer):

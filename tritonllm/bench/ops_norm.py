@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tritonllm.bench import reference_ops as ref
 from tritonllm.bench.harness import Case, compiled, liger_available, with_host
 from tritonllm.kernels import rms_norm, swiglu
 
@@ -39,10 +40,6 @@ def _rms_norm_liger(x, w):
     return LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
 
 
-def _swiglu_torch(gate, up):
-    return F.silu(gate) * up
-
-
 def _swiglu_liger(gate, up):
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -66,7 +63,8 @@ def _rms_norm_case(m: int, n: int, dtype: torch.dtype) -> Case:
     fwd = (2 * m * n + n) * es                             # read x, w; write y
     bwd = (3 * m * n + 2 * n) * es + 4 * m                 # read x, dy, w, rstd (fp32); write dx, dw
     return Case("rms_norm", f"{m}x{n}", dtype, make_inputs, ours=lambda x, w: rms_norm(x, w, EPS),
-                baselines=baselines, bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd})
+                baselines=baselines, bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd},
+                reference=lambda x, w: ref.rms_norm(x, w, EPS))
 
 
 def _swiglu_case(m: int, f: int, dtype: torch.dtype) -> Case:
@@ -75,14 +73,14 @@ def _swiglu_case(m: int, f: int, dtype: torch.dtype) -> Case:
         up = torch.randn(m, f, device="cuda", dtype=dtype, requires_grad=True)
         return gate, up
 
-    baselines = {"torch": _swiglu_torch, "torch.compile": compiled(_swiglu_torch)}
+    baselines = {"torch": ref.swiglu, "torch.compile": compiled(ref.swiglu)}
     if liger_available():
         baselines["liger"] = _swiglu_liger
     es = torch.finfo(dtype).bits // 8
     fwd = 3 * m * f * es                                   # read gate, up; write y
     bwd = 5 * m * f * es                                   # read gate, up, dy; write dgate, dup
     return Case("swiglu", f"{m}x{f}", dtype, make_inputs, ours=swiglu,
-                baselines=baselines, bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd})
+                baselines=baselines, bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}, reference=ref.swiglu)
 
 
 def cases(size: str, dtype: torch.dtype):

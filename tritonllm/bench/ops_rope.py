@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tritonllm.bench import reference_ops as ref
 from tritonllm.bench.harness import Case, compiled, liger_available, with_host
 from tritonllm.kernels import embedding, rope, rope_cos_sin
 
@@ -31,17 +32,9 @@ SHAPES = {
 HOST_SHAPES = {"rope": (1, 16, 12, 12, 64), "embedding": (8, 32000, 768)}
 
 
-def _rope_torch(x, cos, sin):
-    """Half-split RoPE in x's dtype, the tables cast to it as PyTorch models do."""
-    half = x.shape[-1] // 2
-    c = cos[: x.shape[1], None, :].to(x.dtype)
-    s = sin[: x.shape[1], None, :].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
 def _rope_qk_torch(q, k, cos, sin, cos_full, sin_full):
-    return _rope_torch(q, cos, sin), _rope_torch(k, cos, sin)
+    """Half-split RoPE of q and k in their dtype, the tables cast to it as PyTorch models do."""
+    return ref.rope(q, cos, sin), ref.rope(k, cos, sin)
 
 
 def _packed_qk(inputs):
@@ -91,7 +84,7 @@ def _rope_case(b: int, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype) ->
     # the baselines get their natural inputs, separate contiguous q and k
     return Case("rope", f"B{b} Hq{hq}/Hkv{hkv} T{t} D{d}", dtype, make_inputs, ours=_rope_qk_ours,
                 baselines=baselines, bytes={"fwd": per_pass, "bwd": per_pass, "fwd+bwd": 2 * per_pass},
-                ours_inputs=_packed_qk)
+                ours_inputs=_packed_qk, reference=ref.rope)
 
 
 def _embedding_torch(ids, weight):
@@ -116,7 +109,7 @@ def _embedding_case(n: int, v: int, d: int, dtype: torch.dtype) -> Case:
     # shape: tokens x hidden x vocab
     return Case("embedding", f"{n}x{d}x{v}", dtype, make_inputs, ours=_embedding_ours,
                 baselines={"torch": _embedding_torch, "torch.compile": compiled(_embedding_torch)},
-                bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd})
+                bytes={"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}, reference=ref.embedding)
 
 
 def cases(size: str, dtype: torch.dtype):

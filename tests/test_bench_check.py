@@ -1,0 +1,37 @@
+"""The kernel benchmark's correctness check (harness.check_case): ours' forward against the case's
+float64 reference from tritonllm.bench.reference_ops, PyTorch in the case's dtype as the yardstick."""
+
+import torch
+
+from _checks import DEVICE, randn
+from tritonllm.bench import reference_ops as ref
+from tritonllm.bench.harness import Case, check_case
+from tritonllm.kernels import rms_norm, rope, rope_cos_sin
+
+
+def _rms_norm_case(ours, reference=lambda x, w: ref.rms_norm(x, w, 1e-6)):
+    return Case("rms_norm", "5x123", torch.float32, lambda: (randn(5, 123), randn(123, scale=0.5).add(1.0)),
+                ours=ours, reference=reference)
+
+
+def test_check_case_passes_the_kernel_and_fails_a_wrong_one():
+    good = check_case(_rms_norm_case(lambda x, w: rms_norm(x, w, 1e-6)))
+    assert good["correct"] and good["max_err"] < 1e-5 and good["reference_max_err"] < 1e-5
+    bad = check_case(_rms_norm_case(lambda x, w: rms_norm(x, w * 1.01, 1e-6)))
+    assert not bad["correct"] and bad["max_err"] > 5e-3
+    assert check_case(_rms_norm_case(lambda x, w: rms_norm(x, w, 1e-6), reference=None)) == {}
+
+
+def test_check_case_on_ours_inputs():
+    """A case whose ours takes other inputs than the baselines (rope on a packed q|k view) is checked
+    on ours' inputs."""
+    cos, sin = rope_cos_sin(7, 32, device=DEVICE)
+
+    def packed(inputs):
+        q, k = inputs[:2]
+        return torch.cat((q, k), dim=2), cos, sin
+
+    case = Case("rope", "B2 T7", torch.float32, lambda: (randn(2, 7, 4, 32), randn(2, 7, 2, 32)),
+                ours=lambda qk, c, s: rope(qk, c, s), ours_inputs=packed, reference=ref.rope)
+    out = check_case(case)
+    assert out["correct"] and out["max_err"] < 1e-5
