@@ -149,6 +149,15 @@ def _queries_seeing(k_pos, T, shift, window, CAUSAL: tl.constexpr, HAS_WINDOW: t
 
 
 @triton.jit
+def _in_document(first, end, DOCS_row, pos):
+    """[first, end) cut to the document of each position ``pos``: ``DOCS_row`` points to one batch
+    row's ``[T, 2]`` int32 bounds (the document's first position, one past its last). Queries and keys
+    share positions (T == S), so the same bounds serve both sides."""
+    pos64 = pos.to(tl.int64) * 2
+    return tl.maximum(first, tl.load(DOCS_row + pos64)), tl.minimum(end, tl.load(DOCS_row + pos64 + 1))
+
+
+@triton.jit
 def _segments(first, end, BLOCK: tl.constexpr):
     """Tile starts of the loop over the other side, from per-row intervals [first, end):
     ``lo <= full_lo <= full_hi <= hi``. Tiles in [lo, full_lo) and [full_hi, hi) need the mask,
@@ -249,9 +258,11 @@ def _flash_attention_fwd_kernel(
     T, S, HQ, GROUP,            # lengths, query heads, query heads per KV head
     shift, window, qk_scale,    # S - T; window (unused without HAS_WINDOW); softmax_scale * log2(e)
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    DOCS,                       # with HAS_DOCS: [B, T, 2] int32 document bounds of each position (T == S)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
+    HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks first: with causal they see the most keys
     pid_bh = tl.program_id(1)
@@ -276,6 +287,8 @@ def _flash_attention_fwd_kernel(
                                           block_shape=[BLOCK_N, BLOCK_D])
     # rows past T take the intervals of row T - 1: they are never stored and must not widen the loop
     first, end = _keys_seen(tl.minimum(offs_m, T - 1), S, shift, window, CAUSAL, HAS_WINDOW)
+    if HAS_DOCS:
+        first, end = _in_document(first, end, DOCS + b * T * 2, tl.minimum(offs_m, T - 1))
     out, lse = _attend(q, qk_scale, first, end, K_src, V_src, stride_ks, stride_vs, offs_n, offs_d, d_ok,
                        BLOCK_M, BLOCK_N, BLOCK_D, ONE_LOOP, USE_TMA, DOT_PRECISION)
     o_rows = ((b * T + offs_m) * HQ + h)[:, None]
@@ -489,9 +502,11 @@ def _flash_attention_bwd_dkdv_kernel(
     HKV, GROUP,                 # KV heads, query heads per KV head
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    DOCS,                       # with HAS_DOCS: [B, T, 2] int32 document bounds of each position (T == S)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
+    HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
     DQ_ATOMIC: tl.constexpr,    # also accumulate dQ (the fused backward, deterministic=False)
 ):
     pid_n = tl.program_id(0)
@@ -510,6 +525,8 @@ def _flash_attention_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # keys past S take the intervals of key S - 1: their rows are never stored
     first, end = _queries_seeing(tl.minimum(cols, S - 1), T, shift, window, CAUSAL, HAS_WINDOW)
+    if HAS_DOCS:
+        first, end = _in_document(first, end, DOCS + b * T * 2, tl.minimum(cols, S - 1))
     lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_M)
     for g in range(0, GROUP):
         h = hk * GROUP + g
@@ -588,9 +605,11 @@ def _flash_attention_bwd_dq_kernel(
     GROUP,                      # query heads per KV head
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    DOCS,                       # with HAS_DOCS: [B, T, 2] int32 document bounds of each position (T == S)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
+    HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks first: with causal they see the most keys
     pid_bh = tl.program_id(1)
@@ -619,6 +638,8 @@ def _flash_attention_bwd_dq_kernel(
                                           block_shape=[BLOCK_N, BLOCK_D])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first, end = _keys_seen(tl.minimum(offs_m, T - 1), S, shift, window, CAUSAL, HAS_WINDOW)
+    if HAS_DOCS:
+        first, end = _in_document(first, end, DOCS + b * T * 2, tl.minimum(offs_m, T - 1))
     lo, full_lo, full_hi, hi = _segments(first, end, BLOCK_N)
     if ONE_LOOP:
         dq = _dq_inner(dq, q, do, lse2, delta, first, end, K_src, V_src, stride_ks, stride_vs, lo, hi, full_lo,
@@ -671,7 +692,7 @@ def _mn(configs: list[tuple[int, int, int, int]]) -> list[tuple[dict, int, int]]
     return [({"BLOCK_M": bm, "BLOCK_N": bn}, w, st) for bm, bn, w, st in configs]
 
 
-_KEYS = ["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "USE_TMA", "ONE_LOOP"]
+_KEYS = ["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "USE_TMA", "ONE_LOOP", "HAS_DOCS"]
 
 # forward: q tile and the k, v stages in shared memory; accumulator BLOCK_M x BLOCK_D, scores BLOCK_M x BLOCK_N
 _fwd_kernel = _tuned(
@@ -702,6 +723,19 @@ _dq_kernel = _tuned(
 
 
 # ----------------------------------------------------------------------------- launchers
+
+def _check_documents(documents, q: torch.Tensor, k: torch.Tensor) -> None:
+    """``documents``: None or int32 ``[B, T, 2]`` bounds on the device of q, with T == S."""
+    if documents is None:
+        return
+    check_tensor("documents", documents, dtypes=(torch.int32,), ndim=3)
+    check_same_device(q=q, documents=documents)
+    B, T = q.shape[:2]
+    if k.shape[1] != T:
+        raise ValueError(f"documents needs as many keys as queries (packed sequences), got T={T} and S={k.shape[1]}")
+    if documents.shape != (B, T, 2):
+        raise ValueError(f"documents must have shape {(B, T, 2)} [B, T, 2], got {tuple(documents.shape)}")
+
 
 def _check_attention_inputs(q, k, v, causal, window, softmax_scale) -> float:
     """Validate q, k, v and the options; return the softmax scale to use."""
@@ -740,6 +774,11 @@ def _check_attention_inputs(q, k, v, causal, window, softmax_scale) -> float:
             or not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a finite number > 0 or None (1/sqrt(D)), got {softmax_scale!r}")
     return float(softmax_scale)
+
+
+def _docs_arg(documents: torch.Tensor | None):
+    """The DOCS kernel argument: the bounds (contiguous) or 0 (an unused pointer argument)."""
+    return 0 if documents is None else documents.contiguous()
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -798,15 +837,20 @@ def _split_count(B: int, T: int, Hq: int, Hkv: int, n_keys: int) -> int:
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                         window: int | None = None, softmax_scale: float | None = None,
-                        split_kv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        split_kv: int | None = None,
+                        documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward attention: ``(o [B, T, Hq, D] contiguous, lse fp32 [B, Hq, T])``.
 
     ``split_kv``: None picks the kernel (split-KV for T <= 16 or when the query blocks cannot fill
     the GPU); 0 forces the one-pass kernel; n >= 1 the split-KV kernel with at most n KV splits.
+    ``documents``: see :func:`flash_attention` (one-pass kernel only).
     """
     scale = _check_attention_inputs(q, k, v, causal, window, softmax_scale)
+    _check_documents(documents, q, k)
     if split_kv is not None and (isinstance(split_kv, bool) or not isinstance(split_kv, int) or split_kv < 0):
         raise ValueError(f"split_kv must be None or an int >= 0, got {split_kv!r}")
+    if documents is not None and split_kv:
+        raise ValueError(f"documents needs the one-pass kernel (split_kv None or 0), got split_kv={split_kv}")
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -815,14 +859,16 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     flags = _kernel_flags(q, causal, window)
     shift, win, qk_scale = S - T, window or 0, scale * _LOG2E
     key_lo = max(shift - window + 1, 0) if window is not None else 0
-    splits = _auto_splits(B, T, Hq, Hkv, S - key_lo) if split_kv is None else split_kv
+    splits = 0 if documents is not None else _auto_splits(B, T, Hq, Hkv, S - key_lo) if split_kv is None else split_kv
 
     if splits == 0:
         stream = _stream_flags("fwd", window, k, v)
-        key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), causal, window, q.dtype, *stream.values())
+        key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), causal, window, q.dtype, documents is None,
+               *stream.values())
         grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731
         _fwd_kernel.launch(key, grid, q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), T, S, Hq, Hq // Hkv,
-                           shift, win, qk_scale, next_pow2(T), next_pow2(S), **flags, **stream)
+                           shift, win, qk_scale, next_pow2(T), next_pow2(S), _docs_arg(documents), **flags,
+                           **stream, HAS_DOCS=documents is not None)
         return o, lse
 
     _split_launch(q, k, v, o, lse, flags, qk_scale, win, key_lo, S - key_lo, splits, None)
@@ -892,7 +938,8 @@ def flash_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, causal: bool = True, window: int | None = None,
                         softmax_scale: float | None = None, deterministic: bool = True,
-                        packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        packed: bool = False,
+                        documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward attention from the forward's ``o`` and ``lse``: ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``.
 
     ``deterministic=True`` (the default, and the faster of the two measured: see
@@ -905,7 +952,7 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     packed qkv projection (:func:`~tritonllm.kernels.split_heads` then packs them without a copy);
     otherwise each is contiguous.
     """
-    bwd = _Backward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic)
+    bwd = _Backward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents)
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     if packed:
@@ -930,8 +977,9 @@ class _Backward:
     :meth:`dq` launch the gradient kernels (separately, so that scripts/tune_attention.py can time
     each), :meth:`run` all of them."""
 
-    def __init__(self, do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=True):
+    def __init__(self, do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=True, documents=None):
         scale = _check_attention_inputs(q, k, v, causal, window, softmax_scale)
+        _check_documents(documents, q, k)
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
         check_tensor("do", do, ndim=4)
@@ -965,9 +1013,10 @@ class _Backward:
         preprocess(o, do, lse, self.delta, self.lse2, self.dq_acc, *do_strides, T, Hq, pitch)
         # the arguments both gradient kernels share, from the strides on
         self.common = (*_strides(q), *_strides(k), *_strides(v), *do_strides, T, S, Hq, pitch)
-        self.scales = (S - T, window or 0, scale * _LOG2E, scale, next_pow2(T), next_pow2(S))
+        self.scales = (S - T, window or 0, scale * _LOG2E, scale, next_pow2(T), next_pow2(S), _docs_arg(documents))
+        self.flags["HAS_DOCS"] = documents is not None
         #: what, besides the streamed tensors' alignment (USE_TMA), fixes the gradient kernels' plans
-        self.key = (B, D, Hkv, self.common, causal, window, q.dtype)
+        self.key = (B, D, Hkv, self.common, causal, window, q.dtype, documents is None)
 
     def run(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Write the three gradients into ``dq``, ``dk``, ``dv`` (any strides with a contiguous last
@@ -1009,9 +1058,9 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: forward saves q, k, v, the output and the fp32 log-sum-exp only."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, window, softmax_scale, deterministic):
-        o, lse = flash_attention_fwd(q, k, v, causal, window, softmax_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
+    def forward(ctx, q, k, v, causal, window, softmax_scale, deterministic, documents):
+        o, lse = flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)
+        ctx.save_for_backward(q, k, v, o, lse, documents)
         ctx.causal, ctx.window, ctx.softmax_scale, ctx.deterministic = causal, window, softmax_scale, deterministic
         # one gradient buffer for q, k, v when they share the (B, T) of a packed projection
         ctx.packed = q.shape[:2] == k.shape[:2]
@@ -1019,16 +1068,16 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, documents = ctx.saved_tensors
         dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.window, ctx.softmax_scale,
-                                         ctx.deterministic, ctx.packed)
-        return dq, dk, dv, None, None, None, None
+                                         ctx.deterministic, ctx.packed, documents)
+        return dq, dk, dv, None, None, None, None, None
 
 
 @compilable
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     window: int | None = None, softmax_scale: float | None = None,
-                    deterministic: bool = True) -> torch.Tensor:
+                    deterministic: bool = True, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention ``softmax(s * q k^T + mask) v`` with GQA/MQA, computed without the T x S matrix.
 
     Args:
@@ -1048,6 +1097,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             Triton 3.6 the atomics cost more than the two products they save (B8 Hq32/Hkv8 T4096 D128
             backward 8.9 ms fused against 7.2 ms; ``docs/perf/NOTES.md``), so the reproducible one is
             also the faster default.
+        documents: packed sequences (varlen attention in a ``[B, T]`` batch): int32 ``[B, T, 2]``
+            holding, for each position, the first position of its document and one past its last
+            (``tritonllm.data.sft.document_bounds`` builds it). A query then sees only keys of its own
+            document (with ``causal``, those at or before it), so packed examples never attend to each
+            other; tiles wholly outside a query block's documents are skipped. Needs ``T == S``.
 
     Returns:
         ``[B, T, Hq, D]`` contiguous, in the dtype of q. Differentiable in q, k, v; with ``T == S``
@@ -1055,5 +1109,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         projection's gradient layout).
     """
     if needs_grad(q, k, v):
-        return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale, deterministic)
-    return flash_attention_fwd(q, k, v, causal, window, softmax_scale)[0]  # nothing to differentiate
+        return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale, deterministic, documents)
+    return flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)[0]  # nothing to differentiate

@@ -392,14 +392,15 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None, valid
 
 @_custom_op("tritonllm::flash_attention_fwd", mutates_args=())
 def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Optional[int],
-                        softmax_scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor]:
+                        softmax_scale: Optional[float], deterministic: bool,
+                        documents: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """``(o, lse)`` of :func:`kernels.flash_attention.flash_attention_fwd`; ``deterministic`` is the
     backward's switch, carried here for the autograd formula."""
-    return _fa.flash_attention_fwd(q, k, v, causal, window, softmax_scale)
+    return _fa.flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)
 
 
 @flash_attention_fwd.register_fake
-def _(q, k, v, causal, window, softmax_scale, deterministic):
+def _(q, k, v, causal, window, softmax_scale, deterministic, documents):
     B, T, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, T), dtype=torch.float32)
 
@@ -407,25 +408,27 @@ def _(q, k, v, causal, window, softmax_scale, deterministic):
 @_custom_op("tritonllm::flash_attention_bwd", mutates_args=())
 def flash_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
                         window: Optional[int], softmax_scale: Optional[float],
-                        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                        deterministic: bool, documents: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`kernels.flash_attention.flash_attention_bwd`, each in a tensor of its
     own (not its ``packed`` form: an op's outputs may not alias one another)."""
-    return _fa.flash_attention_bwd(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=deterministic)
+    return _fa.flash_attention_bwd(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=deterministic,
+                                   documents=documents)
 
 
 @flash_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic):
+def _(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _flash_attention_setup(ctx, inputs, output):
-    q, k, v, *ctx.options = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, *ctx.options, documents = inputs
+    ctx.save_for_backward(q, k, v, *output, documents)
 
 
 def _flash_attention_backward(ctx, do, _dlse):
-    dq, dk, dv = flash_attention_bwd(do, *ctx.saved_tensors, *ctx.options)
-    return dq, dk, dv, None, None, None, None
+    *saved, documents = ctx.saved_tensors
+    dq, dk, dv = flash_attention_bwd(do, *saved, *ctx.options, documents)
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_attention_fwd.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)
@@ -433,8 +436,9 @@ flash_attention_fwd.register_autograd(_flash_attention_backward, setup_context=_
 
 @_public
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window: int | None = None,
-                    softmax_scale: float | None = None, deterministic: bool = True) -> Tensor:
-    return flash_attention_fwd(q, k, v, causal, window, softmax_scale, deterministic)[0]
+                    softmax_scale: float | None = None, deterministic: bool = True,
+                    documents: Tensor | None = None) -> Tensor:
+    return flash_attention_fwd(q, k, v, causal, window, softmax_scale, deterministic, documents)[0]
 
 
 @_custom_op("tritonllm::pack_heads", mutates_args=())

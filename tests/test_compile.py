@@ -130,7 +130,8 @@ def _op_cases():
     _, gu = lib.linear_swiglu_fwd(x, w13, True)
     gate, up, packed = randn(5, 12, **g), randn(5, 12, **g), randn(5, 24, **g)
     q, k, v = randn(2, 8, 2, 32, **g), randn(2, 8, 1, 32, **g), randn(2, 8, 1, 32, **g)
-    o, lse = lib.flash_attention_fwd(q, k, v, True, None, None, False)
+    o, lse = lib.flash_attention_fwd(q, k, v, True, None, None, False, None)
+    docs = torch.tensor([[[0, 3]] * 3 + [[3, 8]] * 5] * 2, dtype=torch.int32, device=DEVICE)
     cos, sin = rope_cos_sin(12, 32, device=DEVICE)
     ids, table = torch.randint(0, 10, (3, 4), device=DEVICE), randn(10, 32, **g)
     logits, target = randn(6, 10, **g), torch.randint(0, 10, (6,), device=DEVICE)
@@ -161,9 +162,10 @@ def _op_cases():
         "rope_bwd": (lib.rope_bwd, (d4, cos, sin, 1, None)),
         "embedding_fwd": (lib.embedding_fwd, (ids, table, 0, True)),
         "embedding_bwd": (lib.embedding_bwd, (randn(3, 4, 32), ids, 10, None)),
-        "flash_attention_fwd": (lib.flash_attention_fwd, (q, k, v, True, None, None, False)),
+        "flash_attention_fwd": (lib.flash_attention_fwd, (q, k, v, True, None, None, False, None)),
+        "flash_attention_fwd_documents": (lib.flash_attention_fwd, (q, k, v, True, None, None, True, docs)),
         "flash_attention_bwd": (lib.flash_attention_bwd, (d4, q.detach(), k.detach(), v.detach(), o.detach(),
-                                                          lse.detach(), True, None, None, False)),
+                                                          lse.detach(), True, None, None, False, None)),
         "pack_heads": (lib.pack_heads, ([randn(2, 8, 2, 32), None], [2, 1], randn(2, 8, 3, 32))),
         "weighted_add_fwd": (lib.weighted_add_fwd, (x, randn(5, 32, **g), randn(2, **g))),
         "weighted_add_bwd": (lib.weighted_add_bwd, (dy, x.detach(), randn(5, 32), randn(1), True, True, True)),

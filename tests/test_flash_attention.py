@@ -379,3 +379,49 @@ def test_flash_attention_decode_bad_input(kwargs, error, match):
         args["kv_len"] = args["kv_len"].to(q.device)
     with pytest.raises(error, match=match):
         flash_attention_decode(q, k, v, **args)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fused"])
+@pytest.mark.parametrize("case, lengths", [
+    (Case("gqa2:1-docs-T70", 2, 4, 2, 70, 70, 32), [[20, 1, 49], [70]]),
+    (Case("mha-docs-window9-T50", 1, 2, 2, 50, 50, 32, window=9), [[13, 30, 7]]),
+    (Case("mqa-docs-full-T40", 1, 4, 1, 40, 40, 64, causal=False), [[17, 23]]),
+], ids=lambda x: x.name if isinstance(x, Case) else "")
+def test_flash_attention_documents(case, lengths, deterministic):
+    """Packed documents: each position attends only within its own document (block-diagonal mask,
+    causal and window inside it); out and every gradient against the float64 reference."""
+    from tritonllm.data.sft import document_bounds
+
+    B, T = case.B, case.T
+    ids = torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in lengths] * (B // len(lengths)))
+    docs = torch.from_numpy(document_bounds(ids.numpy()))
+    q, k, v = _inputs(case, torch.float32)
+    do = randn(B, T, case.Hq, case.D)
+    out = flash_attention(q, k, v, causal=case.causal, window=case.window, deterministic=deterministic,
+                          documents=docs)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    # reference: full attention with the document mask added to the causal/window one, per batch row
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    same_doc = ids[:, :, None] == ids[:, None, :]                             # [B, T, S]
+    rep = case.Hq // case.Hkv
+    scores = torch.einsum("bthd,bshd->bhts", q64, k64.repeat_interleave(rep, 2)) * case.D ** -0.5
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = same_doc[:, None] & ((j <= i) if case.causal else torch.ones(T, T, dtype=torch.bool))
+    if case.window is not None:
+        visible = visible & (j > i - case.window)
+    p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    ref = torch.einsum("bhts,bshd->bthd", p, v64.repeat_interleave(rep, 2))
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert_close(name, got, want)
+
+
+def test_flash_attention_documents_bad_input():
+    q, k, v = _qkv(T=8)
+    with pytest.raises(TypeError, match="documents"):
+        flash_attention(q, k, v, documents=torch.zeros(1, 8, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"documents must have shape \(1, 8, 2\)"):
+        flash_attention(q, k, v, documents=torch.zeros(1, 8, 3, dtype=torch.int32))
+    q, k, v = _qkv(T=4, S=8)
+    with pytest.raises(ValueError, match="as many keys as queries"):
+        flash_attention(q, k, v, documents=torch.zeros(1, 4, 2, dtype=torch.int32))

@@ -42,6 +42,24 @@ IGNORE = -100
 ROLES = ("system", "user", "assistant", "tool")
 
 
+def document_bounds(doc_ids: np.ndarray) -> np.ndarray:
+    """int32 ``[B, T, 2]`` bounds of packed documents for ``flash_attention(documents=...)``: for each
+    position of ``doc_ids [B, T]`` (a document is a maximal run of equal ids along a row), the first
+    position of its document and one past its last."""
+    ids = np.asarray(doc_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"doc_ids must be [B, T], got shape {ids.shape}")
+    B, T = ids.shape
+    out = np.empty((B, T, 2), dtype=np.int32)
+    for row in range(B):
+        cuts = np.flatnonzero(ids[row, 1:] != ids[row, :-1]) + 1
+        starts, ends = np.concatenate(([0], cuts)), np.concatenate((cuts, [T]))
+        lengths = ends - starts
+        out[row, :, 0] = np.repeat(starts, lengths)
+        out[row, :, 1] = np.repeat(ends, lengths)
+    return out
+
+
 def read_records(files: list[str]) -> list[tuple[str, list[dict]]]:
     """``(where, messages)`` of every record of the JSONL ``files`` (``where`` = ``file:line``)."""
     out = []
