@@ -1,14 +1,15 @@
 """tritonllm.nn modules built from plain arguments: output and every gradient (input and each
 parameter, by name) against float64 references composed from tritonllm.bench.reference_ops; the KV
-cache (prefill, then a decode step) against the full forward; extra_repr; bad arguments."""
+cache (prefill, then a decode step) against the full forward; a model of the modules under
+torch.compile(fullgraph=True); extra_repr; bad arguments."""
 
 import pytest
 import torch
 
-from _checks import DEVICE, assert_close, gemm_atol, randn
+from _checks import DEVICE, ON_GPU, assert_close, gemm_atol, randn
 from tritonllm.bench import reference_ops as ref
 from tritonllm.kernels import rope_cos_sin
-from tritonllm.nn import MLP, Attention, KVCache, Linear, LinearSwiGLU, LMHeadLoss, MoE, MoEOutput, RMSNorm
+from tritonllm.nn import MLP, Attention, Embedding, KVCache, Linear, LinearSwiGLU, LMHeadLoss, MoE, MoEOutput, RMSNorm
 
 
 def check_module(module, ref_fn, inputs: dict, chain: int = 1):
@@ -137,6 +138,42 @@ def test_moe_returns_its_losses():
     assert_close("aux_loss", out.aux_loss, want.double())
     assert out.aux_loss.requires_grad and set(out.stats) == {"moe_aux", "moe_z", "moe_max_load"}
     assert not any(isinstance(v, torch.Tensor) for k, v in vars(m).items() if not k.startswith("_"))
+
+
+class TinyLM(torch.nn.Module):
+    """One pre-norm block (QK-norm GQA attention, SwiGLU MLP) and a tied, soft-capped LM-head loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = Embedding(64, 64, validate=False)
+        self.attn_norm, self.mlp_norm, self.norm = RMSNorm(64), RMSNorm(64), RMSNorm(64)
+        self.attn = Attention(64, 2, 1, 32, qk_norm=True)
+        self.mlp = MLP(64, 48)
+        self.head_loss = LMHeadLoss(softcap=15.0, z_loss=1e-4)
+
+    def forward(self, idx, targets, cos, sin):
+        x = self.embed(idx)
+        h, x = self.mlp_norm(self.attn(self.attn_norm(x), cos, sin), residual=x)
+        h, _ = self.norm(self.mlp(h), residual=x)
+        return self.head_loss(h, self.embed.weight, targets)[0]
+
+
+def test_modules_compile_fullgraph():
+    """The model compiles with no graph break (aot_eager on the CPU, inductor on the GPU) and gives
+    eager's loss and gradients."""
+    torch.manual_seed(0)
+    model = TinyLM().to(DEVICE)
+    cos, sin = rope_cos_sin(16, 32, device=DEVICE)
+    idx, targets = (torch.randint(0, 64, (2, 16), device=DEVICE) for _ in range(2))
+    params = list(model.parameters())
+    eager = model(idx, targets, cos, sin)
+    g_eager = torch.autograd.grad(eager, params)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    loss = compiled(idx, targets, cos, sin)
+    g = torch.autograd.grad(loss, params)
+    assert_close("loss", loss, eager.double(), atol=1e-6)
+    for (name, _), a, b in zip(model.named_parameters(), g, g_eager):
+        assert_close(f"d{name}", a, b.double(), atol=1e-6)
 
 
 def test_extra_repr_names_the_arguments():
