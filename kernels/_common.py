@@ -9,11 +9,13 @@ metadata: they never allocate or synchronise with the device.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 import logging
 import os
 
 import torch
 import triton
+import triton.language as tl
 
 from ._interpreter import env_flag
 
@@ -396,3 +398,58 @@ def check_lr(lr, device: torch.device) -> bool:
     if not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     return False
+
+
+#: how many launch tables :func:`cached` keeps (one per bucket and parameter set).
+_CACHE_SIZE = 64
+#: triton.language dtype of each floating torch dtype
+TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+#: launch tables of :func:`cached`, least recently used first
+_TABLES: OrderedDict = OrderedDict()
+#: tables built while a CUDA graph was being captured: the graph reads them at every replay, so
+#: they are never evicted (a few kB per captured parameter set)
+_KEPT: dict = {}
+_SIDE_STREAMS: dict = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def cached(key, build):
+    """``build()``, cached under ``key`` (whose second item is the device): the host-built launch tables
+    of the multi-tensor kernels (AdamW, Muon). Up to _CACHE_SIZE are kept, least recently used
+    evicted, except those built during a CUDA graph capture, which the graph reads at every replay."""
+    hit = _TABLES.get(key) or _KEPT.get(key)
+    if hit is None:
+        if _capturing(key[1]):
+            hit = _KEPT[key] = build()
+        else:
+            hit = _TABLES[key] = build()
+            if len(_TABLES) > _CACHE_SIZE:
+                _TABLES.popitem(last=False)
+    elif key in _TABLES:
+        _TABLES.move_to_end(key)
+    return hit
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied to ``device``. During a CUDA graph capture (which must use
+    ``capture_error_mode="relaxed"``) the copy runs on a side stream outside the graph and is
+    waited for, so the table is in device memory before the graph's first replay reads it."""
+    if not _capturing(device):
+        return host.to(device, non_blocking=True)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        out = host.to(device)
+    side.synchronize()
+    return out
+
+
+def check_flag(name: str, flag, device: torch.device) -> None:
+    """A skip flag (e.g. ``found_inf``): None or a one-element int32 tensor on ``device``."""
+    if flag is not None and (not isinstance(flag, torch.Tensor) or flag.dtype != torch.int32 or flag.numel() != 1
+                             or flag.device != device):
+        raise TypeError(f"{name} must be None or a one-element int32 tensor on {device}")

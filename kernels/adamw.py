@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import math
 import struct
-from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_lr, check_tensor, interpreting, next_pow2
+from ._common import FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, interpreting, next_pow2, upload
 
 #: elements per program (a chunk: the granularity of the tables), processed BLOCK elements per
 #: loop step by NUM_WARPS warps. Large chunks amortise each program's table look-ups (two
@@ -56,10 +55,6 @@ CHUNK, BLOCK, NUM_WARPS = 16384, 2048, 8
 _INTERPRET_CHUNK, _INTERPRET_BLOCK = 65536, 65536
 #: partials per step of the single-program norm reduction.
 _REDUCE_BLOCK = 4096
-#: how many tables the cache keeps (one per bucket and parameter set).
-_CACHE_SIZE = 64
-
-_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -258,44 +253,6 @@ def _scale_kernel(
                 tl.store(ptrs, (tl.load(ptrs, mask=mask).to(tl.float32) * coef).to(G_DTYPE), mask=mask)
 
 
-_TABLES: OrderedDict = OrderedDict()
-#: tables built while a CUDA graph was being captured: the graph reads them at every replay, so
-#: they are never evicted (a few kB per captured parameter set)
-_KEPT: dict = {}
-_SIDE_STREAMS: dict = {}
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _cached(key, build):
-    hit = _TABLES.get(key) or _KEPT.get(key)
-    if hit is None:
-        if _capturing(key[1]):
-            hit = _KEPT[key] = build()
-        else:
-            hit = _TABLES[key] = build()
-            if len(_TABLES) > _CACHE_SIZE:
-                _TABLES.popitem(last=False)
-    elif key in _TABLES:
-        _TABLES.move_to_end(key)
-    return hit
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` copied to ``device``. During a CUDA graph capture (which must use
-    ``capture_error_mode="relaxed"``) the copy runs on a side stream outside the graph and is
-    waited for, so the table is in device memory before the graph's first replay reads it."""
-    if not _capturing(device):
-        return host.to(device, non_blocking=True)
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    with torch.cuda.stream(side):
-        out = host.to(device)
-    side.synchronize()
-    return out
 
 
 def _sizes() -> dict:
@@ -365,17 +322,17 @@ def _launches(names, dtypes, lists, chunk, scalars=None, keep_empty=False):
             counts = torch.tensor([triton.cdiv(n, chunk) for n in numels], dtype=torch.int64)
             first = (torch.cumsum(counts, 0) - counts).tolist()
             chunk_map = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-            return first, _upload(chunk_map, device), int(counts.sum())
+            return first, upload(chunk_map, device), int(counts.sum())
 
         def build_table(idx=idx, addrs=addrs, numels=numels, device=device):
             _check_rows(names, dtypes, lists, idx)
             if scalars is not None:
                 _check_scalars("steps", scalars, idx, device)
-            first, chunk_map, n_chunks = _cached(("map", device, chunk, numels), build_map)
+            first, chunk_map, n_chunks = cached(("map", device, chunk, numels), build_map)
             rows = [list(a) + [n, f] for a, n, f in zip(addrs, numels, first)]
-            return _upload(torch.tensor(rows, dtype=torch.int64), device), chunk_map, n_chunks
+            return upload(torch.tensor(rows, dtype=torch.int64), device), chunk_map, n_chunks
 
-        table, chunk_map, n_chunks = _cached(("table", device, chunk, numels, tuple(addrs)), build_table)
+        table, chunk_map, n_chunks = cached(("table", device, chunk, numels, tuple(addrs)), build_table)
         if n_chunks or keep_empty:
             yield key[:-1], key[-1], table, chunk_map, n_chunks
 
@@ -387,12 +344,6 @@ def _log2_pair(beta: float) -> tuple[float, float]:
     full = math.log2(beta)
     hi = struct.unpack("f", struct.pack("f", full))[0]
     return hi, full - hi
-
-
-def _check_flag(name: str, flag, device: torch.device) -> None:
-    if flag is not None and (not isinstance(flag, torch.Tensor) or flag.dtype != torch.int32 or flag.numel() != 1
-                             or flag.device != device):
-        raise TypeError(f"{name} must be None or a one-element int32 tensor on {device}")
 
 
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr, betas=(0.9, 0.999),
@@ -422,7 +373,7 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr
     beta1, beta2 = betas
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
-    _check_flag("found_inf", found_inf, device)
+    check_flag("found_inf", found_inf, device)
     sizes = _sizes()
     scalars = (0.0 if lr_on_device else float(lr), float(weight_decay), 1.0 - beta1, beta2, 1.0 - beta2,
                *_log2_pair(beta1), *_log2_pair(beta2), float(eps))
@@ -444,8 +395,8 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr
         p_dtype, g_dtype, w_dtype = col_dtypes[0], col_dtypes[1], col_dtypes[4]
         if n_chunks:  # a bucket of empty tensors (e.g. a rank's empty FSDP shards) only counts its steps
             _adamw_kernel[(n_chunks,)](table, chunk_map, lr if lr_on_device else table,
-                                       found_inf if has_skip else table, *scalars, P_DTYPE=_TL_DTYPE[p_dtype],
-                                       G_DTYPE=_TL_DTYPE[g_dtype], HAS_MASTER=w_dtype != p_dtype,
+                                       found_inf if has_skip else table, *scalars, P_DTYPE=TL_DTYPE[p_dtype],
+                                       G_DTYPE=TL_DTYPE[g_dtype], HAS_MASTER=w_dtype != p_dtype,
                                        LR_ON_DEVICE=lr_on_device, HAS_SKIP=has_skip, ALIGNED=aligned,
                                        **sizes, num_warps=NUM_WARPS)
         _adamw_count_kernel[(table.shape[0],)](table, found_inf if has_skip else table, HAS_SKIP=has_skip,
@@ -474,7 +425,7 @@ def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.T
             raise ValueError("grads is empty: with reduce, every holder must pass its (possibly empty) tensors")
         return torch.zeros((), dtype=torch.float32)
     device = grads[0].device
-    _check_flag("found_inf", found_inf, device)
+    check_flag("found_inf", found_inf, device)
     if found_inf is not None and (not isinstance(check, torch.Tensor) or check.dtype != torch.float32
                                   or check.numel() != 1 or check.device != device):
         raise TypeError(f"check must be a one-element fp32 tensor on {device} when found_inf is given")
@@ -486,7 +437,7 @@ def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.T
     coef = torch.empty((), dtype=torch.float32, device=device)
     start = 0
     for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
-        _sq_norm_kernel[(n_chunks,)](table, chunk_map, partials[start:], G_DTYPE=_TL_DTYPE[g_dtype],
+        _sq_norm_kernel[(n_chunks,)](table, chunk_map, partials[start:], G_DTYPE=TL_DTYPE[g_dtype],
                                      ALIGNED=aligned, **sizes, num_warps=NUM_WARPS)
         start += n_chunks
     if reduce is not None:
@@ -499,6 +450,6 @@ def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.T
                             found_inf if has_flag else norm, float(max_norm), float(eps), HAS_FLAG=has_flag,
                             BLOCK=min(next_pow2(n_partials), _REDUCE_BLOCK), num_warps=4)
     for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
-        _scale_kernel[(n_chunks,)](table, chunk_map, coef, G_DTYPE=_TL_DTYPE[g_dtype], ALIGNED=aligned,
+        _scale_kernel[(n_chunks,)](table, chunk_map, coef, G_DTYPE=TL_DTYPE[g_dtype], ALIGNED=aligned,
                                    **sizes, num_warps=NUM_WARPS)
     return norm

@@ -53,8 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_lr, check_tensor, interpreting, next_pow2
-from .adamw import _TL_DTYPE, _cached, _check_flag, _upload
+from ._common import FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, interpreting, next_pow2, upload
 
 #: Newton-Schulz quintic of torch.optim.Muon / K. Jordan's Muon, used for every step
 NEWTON_SCHULZ_COEFFS = ((3.4445, -4.7750, 2.0315),)
@@ -377,7 +376,7 @@ def _prepare(table, found_inf, shape, batch, g_dtype, work_dtype, momentum, nest
     partials = torch.empty((batch, tiles), dtype=torch.float32, device=device)
     has_skip = found_inf is not None
     _muon_prepare_kernel[(tiles, batch)](table, found_inf if has_skip else table, x, partials, m, n, max(m, n),
-                                         float(momentum), G_DTYPE=_TL_DTYPE[g_dtype], HAS_MOMENTUM=has_momentum,
+                                         float(momentum), G_DTYPE=TL_DTYPE[g_dtype], HAS_MOMENTUM=has_momentum,
                                          NESTEROV=bool(nesterov), TALL=tall, HAS_SKIP=has_skip, BLOCK=ew,
                                          num_warps=4)
     return x, partials
@@ -424,7 +423,7 @@ def _matrix_table(columns, shape, device) -> torch.Tensor:
                 t, t_per = (col[i] if col is not None else first[i])
                 row.append(t.data_ptr() + j * t_per * t.element_size())
             rows.append(row)
-    return _upload(torch.tensor(rows, dtype=torch.int64).view(-1, 5), device)
+    return upload(torch.tensor(rows, dtype=torch.int64).view(-1, 5), device)
 
 
 def orthogonalize(x: torch.Tensor, *, coefficients: str = "polar_express", steps: int = 5, eps: float = 1e-7,
@@ -516,7 +515,7 @@ def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, 
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
-    _check_flag("found_inf", found_inf, device)
+    check_flag("found_inf", found_inf, device)
     schedule, factor = coefficient_schedule(coefficients, steps)
     work = _work_dtype(work_dtype)
     normuon = second_moments is not None
@@ -538,7 +537,7 @@ def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, 
                    [(masters[i], per) for i in idx] if has_master else None,
                    [(second_moments[i], big) for i in idx] if normuon else None]
         addrs = tuple(t.data_ptr() for col in columns if col is not None for t, _ in col)
-        (table,) = _cached(("muon", device, shape, tuple(params[i].numel() for i in idx), normuon, has_master,
+        (table,) = cached(("muon", device, shape, tuple(params[i].numel() for i in idx), normuon, has_master,
                             addrs), lambda columns=columns, shape=shape: (_matrix_table(columns, shape, device),))
         u, partials = _prepare(table, found_inf, shape, batch, g_dtype, work, momentum, nesterov, True, device)
         x = _polar(u, partials, schedule, factor, eps)
@@ -556,6 +555,6 @@ def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, 
         _muon_apply_kernel[(tiles, batch)](
             table, found_inf if has_skip else table, lr if lr_on_device else table, x, cols, stats, m, n, big, S,
             n_stats, 0.0 if lr_on_device else float(lr), float(lr_scale), lr_adjustment(adjust_lr, m, n),
-            float(weight_decay), P_DTYPE=_TL_DTYPE[p_dtype], HAS_MASTER=has_master, NORMUON=normuon,
+            float(weight_decay), P_DTYPE=TL_DTYPE[p_dtype], HAS_MASTER=has_master, NORMUON=normuon,
             LR_ON_DEVICE=lr_on_device, TALL=m >= n, HAS_SKIP=has_skip, BLOCK=ew,
             PBLOCK=min(next_pow2(n_stats), 1024), num_warps=4)
