@@ -400,6 +400,9 @@ def check_lr(lr, device: torch.device) -> bool:
     return False
 
 
+#: shared memory one program may use on sm90 (H100/H200: 227 KiB per block, opt-in), the budget every
+#: kernel's config pruning plans against (each subtracts what its estimate leaves out)
+SMEM_PER_BLOCK = 227 * 1024
 #: how many launch tables :func:`cached` keeps (one per bucket and parameter set).
 _CACHE_SIZE = 64
 #: triton.language dtype of each floating torch dtype

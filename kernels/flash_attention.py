@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, autotune, check_dot_dtype, check_same_device, check_same_dtype, check_tensor,
+from ._common import (SMEM_PER_BLOCK, Launch, Plans, autotune, check_dot_dtype, check_same_device, check_same_dtype, check_tensor,
                       compilable, interpreting, needs_grad, next_pow2, num_sms, tma_scratch)
 
 #: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
@@ -84,7 +84,9 @@ _SPLIT_MAX_ROWS = 64       # largest M tile of (query head, query row) pairs in 
 _COMBINE_ROWS = 16         # (b, h, t) rows per program of the split-combine kernel
 _INTERP_COMBINE_ROWS = 64  # the same under the interpreter (fewer programs)
 _PREPROCESS_BLOCK_M = 64   # rows per program of the delta = rowsum(dO * O) kernel
-_SMEM_BUDGET = 200 * 1024  # bytes of shared memory a config may plan for (H100/H200: 227 KiB per block)
+#: bytes of shared memory a config may plan for: the estimate counts operand tiles only, so 27 KiB stay
+#: for layout conversions and barriers
+_SMEM_BUDGET = SMEM_PER_BLOCK - 27 * 1024
 _TUNE_MIN_PAIRS = 1 << 20  # autotune prefill/backward only from next_pow2(T) * next_pow2(S) >= this
 
 # Prefill/backward knobs, timed side by side by scripts/tune_attention.py on the GPU (not yet measured):
