@@ -5,11 +5,16 @@ One process with the global batch is the reference. Against it: DDP and FSDP2 on
 (torchrun), FSDP2 on one process of a process group; sharded checkpoints saved on two ranks and
 resumed in one plain process, saved on one rank and resumed on two, a single-process (safetensors)
 checkpoint resumed by FSDP2 on two; the export that generation
-loads; and a rank that fails ending every rank within a minute with its rank and message. The data
-shares, the sharded norm reduction and AdamW on an empty shard are checked in process."""
+loads; and a rank that fails ending every rank within a minute with its rank and message. The same
+with optim=muon (Muon + AdamW) against one Muon process: DDP, FSDP2 (whole matrices orthogonalised
+from gathered shards), its checkpoints resumed across world sizes; Muon on DTensor shards of odd
+shapes against Muon on the full matrices (tests/_muon_shard_worker.py). The multi-node launch: two
+torchrun agents joined through a c10d rendezvous on localhost running ``python -m tritonllm.train``.
+The data shares, the sharded norm reduction and AdamW on an empty shard are checked in process."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +40,9 @@ WORKER = os.path.join(ROOT, "tests", "_dist_worker.py")
 #: the global batch: 4 sequences x 2 micro-batches; on two ranks 2 sequences each
 ONE = ["device=cpu", "trainer.batch_size=4", "trainer.grad_accum=2"]
 TWO = ["device=cpu", "trainer.batch_size=2", "trainer.grad_accum=2"]
+#: after ONE / TWO: Muon (lr 0.02) for the block matrices, AdamW (TINY's optim.lr) for the rest; three
+#: steps of one micro-batch (the accumulation is the AdamW runs' to test), checkpoints at 2 and 3
+MUON = ["optim=muon", "trainer.grad_accum=1", "trainer.max_steps=3"]
 
 
 def free_port() -> int:
@@ -43,12 +51,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(spec: dict, tmp, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    path = os.path.join(tmp, f"spec-{time.monotonic_ns()}.json")
-    with open(path, "w") as f:
-        json.dump(spec, f)
+def torchrun(spec, tmp, nproc: int = 2, timeout: float = 300, worker: str = WORKER) -> subprocess.CompletedProcess:
+    """``worker`` on ``nproc`` processes; its argument: ``spec`` written to a JSON file, or a path (str)."""
+    path = spec
+    if not isinstance(spec, str):
+        path = os.path.join(tmp, f"spec-{time.monotonic_ns()}.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", WORKER, path]
+           f"--master_port={free_port()}", worker, path]
     env = child_env(os.path.join(ROOT, "tests"), OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=env)
 
@@ -62,12 +73,15 @@ def runs(tmp_path_factory, data_overrides):
     """Every run's folder: ``ref`` (one process, global batch), ``fsdp1`` (FSDP2 on a one-rank group),
     ``ddp`` / ``fsdp`` (two ranks), ``fsdp_from1`` (two ranks resuming fsdp1's step 2), ``fsdp_from_plain``
     (two FSDP2 ranks resuming ref's single-process step 2) and ``plain_from2`` (one plain process
-    resuming the two-rank FSDP2 step 2)."""
+    resuming the two-rank FSDP2 step 2); with optim=muon: ``muon_ref``, ``muon_ddp``, ``muon_fsdp``,
+    ``muon_fsdp_from_plain`` (muon_ref's step 2) and ``muon_plain_from2`` (muon_fsdp's step 2)."""
     tmp = tmp_path_factory.mktemp("parallel")
     base = [*TINY, *data_overrides]
-    out = {name: tmp / name for name in ("ref", "fsdp1", "ddp", "fsdp", "fsdp_from1",
-                                                      "fsdp_from_plain", "plain_from2")}
+    out = {name: tmp / name for name in ("ref", "fsdp1", "ddp", "fsdp", "fsdp_from1", "fsdp_from_plain",
+                                         "plain_from2", "muon_ref", "muon_ddp", "muon_fsdp", "muon_fsdp_from_plain",
+                                         "muon_plain_from2")}
     train(compose_train(*base, *ONE, f"out_dir={out['ref']}"))
+    train(compose_train(*base, *ONE, *MUON, f"out_dir={out['muon_ref']}"))
     group_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(free_port())}
     saved = {k: os.environ.get(k) for k in group_env}
@@ -83,10 +97,16 @@ def runs(tmp_path_factory, data_overrides):
         [*base, *TWO, "trainer.parallel=fsdp", f"out_dir={out['fsdp_from1']}",
          f"trainer.resume={out['fsdp1']}/checkpoints/step_00000002"],
         [*base, *TWO, "trainer.parallel=fsdp", f"out_dir={out['fsdp_from_plain']}",
-         f"trainer.resume={out['ref']}/checkpoints/step_00000002"]]}, tmp)
+         f"trainer.resume={out['ref']}/checkpoints/step_00000002"],
+        [*base, *TWO, *MUON, "trainer.parallel=ddp", f"out_dir={out['muon_ddp']}"],
+        [*base, *TWO, *MUON, "trainer.parallel=fsdp", f"out_dir={out['muon_fsdp']}"],
+        [*base, *TWO, *MUON, "trainer.parallel=fsdp", f"out_dir={out['muon_fsdp_from_plain']}",
+         f"trainer.resume={out['muon_ref']}/checkpoints/step_00000002"]]}, tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     train(compose_train(*base, *ONE, f"out_dir={out['plain_from2']}",
                         f"trainer.resume={out['fsdp']}/checkpoints/step_00000002"))
+    train(compose_train(*base, *ONE, *MUON, f"out_dir={out['muon_plain_from2']}",
+                        f"trainer.resume={out['muon_fsdp']}/checkpoints/step_00000002"))
     return out
 
 
@@ -150,6 +170,75 @@ def test_export_for_generation(runs, tmp_path):
     assert tokenizer.vocab_size == models[0].cfg.vocab_size
     for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@cpu_only
+def test_muon_under_ddp_and_fsdp_matches_one_process(runs):
+    """optim=muon on two ranks: DDP (full gradients, nothing special) and FSDP2 (each block matrix
+    orthogonalised whole from its gathered gradient and momentum shards) follow one Muon process with
+    the global batch; FSDP2's checkpoints (momentum sharded like the weights) resume in one plain
+    process, and the plain run's single-process checkpoint resumes on two FSDP2 ranks."""
+    ref = losses(runs["muon_ref"])
+    assert len(ref) == 3 and ref[3] < ref[1]
+    for name in ("muon_ddp", "muon_fsdp"):
+        assert_losses_close(losses(runs[name]), ref, [1, 2, 3])
+        val, ref_val = read_metrics(str(runs[name]), "val"), read_metrics(str(runs["muon_ref"]), "val")
+        assert [v["step"] for v in val] == [2, 3]
+        assert all(abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * b["val_loss"] for a, b in zip(val, ref_val))
+        assert read_metrics(str(runs[name]), "train")[0]["tokens"] == 4 * 32
+    assert_losses_close(losses(runs["muon_plain_from2"]), ref, [3])
+    assert_losses_close(losses(runs["muon_fsdp_from_plain"]), ref, [3])
+
+
+@cpu_only
+def test_muon_on_shards_equals_muon_on_full_matrices(tmp_path):
+    """Muon on DTensors sharded over two ranks (FSDP2's Shard(0)) against Muon on the full tensors:
+    rows split unevenly or not at all on one rank (1 x 9), stacked experts split whole (3 and 1 of
+    them), NorMuon's second moment, several gather chunks. The same kernels on the same full
+    matrices: equal bit for bit. A Partial DTensor is refused, naming params."""
+    out = tmp_path / "muon.json"
+    r = torchrun(str(out), tmp_path, worker=os.path.join(ROOT, "tests", "_muon_shard_worker.py"), timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    result = json.loads(out.read_text())
+    rows = {tuple(p["shape"]): p["local_rows"] for p in result["params"]}
+    assert rows[(1, 9)] == [1, 0] and rows[(3, 4, 6)] == [2, 1] and rows[(7, 8)] == [4, 3], rows
+    for p in result["params"]:
+        assert p["moved"] > 0, p
+        assert p["weight"] == 0.0 and p["momentum"] == 0.0 and p["second_moment"] in (None, 0.0), p
+    assert [p["second_moment"] is not None for p in result["params"]].count(True) == 3
+    assert result["partial_error"].startswith("params: Muon takes DTensors sharded on a 1-D mesh"), result
+
+
+@cpu_only
+def test_two_agents_join_through_a_localhost_rendezvous(runs, data_overrides, tmp_path):
+    """The multi-node launch of the README and examples/slurm_train.sbatch on one host: two torchrun
+    agents of one process each (--nnodes=2, a c10d rendezvous on localhost; the first to bind the
+    endpoint hosts the store, the other joins as a client) running ``python -m tritonllm.train``
+    with FSDP2 on gloo. Both ranks train and save their shards, the global batch is logged, and the
+    losses of the two steps are those of one process with the global batch (the first update's
+    learning rate does not depend on trainer.max_steps)."""
+    port, run = free_port(), tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=localhost:{port}", f"--rdzv_id=test-{port}", "-m", "tritonllm.train",
+           *TINY, *data_overrides, *TWO, "trainer.max_steps=2", "trainer.parallel=fsdp", f"hydra.run.dir={run}"]
+    env = child_env(OMP_NUM_THREADS="1", TRITONLLM_NO_AUTOTUNE="1")
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               cwd=tmp_path, start_new_session=True) for _ in range(2)]
+    try:
+        logs = [a.communicate(timeout=240)[0] for a in agents]
+    finally:
+        for a in agents:  # a timeout: end each agent's session (the agent and the rank it started)
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    assert [a.returncode for a in agents] == [0, 0], "\n-----\n".join(log[-3000:] for log in logs)
+    for log in logs:  # one rank per agent; each logs the global batch
+        assert "256 tokens per step (2 ranks x 2 x 32 x 2 micro-batches, parallel=fsdp)" in log, log[-3000:]
+        assert "FSDP2 over 2 ranks (gloo)" in log and "done: validation loss" in log, log[-3000:]
+    ckpt = run / "checkpoints" / "step_00000002"
+    assert is_sharded(str(ckpt)) and json.load(open(ckpt / "state.json"))["world_size"] == 2
+    assert {f for f in os.listdir(ckpt) if f.startswith("rng_rank")} == {"rng_rank0.pt", "rng_rank1.pt"}
+    assert [r["tokens"] for r in read_metrics(str(run), "train")] == [256, 512]
+    assert_losses_close(losses(run), losses(runs["ref"]), [1, 2])
 
 
 @cpu_only

@@ -17,6 +17,27 @@ State per parameter: ``momentum_buffer`` (fp32, the parameter's shape), with Nor
 ``second_moment`` (fp32, ``[..., max(m, n)]``), and for bf16/fp16 parameters (unless
 ``master_weights=False``) an fp32 ``master`` copy. ``state_dict()`` / ``load_state_dict()``
 round-trip exactly (the fp32 state is restored in fp32).
+
+Sharded parameters (FSDP2's ``fully_shard``: DTensors ``Shard(d)`` on a 1-D device mesh). Muon
+orthogonalises whole matrices, so:
+
+- sharded along a dimension that indexes matrices (``d < ndim - 2``, e.g. the experts of an MoE
+  layer ``[E, m, n]`` sharded over ``E``): each rank holds whole matrices and updates its local shard,
+  like AdamW;
+- sharded along a matrix dimension (a ``[m, n]`` weight cut into row blocks): the gradient and the
+  momentum buffer are all-gathered (``DTensor.full_tensor``), every rank runs the whole step on the
+  full matrices (the same kernels on the same values: the same result on every rank) and keeps its
+  own rows of the new weight and momentum. The weight is not gathered: the update of an element
+  reads only that element of the weight, so the other ranks' rows are zeros in the full-size work
+  buffer. Cost per step: two all-gathers of each such matrix in fp32 and the orthogonalisation
+  repeated on every rank (instead of assigning matrices to ranks round-robin): no extra state, and
+  the state keeps the parameter's layout, so sharded checkpoints reshard it like AdamW's. The
+  gathered matrices go through the kernels in chunks of at most :data:`GATHER_ELEMENTS` elements,
+  which bounds the transient memory.
+
+The momentum buffer (and master copy) is sharded like the parameter; NorMuon's second moment
+``[..., max(m, n)]`` is sharded like it along a matrix-indexing dimension, else replicated
+(identical on every rank).
 """
 
 from __future__ import annotations
@@ -25,6 +46,38 @@ import torch
 
 from tritonllm.kernels.muon import ADJUST_LR, COEFFICIENTS, muon_step_
 from tritonllm.optim._base import DeviceStateOptimizer
+from tritonllm.optim.adamw import _dtensor_type
+
+#: elements of full matrices gathered per kernel call under FSDP2 (three fp32 work buffers -- weight,
+#: gradient, momentum -- of at most 512 MiB each): a bound on the transient memory, not a speed setting
+GATHER_ELEMENTS = 1 << 27
+
+
+def _shard_dim(p: torch.Tensor, dtensor) -> int | None:
+    """The dimension a DTensor ``p`` is sharded along (None for a plain tensor); a ValueError for
+    layouts Muon does not handle (several mesh dimensions, a Partial or uneven placement)."""
+    if dtensor is None or not isinstance(p, dtensor):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = p.placements
+    if len(placements) != 1 or type(placements[0]) not in (Shard, Replicate):
+        raise ValueError(f"params: Muon takes DTensors sharded on a 1-D mesh (FSDP2's Shard(dim)); got "
+                         f"placements {placements}")
+    return placements[0].dim if isinstance(placements[0], Shard) else None
+
+
+def _own_rows(p, dim: int) -> tuple[int, int]:
+    """``(start, length)`` along ``dim`` of this rank's shard of the DTensor ``p`` (``torch.chunk``'s
+    split, as FSDP2 and DTensor cut ``Shard(dim)``)."""
+    size, world = p.shape[dim], p.device_mesh.size()
+    chunk = -(-size // world)
+    start = min(p.device_mesh.get_local_rank() * chunk, size)
+    length = p.to_local().shape[dim]
+    if length != min(chunk, size - start):
+        raise RuntimeError(f"a shard of {length} of {size} rows at {start} is not torch.chunk's split over {world} "
+                           f"ranks")
+    return start, length
 
 
 class Muon(DeviceStateOptimizer):
@@ -84,8 +137,17 @@ class Muon(DeviceStateOptimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         if normuon and "second_moment" not in state:
-            state["second_moment"] = torch.zeros((*p.shape[:-2], max(p.shape[-2:])), dtype=torch.float32,
-                                                 device=p.device)
+            shape = (*p.shape[:-2], max(p.shape[-2:]))
+            dtensor = _dtensor_type()
+            if dtensor is not None and isinstance(p, dtensor):  # sharded with p's matrices, else replicated
+                from torch.distributed.tensor import Replicate, zeros
+
+                dim = _shard_dim(p, dtensor)
+                placements = p.placements if dim is not None and dim < p.dim() - 2 else [Replicate()]
+                state["second_moment"] = zeros(shape, dtype=torch.float32, device_mesh=p.device_mesh,
+                                               placements=placements)
+            else:
+                state["second_moment"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         if use_master and "master" not in state:
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
@@ -110,18 +172,70 @@ class Muon(DeviceStateOptimizer):
                 use_master = masters_on and p.dtype != torch.float32
                 self._init_state(p, state, normuon, use_master)
                 items.append((p, state, use_master))
-            if not items:
-                continue
-            muon_step_([p for p, _, _ in items], [p.grad for p, _, _ in items],
-                       [s["momentum_buffer"] for _, s, _ in items],
-                       [s["master"] if m else None for _, s, m in items],
-                       [s["second_moment"] for _, s, _ in items] if normuon else None,
-                       lr=group["lr"], lr_scale=group["lr_scale"], momentum=group["momentum"],
-                       nesterov=group["nesterov"], weight_decay=group["weight_decay"],
-                       coefficients=group["coefficients"], steps=group["ns_steps"], eps=group["eps"],
-                       adjust_lr=group["adjust_lr"], beta2=group["beta2"], found_inf=found_inf,
-                       work_dtype=group["work_dtype"])
+            if items:
+                self._update(group, items, normuon, found_inf)
         return loss
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create every parameter's state (zero momentum and second moment, master copies) without
+        an update: the tensors a sharded checkpoint is loaded into in place."""
+        for group in self.param_groups:
+            masters_on = group["master_weights"] is not False
+            for p in group["params"]:
+                self._init_state(p, self.state[p], bool(group["normuon"]), masters_on and p.dtype != torch.float32)
+
+    def _update(self, group: dict, items: list, normuon: bool, found_inf) -> None:
+        """``muon_step_`` over ``items`` (parameter, state, master or not): plain tensors and whole
+        local matrices in one call, matrices cut by the sharding gathered in bounded chunks (see the
+        module docstring)."""
+        dtensor = _dtensor_type()
+        local = lambda t: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t  # noqa: E731
+        whole, cut = [], []
+        for p, state, use_master in items:
+            dim = _shard_dim(p, dtensor)
+            tensors = (p, p.grad, state["momentum_buffer"], state["master"] if use_master else None,
+                       state["second_moment"] if normuon else None)
+            if dim is None or dim < p.dim() - 2:
+                if local(p).numel():  # a rank may hold none of a few experts
+                    whole.append([None if t is None else local(t) for t in tensors])
+            else:
+                cut.append((dim, tensors))
+        if whole:
+            self._kernel_step(group, whole, normuon, found_inf)
+        while cut:
+            n, size = 0, 0
+            while n < len(cut) and (n == 0 or size + cut[n][1][0].numel() <= GATHER_ELEMENTS):
+                size += cut[n][1][0].numel()
+                n += 1
+            chunk, cut = cut[:n], cut[n:]
+            call, keep = [], []  # keep: (local shard, full buffer, dim, start, length)
+            for dim, (p, g, buf, master, second) in chunk:
+                start, length = _own_rows(p, dim)
+                full = {}
+                for key, t in (("p", p), ("master", master)):  # zeros but for this rank's rows
+                    if t is not None:
+                        full[key] = torch.zeros(t.shape, dtype=t.dtype, device=local(t).device)
+                        full[key].narrow(dim, start, length).copy_(local(t))
+                full["buf"] = buf.full_tensor()
+                keep += [(local(t), full[key], dim, start, length)
+                         for key, t in (("p", p), ("master", master), ("buf", buf)) if t is not None]
+                call.append([full["p"], g.full_tensor(), full["buf"], full.get("master"),
+                             None if second is None else local(second)])
+            self._kernel_step(group, call, normuon, found_inf)
+            for shard, full_t, dim, start, length in keep:
+                shard.copy_(full_t.narrow(dim, start, length))
+
+    @staticmethod
+    def _kernel_step(group: dict, rows: list, normuon: bool, found_inf) -> None:
+        """One ``muon_step_`` call; ``rows``: per matrix [weight, gradient, momentum, master or None,
+        second moment or None], plain tensors."""
+        params, grads, bufs, masters, seconds = (list(c) for c in zip(*rows))
+        muon_step_(params, grads, bufs, masters, seconds if normuon else None, lr=group["lr"],
+                   lr_scale=group["lr_scale"], momentum=group["momentum"], nesterov=group["nesterov"],
+                   weight_decay=group["weight_decay"], coefficients=group["coefficients"], steps=group["ns_steps"],
+                   eps=group["eps"], adjust_lr=group["adjust_lr"], beta2=group["beta2"], found_inf=found_inf,
+                   work_dtype=group["work_dtype"])
 
 
 class CombinedOptimizer:
@@ -154,6 +268,11 @@ class CombinedOptimizer:
         for opt in self.optimizers:
             opt.step(found_inf=found_inf)
         return loss
+
+    def init_state(self) -> None:
+        """Every optimizer's ``init_state()`` (the state a sharded checkpoint is loaded into)."""
+        for opt in self.optimizers:
+            opt.init_state()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -195,9 +314,6 @@ def build_muon_adamw(model: torch.nn.Module, optim_cfg, master_weights: bool) ->
     from tritonllm.optim.adamw import AdamW
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if any(type(p).__name__ == "DTensor" for _, p in named):
-        raise ConfigError("optim=muon does not support sharded (FSDP2) parameters yet: use trainer.parallel=ddp "
-                          "or optim=adamw")
     lr, mu = float(optim_cfg.lr), optim_cfg.muon
     if not lr > 0.0:
         raise ConfigError(f"optim.lr (AdamW's peak learning rate) must be > 0 with optim=muon, got {lr}")

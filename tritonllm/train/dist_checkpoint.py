@@ -4,8 +4,8 @@ A checkpoint is a folder ``<ckpt_dir>/step_<00000123>/`` (found by
 :func:`tritonllm.checkpoint.find_checkpoint` like a single-process one) holding
 
 - DCP's files (``.metadata``, ``__<rank>_0.distcp``): ``model.<name>`` every weight and
-  ``optim.<name>.<key>`` AdamW's state (``exp_avg``, ``exp_avg_sq``, ``step`` and, when kept,
-  ``master``), each rank writing its own shards (FSDP2) or one rank a replicated tensor (DDP);
+  ``optim.<name>.<key>`` the optimizer's state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``; Muon's
+  ``momentum_buffer`` and NorMuon's ``second_moment``; when kept, ``master``), each rank writing its own shards (FSDP2) or one rank a replicated tensor (DDP);
 - ``rng_rank<r>.pt``: each rank's RNG states;
 - ``state.json`` (step, data position, model config, ...), ``config.yaml``, ``tokenizer.model``: rank 0.
 
@@ -157,8 +157,9 @@ def load_sharded(path: str, env, module: torch.nn.Module, optimizer=None, restor
                 fill_master.append((params[name], st["master"]))
             if "master" not in st and f"optim.{name}.master" in saved and params[name].dtype == torch.float32:
                 masters_into_weights.append(name)
-            if "step" not in optim_sd[name]:
-                raise CheckpointError(f"checkpoint {path} holds no optimizer state for {name}")
+            missing = [k for k in st if k != "master" and k not in optim_sd[name]]
+            if missing:  # AdamW's step and moments, Muon's momentum (and NorMuon's second moment)
+                raise CheckpointError(f"checkpoint {path} holds no optimizer state {', '.join(missing)} for {name}")
         request["optim"] = optim_sd
     try:
         dcp.load(request, checkpoint_id=path)
@@ -193,7 +194,8 @@ def _copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
 def load_full_into_shards(path: str, env, module: torch.nn.Module, optimizer=None, restore_rng: bool = True,
                           model_config: dict | None = None, verified: bool = False) -> dict:
     """Load the single-process checkpoint ``path`` (``model.safetensors``, ``optimizer.pt``, ``rng.pt``)
-    into ``module``, sharded by FSDP2, and its AdamW ``optimizer`` (collective: every rank calls it);
+    into ``module``, sharded by FSDP2, and its ``optimizer`` (AdamW, or ``optim=muon``'s Muon and AdamW;
+    collective: every rank calls it);
     returns its ``state.json``.
 
     Every rank reads the full weights and optimizer state on the CPU and copies its own shards into
@@ -218,16 +220,24 @@ def load_full_into_shards(path: str, env, module: torch.nn.Module, optimizer=Non
         rng = torch.load(file, map_location="cpu", weights_only=True) if restore_rng and env.main else None
     except Exception as e:
         raise CheckpointError(f"checkpoint file {file} is unreadable ({type(e).__name__}: {e})") from None
-    pairs = []  # (parameter, its saved optimizer state)
+    pairs, groups = [], []  # (parameter, its saved optimizer state), (group, its saved group)
     if saved is not None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
-        if len(saved["param_groups"]) != len(optimizer.param_groups) or len(saved_ids) != len(params):
-            raise CheckpointError(f"checkpoint file {file} holds {len(saved_ids)} parameters in "
-                                  f"{len(saved['param_groups'])} groups, this optimizer {len(params)} in "
-                                  f"{len(optimizer.param_groups)}")
+        # a CombinedOptimizer (optim=muon) saves one state dict per optimizer, in order
+        optimizers = getattr(optimizer, "optimizers", [optimizer])
+        saved_all = saved.get("optimizers", [saved])
+        if len(saved_all) != len(optimizers):
+            raise CheckpointError(f"checkpoint file {file} holds the state of {len(saved_all)} optimizer(s), this "
+                                  f"run has {len(optimizers)}")
+        for opt, sd in zip(optimizers, saved_all):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            saved_ids = [i for g in sd["param_groups"] for i in g["params"]]
+            if len(sd["param_groups"]) != len(opt.param_groups) or len(saved_ids) != len(params):
+                raise CheckpointError(f"checkpoint file {file} holds {len(saved_ids)} parameters in "
+                                      f"{len(sd['param_groups'])} groups, this optimizer {len(params)} in "
+                                      f"{len(opt.param_groups)}")
+            pairs += [(p, sd["state"].get(i) or {}) for p, i in zip(params, saved_ids)]
+            groups += list(zip(opt.param_groups, sd["param_groups"]))
         names = {id(p): n for n, p in module.named_parameters()}
-        pairs = [(p, saved["state"].get(i) or {}) for p, i in zip(params, saved_ids)]
         for p, st in pairs:  # fp32 weights here, fp32 masters there: the masters are the weights
             if "master" in st and p.dtype == torch.float32 and id(p) in names:
                 weights[names[id(p)]] = st["master"]
@@ -239,13 +249,14 @@ def load_full_into_shards(path: str, env, module: torch.nn.Module, optimizer=Non
         optimizer.init_state()
         for p, st in [(p, st) for p, st in pairs if st]:  # a parameter never updated keeps zero state
             mine = optimizer.state[p]
-            mine["step"].fill_(float(st["step"]))
-            for key in ("exp_avg", "exp_avg_sq", "master"):
+            if "step" in mine:  # AdamW's count (Muon keeps none)
+                mine["step"].fill_(float(st["step"]))
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer", "second_moment", "master"):
                 if key in mine and key in st:
                     _copy_full_(mine[key], st[key])
-                elif key in mine:  # a master copy the saving run did not keep: the loaded weight
+                elif key == "master" and key in mine:  # a master copy the saving run did not keep: the weight
                     mine[key].copy_(p)
-        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for group, saved_group in groups:
             group.update({k: v for k, v in saved_group.items() if k != "params"})
     if rng is not None:
         set_rng_state(rng)
