@@ -1,4 +1,6 @@
 """``python -m tritonllm.bench train +model=void125m [hydra overrides] [--steps 20 --warmup 5 --out docs/perf]``
+``python -m tritonllm.bench train --nproc 2 +model=void1b [--parallel ddp,fsdp]``: DDP and FSDP2 on
+several GPUs against one, beside the baseline parallelised alike (:mod:`tritonllm.bench.dist_train`).
 
 Training throughput of tritonllm against a strong plain-PyTorch baseline, in one process run, on
 random tokens (the data does not change the speed). The config is composed like
@@ -242,6 +244,27 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
     return graphed, eager, (ours, others), captured, flops_per_token, weights
 
 
+def baseline_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
+    """The baseline's ``torch.optim.AdamW`` (fused on a GPU) with tritonllm's hyper-parameters and
+    groups: weight decay on matrices, none on vectors."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": float(cfg.optim.weight_decay)},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(cfg.optim.lr), betas=tuple(cfg.optim.betas),
+                             eps=float(cfg.optim.eps), fused=params[0].is_cuda)
+
+
+def baseline_update(loss: torch.Tensor, params: list, optimizer, clip: float | None) -> None:
+    """The rest of the baseline's step after its forward: ``loss.backward()``, the gradients clipped to
+    ``clip`` (``clip_grad_norm_(foreach=True)``; None: not clipped), the optimizer step, the gradients
+    set to None."""
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, float(clip), foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args, flops_per_token, peak_flops,
                   cycles_per_ms) -> dict:
     """One compiled baseline (``mode`` of torch.compile); its figures."""
@@ -252,10 +275,7 @@ def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args
         model = BaselineTransformer(model_cfg, experts=experts)
     model.load_state_dict(weights)
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": float(cfg.optim.weight_decay)},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=float(cfg.optim.lr),
-                                  betas=tuple(cfg.optim.betas), eps=float(cfg.optim.eps), fused=True)
+    optimizer = baseline_optimizer(model, cfg)
     compiled = torch.compile(model, mode=mode, dynamic=False)
     clip = cfg.trainer.grad_clip
 
@@ -264,16 +284,12 @@ def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = compiled(x, y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, float(clip), foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        baseline_update(loss, params, optimizer, clip)
 
     try:
         figures, _, _ = measure(step, args, x.numel(), flops_per_token, peak_flops, cycles_per_ms)
     finally:
-        del step, compiled, optimizer, model, params, groups
+        del step, compiled, optimizer, model, params
         torch._dynamo.reset()
         free_gpu()
     return figures
@@ -334,6 +350,11 @@ def main(argv: list[str]) -> None:
     from tritonllm.runtime import compose_config
     from tritonllm.train import model_config
 
+    if any(a == "--nproc" or a.startswith("--nproc=") for a in argv):  # several GPUs: tritonllm.bench.dist_train
+        from tritonllm.bench.dist_train import launch
+
+        launch(argv)
+        return
     args, overrides = _parse(argv)
     if not torch.cuda.is_available():
         sys.exit("python -m tritonllm.bench train needs a CUDA GPU")

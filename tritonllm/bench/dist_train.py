@@ -1,0 +1,345 @@
+"""``python -m tritonllm.bench train --nproc N +model=void1b [overrides] [--parallel ddp,fsdp] [--steps 20 --warmup 14]``
+
+Training throughput on N GPUs of one host: tritonllm's DDP and FSDP2 (``tritonllm.train.parallel``,
+the step of :class:`tritonllm.train.step.TrainStep`) against the plain-PyTorch baseline parallelised
+the same way, each measured against one GPU, in one command. The config is composed like
+``python -m tritonllm.train``'s; ``trainer.batch_size`` (default 4) and ``trainer.seq_len`` (default
+2048) are per GPU.
+
+:func:`launch` (what ``--nproc`` runs) starts ``torchrun --standalone --nproc_per_node=n -m
+tritonllm.bench.dist_train`` once per configuration, one after the other (each with the GPUs to
+itself; ``--timeout`` seconds at most):
+
+- tritonllm on one GPU (``parallel=none``: the single-device step, captured in a CUDA graph), the
+  reference of the scaling efficiency;
+- tritonllm on N GPUs with each ``--parallel`` mode: ``ddp`` (the step captured in a CUDA graph
+  after 11 eager DDP steps) and ``fsdp`` (FSDP2, eager);
+- unless ``--no-baseline``, the baseline (:class:`tritonllm.bench.baseline_model.BaselineTransformer`,
+  fp32 weights, bf16 compute, ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_(foreach=True)``)
+  parallelised as torchtitan does: each block compiled (``torch.compile``, mode ``--compile-mode``),
+  then ``fully_shard`` per block and on the root with ``MixedPrecisionPolicy(bf16, reduce fp32)``
+  (FSDP2), or DDP under ``torch.autocast`` (DDP), on one GPU (compiled blocks, autocast) and on N.
+
+Each rank feeds its own random tokens; after ``--warmup`` untimed steps, ``--steps`` steps are timed
+between two synchronisations of every rank (``cuda.synchronize`` and a barrier). Figures per
+configuration (rank 0 reports): ``tokens_per_s`` (all ranks), ``tokens_per_s_per_gpu``, ``mfu`` per
+GPU (``6 N_active + 12 L H D T`` FLOPs per token at ``trainer.peak_flops``), ``step_ms``,
+``peak_mem_gb`` (the largest over the ranks), from 3 profiled steps on rank 0 ``gpu_ms`` (compute
+kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``cuda_graph``, and tritonllm's
+``triton_share``.
+
+Rows go to ``<out>/train-<gpu>.json`` (DESIGN.md section 6), one per tritonllm configuration on N
+GPUs: ``nproc``, ``parallel``, the figures, ``scaling_efficiency`` = per-GPU tokens/s over the
+one-GPU run's (``one_gpu`` holds that run's figures), ``baselines`` (the baseline parallelised alike,
+with its own scaling efficiency) and ``speedup`` (the baseline's step_ms / ours). They replace rows
+of the same model, batch, sequence length, ``nproc`` and ``parallel``; the one-GPU rows of
+``python -m tritonllm.bench train`` (``nproc`` 1) are left as they are, and so is the file's header
+(each row carries its own ``commit``, ``date``, ``torch`` and ``host_cpu``). A configuration that
+fails (out of memory, the timeout) is recorded with its error.
+
+``--device cpu`` runs the same on CPU processes with gloo (fp32, tritonllm through the Triton
+interpreter; ``--compile-mode none`` leaves the baseline eager): a smoke test of the launch, not a
+measurement (``train-cpu.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+#: --compile-mode -> torch.compile mode of the baseline's blocks (none: eager)
+COMPILE_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs", "none": None}
+PARALLEL = ("ddp", "fsdp")
+#: the figures of a configuration copied into the rows
+FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_ms", "peak_mem_gb", "gpu_ms", "comm_ms",
+           "cuda_graph", "triton_share", "loss")
+BASELINE_FIGURES = tuple(k for k in FIGURES if k != "triton_share")
+
+
+# --- one configuration, on every rank (under torchrun) -------------------------------------------
+
+def _tritonllm_step(model_cfg, cfg, mode, env, dtype):
+    """tritonllm's step on this rank: (step(x, y) -> loss tensor, whether the graph was captured)."""
+    from tritonllm.models import build_model
+    from tritonllm.train.loop import build_optimizer
+    from tritonllm.train.parallel import parallelize
+    from tritonllm.train.step import TrainStep
+
+    model = build_model(model_cfg, device=env.device, dtype=torch.float32 if mode == "fsdp" else dtype)
+    par = parallelize(model, mode, env, compute_dtype=dtype)
+    optimizer = build_optimizer(model, cfg.optim, master_weights=dtype != torch.float32)
+    step = TrainStep(model, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1,
+                     cuda_graph=env.device.type == "cuda", parallel=par if env.distributed else None)
+    lr = float(cfg.optim.lr)
+    return (lambda x, y: step([(x, y)], lr).loss), lambda: step.graphed
+
+
+def _baseline_step(model_cfg, cfg, mode, env, dtype, compile_mode):
+    """The plain-PyTorch baseline's step on this rank (see the module docstring)."""
+    from tritonllm.bench.baseline_model import BaselineTransformer, default_expert_impl
+    from tritonllm.bench.train import baseline_optimizer, baseline_update
+
+    experts = default_expert_impl(env.device) if model_cfg.n_experts else None
+    with torch.device(env.device):
+        model = BaselineTransformer(model_cfg, experts=experts)
+    if compile_mode != "none":
+        for block in model.blocks:  # compiled per block, then parallelised: torchtitan's order
+            block.compile(mode=COMPILE_MODES[compile_mode])
+    autocast = dtype != torch.float32
+    wrapped = model
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+        for i, block in enumerate(model.blocks):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.blocks) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        autocast = False  # FSDP2 gathers the weights in bf16
+    elif mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        wrapped = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+    optimizer = baseline_optimizer(model, cfg)
+    params = list(model.parameters())
+    clip = cfg.trainer.grad_clip
+
+    def step(x, y):
+        with torch.autocast(env.device.type, dtype=dtype, enabled=autocast):
+            loss = wrapped(x, y)
+        baseline_update(loss, params, optimizer, clip)
+        return loss.detach()
+
+    return step, lambda: False
+
+
+def run_worker(argv: list[str]) -> None:
+    """One configuration on this rank (torchrun's environment); rank 0 writes its figures to ``--result``."""
+    p = argparse.ArgumentParser(prog="python -m tritonllm.bench.dist_train")
+    p.add_argument("--side", choices=("tritonllm", "baseline"), required=True)
+    p.add_argument("--parallel", choices=("none", *PARALLEL), required=True)
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=14)
+    p.add_argument("--compile-mode", choices=tuple(COMPILE_MODES), default="default")
+    p.add_argument("--result", required=True)
+    args, overrides = p.parse_known_args(argv)
+
+    import torch.distributed as dist
+
+    from tritonllm.bench.train import kernel_times, wall_ms
+    from tritonllm.runtime import compose_config
+    from tritonllm.train import model_config
+    from tritonllm.train.parallel import init_distributed, shutdown
+
+    env = init_distributed(args.device)
+    cuda = env.device.type == "cuda"
+    cfg = compose_config("train", ["trainer.batch_size=4", "trainer.seq_len=2048", *overrides])
+    model_cfg = model_config(cfg)
+    B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(cfg.seed)
+    if args.side == "tritonllm":
+        step, graphed = _tritonllm_step(model_cfg, cfg, args.parallel, env, dtype)
+    else:
+        step, graphed = _baseline_step(model_cfg, cfg, args.parallel, env, dtype, args.compile_mode)
+    gen = torch.Generator().manual_seed(cfg.seed + env.rank)
+    tokens = torch.randint(0, model_cfg.vocab_size, (B, T + 1), generator=gen).to(env.device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(env.device)
+        if env.distributed:
+            dist.barrier()
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(env.device)
+    last = {}
+
+    def timed():
+        last["loss"] = step(x, y)
+
+    for _ in range(args.warmup):
+        timed()
+    ms = wall_ms(timed, args.steps, sync)
+    figures = {"step_ms": round(ms, 3), "loss": round(float(last["loss"]), 4), "cuda_graph": graphed()}
+    if cuda:
+        peak = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 1e9, device=env.device)
+        if env.distributed:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        ours, others = kernel_times(timed)  # on every rank: the collectives need them all
+        comm = sum(v for k, v in others.items() if "nccl" in k.lower())
+        compute = sum(ours.values()) + sum(others.values()) - comm
+        figures.update(peak_mem_gb=round(float(peak), 2), gpu_ms=round(compute, 3), comm_ms=round(comm, 3))
+        if args.side == "tritonllm" and compute:
+            figures["triton_share"] = round(sum(ours.values()) / compute, 4)
+    if env.main:
+        from tritonllm.models import build_model
+
+        tok_s = B * T * env.world_size / (ms / 1e3)
+        flops = build_model(model_cfg, device="meta").flops_per_token(T)
+        figures.update(tokens_per_s=round(tok_s), tokens_per_s_per_gpu=round(tok_s / env.world_size),
+                       mfu=round(flops * tok_s / env.world_size / float(cfg.trainer.peak_flops), 4),
+                       model=model_cfg.name, batch=B, seq_len=T, nproc=env.world_size,
+                       device=torch.cuda.get_device_name(env.device) if cuda else "cpu", torch=torch.__version__)
+        if cuda:
+            from tritonllm.bench.harness import gpu_slug
+
+            figures["slug"] = gpu_slug()
+        with open(args.result, "w") as f:
+            json.dump(figures, f)
+    shutdown(env)
+
+
+# --- the launcher --------------------------------------------------------------------------------
+
+def _parse(argv: list[str]):
+    p = argparse.ArgumentParser(prog="python -m tritonllm.bench train --nproc N",
+                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+    p.add_argument("--nproc", type=int, required=True, help="GPUs (processes) of the parallel runs, >= 2")
+    p.add_argument("--parallel", default=",".join(PARALLEL), help="comma-separated modes of: ddp, fsdp")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=14,
+                   help="untimed steps first (compilation, autotuning; DDP's graph is captured after 11)")
+    p.add_argument("--no-baseline", action="store_true", help="time tritonllm only")
+    p.add_argument("--compile-mode", choices=tuple(COMPILE_MODES), default="default",
+                   help="torch.compile mode of the baseline's blocks (none: eager)")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: gloo processes, a smoke test")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
+    p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
+    args, overrides = p.parse_known_args(argv)
+    if args.nproc < 2:
+        p.error(f"--nproc must be >= 2 (the one-GPU run is measured too), got {args.nproc}")
+    args.parallel = [m for m in args.parallel.split(",") if m]
+    if not args.parallel or any(m not in PARALLEL for m in args.parallel):
+        p.error(f"--parallel: comma-separated modes of {', '.join(PARALLEL)}, got {','.join(args.parallel)!r}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    return args, overrides
+
+
+def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) -> dict:
+    """One configuration under torchrun; its figures, or ``{"error": ...}``."""
+    result = os.path.join(folder, f"{side}-{mode}-{n}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           "-m", "tritonllm.bench.dist_train", "--side", side, "--parallel", mode, "--device", args.device,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--compile-mode", args.compile_mode,
+           "--result", result, *overrides]
+    print(f"-- {side} parallel={mode} x{n}", flush=True)
+    start = time.monotonic()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:.0f} s"}
+    if r.returncode != 0 or not os.path.isfile(result):
+        tail = (r.stderr or r.stdout).strip().splitlines()[-12:]
+        print("\n".join(f"   {line}" for line in tail), flush=True)
+        lines = [line for line in tail if "Error" in line or "error" in line]
+        return {"error": (lines[-1] if lines else f"exit status {r.returncode}")[:300]}
+    with open(result) as f:
+        figures = json.load(f)
+    figures["wall_s"] = round(time.monotonic() - start, 1)
+    return figures
+
+
+def _line(name: str, f: dict, eff) -> str:
+    if "error" in f:
+        return f"{name:<26}failed: {f['error']}"
+    mem = "-" if f.get("peak_mem_gb") is None else f"{f['peak_mem_gb']:.2f}"
+    comm = "-" if f.get("comm_ms") is None else f"{f['comm_ms']:.2f}"
+    return (f"{name:<26}{f['tokens_per_s']:>12,}{f['tokens_per_s_per_gpu']:>12,}{f['mfu']:>8.1%}{f['step_ms']:>10.2f}"
+            f"{comm:>9}{mem:>9}{'-' if eff is None else f'{eff:.3f}':>8}")
+
+
+def _efficiency(f: dict, one: dict):
+    """Per-GPU tokens/s over one GPU's: with the same batch per GPU, the one-GPU step time over this one."""
+    if "error" in f or "error" in one:
+        return None
+    return round(one["step_ms"] / f["step_ms"], 4)
+
+
+def write_rows(path: str, rows: list[dict], header: dict) -> None:
+    """Merge ``rows`` into the results file ``path``: rows of the same model, batch, seq_len, nproc and
+    parallel are replaced; the header is written only when the file is new."""
+    doc = {**header, "results": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+    key = lambda r: (r.get("model"), r.get("batch"), r.get("seq_len"), r.get("nproc", 1), r.get("parallel", "none"))  # noqa: E731
+    new = {key(r) for r in rows}
+    doc["results"] = [r for r in doc.get("results", []) if key(r) not in new] + rows
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def launch(argv: list[str]) -> list[dict]:
+    """The ``--nproc`` benchmark (module docstring); returns the rows written."""
+    from tritonllm.bench.harness import git_commit
+    from tritonllm.bench.train import host_cpu_model
+
+    args, overrides = _parse(argv)
+    if args.device == "auto" and not torch.cuda.is_available():
+        sys.exit("python -m tritonllm.bench train --nproc needs CUDA GPUs (--device cpu: a gloo smoke test)")
+    n = args.nproc
+    sides = ["tritonllm"] + ([] if args.no_baseline else ["baseline"])
+    figures = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for side in sides:
+            figures[side, "none", 1] = _run(side, "none", 1, args, overrides, folder)
+            for mode in args.parallel:
+                figures[side, mode, n] = _run(side, mode, n, args, overrides, folder)
+    host_cpu = host_cpu_model()
+    print(f"host CPU: {host_cpu}")
+    print(f"{'configuration':<26}{'tokens/s':>12}{'per GPU':>12}{'MFU':>8}{'step ms':>10}{'comm ms':>9}"
+          f"{'peak GB':>9}{'scaling':>8}")
+    for (side, mode, k), f in figures.items():
+        eff = None if k == 1 else _efficiency(f, figures[side, "none", 1])
+        print(_line(f"{side} {mode} x{k}", f, eff))
+    one = figures["tritonllm", "none", 1]
+    done = [f for f in figures.values() if "error" not in f]
+    if not done:
+        sys.exit("tritonllm: error: every configuration failed")
+    model, batch, seq_len = done[0]["model"], done[0]["batch"], done[0]["seq_len"]
+    stamp = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": done[0]["torch"],
+             "host_cpu": host_cpu}
+    pick = lambda f, keys: {k: f[k] for k in keys if k in f}  # noqa: E731
+    rows = []
+    for mode in args.parallel:
+        ours = figures["tritonllm", mode, n]
+        row = {"model": model, "batch": batch, "seq_len": seq_len, "nproc": n, "parallel": mode,
+               **pick(ours, (*FIGURES, "error")), "scaling_efficiency": _efficiency(ours, one),
+               "one_gpu": pick(one, ("tokens_per_s", "step_ms", "cuda_graph", "error")), "baselines": {},
+               "speedup": None, **stamp}
+        if "baseline" in sides:
+            base = figures["baseline", mode, n]
+            name = f"{'FSDP2' if mode == 'fsdp' else 'DDP'} + " + (
+                "eager" if args.compile_mode == "none" else "torch.compile")
+            row["baselines"][name] = {**pick(base, (*BASELINE_FIGURES, "error")), "compile_mode": args.compile_mode,
+                                      "scaling_efficiency": _efficiency(base, figures["baseline", "none", 1])}
+            if "error" not in base and "error" not in ours:
+                row["speedup"] = round(base["step_ms"] / ours["step_ms"], 3)
+        rows.append(row)
+    slug = next((f["slug"] for f in done if "slug" in f), "cpu")
+    path = os.path.join(args.out, f"train-{slug}.json")
+    write_rows(path, rows, {"gpu": done[0]["device"], "host_cpu": host_cpu,
+                            "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
+    print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    from tritonllm.runtime import exit_on_user_error
+
+    exit_on_user_error(run_worker)(sys.argv[1:])
