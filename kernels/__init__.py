@@ -32,7 +32,7 @@ from ._interpreter import choose_interpreter as _choose_interpreter
 _choose_interpreter()
 
 from ._common import interpreting  # noqa: E402
-from . import library  # noqa: E402,F401  (the torch.library ops, before the imports below: see library.py)
+from . import library  # noqa: E402,F401  (registers the ops the functionals route to under torch.compile)
 # memory-bound ops
 from .rms_norm import rms_norm  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
