@@ -185,11 +185,19 @@ def test_extra_repr_names_the_arguments():
                                                           "window=5", "qk_norm=True", "causal=True"],
         MLP(16, 40, "relu2"): ["d_model=16", "d_ff=40", "act=relu2"],
         MoE(16, 8, 2, 12, 1): ["d_model=16", "n_experts=8", "top_k=2", "d_expert=12", "n_shared_experts=1"],
-        LMHeadLoss(softcap=15.0, z_loss=1e-4): ["softcap=15.0", "z_loss=0.0001", "ignore_index=-100"],
+        LMHeadLoss(softcap=15.0, z_loss=1e-4, fp8=True): ["softcap=15.0", "z_loss=0.0001", "ignore_index=-100",
+                                                          "fp8=True"],
     }
     for module, parts in reprs.items():
         text = module.extra_repr()
         assert all(p in text for p in parts), (type(module).__name__, text)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter refuses fp8; the GPU path is tests/test_lm_head_fp8.py's")
+def test_lm_head_loss_fp8_reaches_the_kernel():
+    head = LMHeadLoss(fp8=True)
+    with pytest.raises(ValueError, match="fp8"):
+        head(randn(4, 32), randn(50, 32), torch.randint(0, 50, (4,), device=DEVICE))
 
 
 def test_bad_arguments():
