@@ -31,7 +31,7 @@ NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 for stage in ${*:-tests bench}; do
     case $stage in
         tests)
-            timeout -s INT -k 15 ${TEST_TIMEOUT:-120} python3 -m pytest -q -rfE --tb=short tests/test_parallel.py -p no:cacheprovider \
+            timeout -s INT -k 15 ${TEST_TIMEOUT:-180} python3 -m pytest -q -rfE --tb=short tests/test_parallel.py -p no:cacheprovider \
                 --junitxml="$OUT/tests-parallel.xml" > "$OUT/tests-parallel.log" 2>&1; tail -15 "$OUT/tests-parallel.log" ;;
         bench)
             timeout -k 15 ${BENCH_TIMEOUT:-520} python3 -m tritonllm.bench train --nproc "$NPROC" --parallel "$PARALLEL" \

@@ -304,20 +304,22 @@ def test_adamw_counts_the_step_of_an_empty_shard(device):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_two_ranks(data_overrides, tmp_path):
     """NCCL, bf16, two GPUs: DDP with the step captured in a CUDA graph (after 11 eager steps) and
-    FSDP2 (eager) follow the one-GPU graphed run of the global batch within bf16 rounding."""
+    FSDP2 (eager) follow the one-GPU graphed run of the global batch within bf16 rounding; so does
+    FSDP2 with optim=muon (bf16 iterations on the gathered matrices) the one-GPU Muon run."""
     gpu = [*TINY, *data_overrides, "device=cuda", "trainer.max_steps=14", "trainer.eval_interval=14",
            "trainer.ckpt_interval=7", "trainer.grad_accum=2"]
-    ref = tmp_path / "ref"
-    train(compose_train(*gpu, "trainer.batch_size=4", f"out_dir={ref}"))
+    train(compose_train(*gpu, "trainer.batch_size=4", f"out_dir={tmp_path / 'ref'}"))
+    train(compose_train(*gpu, "trainer.batch_size=4", "optim=muon", f"out_dir={tmp_path / 'muon_ref'}"))
     r = torchrun({"backend": "nccl", "runs": [
         [*gpu, "trainer.batch_size=2", "trainer.parallel=ddp", f"out_dir={tmp_path / 'ddp'}"],
-        [*gpu, "trainer.batch_size=2", "trainer.parallel=fsdp", f"out_dir={tmp_path / 'fsdp'}"]]}, tmp_path)
+        [*gpu, "trainer.batch_size=2", "trainer.parallel=fsdp", f"out_dir={tmp_path / 'fsdp'}"],
+        [*gpu, "trainer.batch_size=2", "trainer.parallel=fsdp", "optim=muon", f"out_dir={tmp_path / 'muon'}"]]},
+        tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "training step captured in a CUDA graph after 11 eager warm-up steps" in r.stderr, r.stderr[-3000:]
     assert "the training step runs eagerly" in r.stderr
-    want = losses(ref)
-    for name in ("ddp", "fsdp"):
-        got = losses(tmp_path / name)
+    for name, ref in (("ddp", "ref"), ("fsdp", "ref"), ("muon", "muon_ref")):
+        want, got = losses(tmp_path / ref), losses(tmp_path / name)
         assert sorted(got) == list(range(1, 15))
         assert abs(got[1] - want[1]) <= 2e-3 * want[1], (name, got[1], want[1])
         assert all(abs(got[s] - want[s]) <= 3e-2 * want[s] for s in got), (name, got, want)
