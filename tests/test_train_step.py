@@ -1,16 +1,18 @@
 """The optimizer step as one object (tritonllm.train.step): the eager step against the same work
 written out by hand, a non-finite loss skipped on the device, the metrics queue, the cuda_graph
 setting; on a GPU the CUDA-graphed step against the eager one, bit for bit (dense and MoE,
-grad_accum 1 and 4, a learning rate that changes every step, a NaN injected under replay, a
-training run resumed with graphs on)."""
+grad_accum 1 and 4, packed documents, a learning rate that changes every step, a NaN injected under
+replay, a training run resumed with graphs on)."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from _checks import DEVICE, ON_GPU
 from omegaconf import OmegaConf
 
+from tritonllm.data.sft import document_bounds
 from tritonllm.errors import ConfigError, TrainingError
 from tritonllm.models import ModelConfig, build_model
 from tritonllm.optim import clip_grad_norm_
@@ -30,8 +32,8 @@ class Scaled(torch.nn.Module):
         self.inner = inner
         self.register_buffer("scale", torch.ones((), device=next(inner.parameters()).device))
 
-    def forward(self, x, y, return_losses=False):
-        loss, losses = self.inner(x, y, return_losses=True)
+    def forward(self, x, y, return_losses=False, **kw):
+        loss, losses = self.inner(x, y, return_losses=True, **kw)
         return (loss * self.scale, losses) if return_losses else loss * self.scale
 
 
@@ -42,10 +44,17 @@ def _setup(cfg, dtype=None, seed=0):
     return model, optimizer
 
 
-def _batches(cfg, steps, accum, B=2, T=16, seed=1):
+def _batches(cfg, steps, accum, B=2, T=16, seed=1, documents=False):
+    """Random micro-batches ``(x, y)``, or ``(x, y, documents)`` of 1 to 4 packed documents per row."""
     g = torch.Generator().manual_seed(seed)
     draw = lambda: torch.randint(0, cfg["vocab_size"], (B, T), generator=g)  # noqa: E731
-    return [[(draw(), draw()) for _ in range(accum)] for _ in range(steps)]
+
+    def docs():
+        cuts = torch.rand(B, T, generator=g) < 0.15  # a document starts after each cut
+        return torch.from_numpy(document_bounds(np.cumsum(cuts.numpy(), axis=1)))
+
+    return [[(draw(), draw(), docs()) if documents else (draw(), draw()) for _ in range(accum)]
+            for _ in range(steps)]
 
 
 def _state(model, optimizer):
@@ -58,11 +67,12 @@ def _state(model, optimizer):
     return out
 
 
-def _run(cfg, *, graph, accum=1, steps=10, dtype=None, nan_at=(), lr=lambda s: 1e-2 * (1 + s) / 10):
+def _run(cfg, *, graph, accum=1, steps=10, dtype=None, nan_at=(), lr=lambda s: 1e-2 * (1 + s) / 10,
+         documents=False):
     model, optimizer = _setup(cfg, dtype)
     step = TrainStep(model, optimizer, grad_clip=1.0, grad_accum=accum, cuda_graph=graph)
     metrics, states = [], []
-    for s, batches in enumerate(_batches(cfg, steps, accum)):
+    for s, batches in enumerate(_batches(cfg, steps, accum, documents=documents)):
         model.scale.fill_(math.nan if s in nan_at else 1.0)
         out = step(batches, lr(s))
         metrics.append(out.metrics.clone())
@@ -72,16 +82,24 @@ def _run(cfg, *, graph, accum=1, steps=10, dtype=None, nan_at=(), lr=lambda s: 1
 
 # ----------------------------------------------------------------------------- eager step, CPU and GPU
 
-def test_eager_step_is_the_written_out_step():
-    """Two micro-batches: the step's loss, norm and weights equal forward/backward/clip/AdamW by hand."""
+@pytest.mark.parametrize("documents", [False, True], ids=["xy", "packed"])
+def test_eager_step_is_the_written_out_step(documents):
+    """Two micro-batches: the step's loss, norm and weights equal forward/backward/clip/AdamW by hand;
+    micro-batches ``(x, y, documents)`` reach the model as ``documents=`` (the loss is not that of
+    the batch without them)."""
     model, optimizer = _setup(DENSE)
     ref_model, ref_opt = _setup(DENSE)
-    (batches,) = _batches(DENSE, 1, 2)
+    (batches,) = _batches(DENSE, 1, 2, documents=documents)
+    if documents:
+        with torch.no_grad():
+            whole = torch.stack([model(x.to(DEVICE), y.to(DEVICE)) for x, y, _ in batches]).mean()
     out = TrainStep(model, optimizer, grad_clip=0.5, grad_accum=2, cuda_graph=False)(batches, 3e-3)
+    if documents:
+        assert not torch.allclose(out.loss, whole, rtol=1e-5)  # at init both are near ln(97)
 
     losses = []
-    for x, y in batches:
-        loss = ref_model(x.to(DEVICE), y.to(DEVICE))
+    for x, y, *docs in batches:
+        loss = ref_model(x.to(DEVICE), y.to(DEVICE), **({"documents": docs[0].to(DEVICE)} if docs else {}))
         (loss / 2).backward()
         losses.append(loss.detach())
     norm = clip_grad_norm_([p for p in ref_model.parameters()], 0.5)
@@ -197,6 +215,16 @@ def test_graphed_equals_eager(cfg, accum):
     graphed = _run(cfg, graph=True, accum=accum, dtype=torch.bfloat16)
     assert graphed[0].graphed, "the step was not captured"
     _assert_equal_runs(graphed, _run(cfg, graph=False, accum=accum, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accum", [1, 2])
+def test_graphed_equals_eager_with_documents(accum):
+    """Packed micro-batches ``(x, y, documents)``, new document bounds every step: the documents are
+    a third static buffer of the graph, and the replays equal the eager steps bit for bit."""
+    graphed = _run(DENSE, graph=True, accum=accum, dtype=torch.bfloat16, documents=True)
+    assert graphed[0].graphed and len(graphed[0]._static[0]) == 3
+    _assert_equal_runs(graphed, _run(DENSE, graph=False, accum=accum, dtype=torch.bfloat16, documents=True))
 
 
 @pytest.mark.gpu

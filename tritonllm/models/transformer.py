@@ -98,9 +98,10 @@ class Block(nn.Module):
         out = self.mlp(h)
         return (out.y, out) if isinstance(out, MoEOutput) else (out, None)
 
-    def forward(self, x, delta, cos, sin, cache: KVCache | None = None, ve: torch.Tensor | None = None):
+    def forward(self, x, delta, cos, sin, cache: KVCache | None = None, ve: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None):
         h, x = self.attn_norm(delta, residual=x)
-        h, x = self.mlp_norm(self.attn(h, cos, sin, cache, ve), residual=x)
+        h, x = self.mlp_norm(self.attn(h, cos, sin, cache, ve, documents), residual=x)
         return x, *self._mlp(h)
 
     def decode(self, x, delta, cos, sin, cache: KVCache, kv_len: torch.Tensor, ve: torch.Tensor | None = None):
@@ -148,8 +149,9 @@ class Transformer(nn.Module):
         """Final-norm hidden states ``[B, T, d_model]`` of token ids ``idx [B, T]``."""
         return self._hidden(idx, cache)[0]
 
-    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None):
-        """:meth:`hidden`, and the :class:`MoEOutput` of every MoE layer in block order."""
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None, documents: torch.Tensor | None = None):
+        """:meth:`hidden`, and the :class:`MoEOutput` of every MoE layer in block order; ``documents``:
+        see :meth:`forward`."""
         T = idx.shape[1]
         start = 0 if cache is None else cache.length
         if start + T > self.cfg.max_seq_len:
@@ -160,7 +162,7 @@ class Transformer(nn.Module):
         ves, skips, moe = self.layer_value_embeds(idx), [], []
         for i, block in enumerate(self.blocks):
             delta = self._skip_in(i, delta, skips)
-            x, delta, out = block(x, delta, cos, sin, cache, ves[i])
+            x, delta, out = block(x, delta, cos, sin, cache, ves[i], documents)
             if out is not None:
                 moe.append(out)
             x, delta = self._skip_out(i, x, delta, skips)
@@ -200,7 +202,7 @@ class Transformer(nn.Module):
         return x, delta
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
-                return_losses: bool = False):
+                return_losses: bool = False, documents: torch.Tensor | None = None):
         """``idx [B, T]`` int64 -> logits ``[B, T, V]``, or with ``targets [B, T]`` the scalar training
         loss: mean cross-entropy (fused with the LM head, logits never stored) + z-loss + the MoE
         layers' auxiliary losses.
@@ -209,8 +211,13 @@ class Transformer(nn.Module):
         detached 0-d tensors (no host synchronisation): ``ce``, ``z_loss``, ``aux`` (the MoE layers'
         scaled auxiliary losses summed) and, for MoE models, ``moe_aux`` and ``moe_z`` (the unscaled
         router losses averaged over the layers) and ``moe_max_load`` (the busiest expert's load over
-        a balanced one's, worst layer)."""
-        h, moe = self._hidden(idx, cache)
+        a balanced one's, worst layer).
+
+        ``documents``: packed sequences, int32 ``[B, T, 2]`` on ``idx``'s device, for each position the
+        first position of its document and one past its last (``tritonllm.data.sft.document_bounds``):
+        attention stays inside each document (``flash_attention(documents=...)``); positions are not
+        restarted, RoPE scores depend only on query-key distances."""
+        h, moe = self._hidden(idx, cache, documents)
         if targets is None:
             return self.logits(h)
         loss, z_loss = self.head_loss(h, self.head_weight, targets)

@@ -83,8 +83,9 @@ class Attention(nn.Module):
 
     Parameters: ``qkv`` (:class:`Linear` ``[(Hq + 2 Hkv) D, d_model]``, rows q then k then v),
     ``proj`` (:class:`Linear` ``[d_model, Hq D]``), and as configured ``q_norm``, ``k_norm``,
-    ``value_mix``. ``forward(x, cos, sin, cache=None, ve=None)``: ``cos, sin [max_len, D / 2]`` RoPE
-    tables (``tritonllm.kernels.rope_cos_sin``), rows from the cache's fill position on.
+    ``value_mix``. ``forward(x, cos, sin, cache=None, ve=None, documents=None)``: ``cos, sin [max_len, D / 2]``
+    RoPE tables (``tritonllm.kernels.rope_cos_sin``), rows from the cache's fill position on;
+    ``documents`` the int32 ``[B, T, 2]`` bounds of packed sequences (:func:`flash_attention`).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None, *,
@@ -129,14 +130,15 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                ve: torch.Tensor | None = None) -> torch.Tensor:
+                ve: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """``x [B, T, d_model]``; with ``cache``, keys and values are appended to it and the queries
-        attend to every filled position (the caller advances the cache after the last layer)."""
+        attend to every filled position (the caller advances the cache after the last layer); with
+        ``documents``, a query attends only to its own packed document."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin, 0 if cache is None else cache.pos, ve)
         if cache is not None:
             k, v = cache.append(self.layer_idx, k, v)
-        y = flash_attention(q, k, v, causal=self.causal, window=self.window)
+        y = flash_attention(q, k, v, causal=self.causal, window=self.window, documents=documents)
         return self.proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, kv_len: torch.Tensor,

@@ -4,7 +4,8 @@ and returns the final validation loss, the value sweepers minimize. ``python -m 
 
 The loop, per optimizer step: the learning rate from ``conf/sched`` (warmup + cosine,
 warmup-stable-decay or constant), ``trainer.grad_accum`` micro-batches of ``batch_size x seq_len``
-tokens, then one :class:`~tritonllm.train.step.TrainStep` call (forward, loss / grad_accum and
+tokens (``(x, y)``, or ``(x, y, documents)`` from packed SFT data, ``data.pack``: the model's
+attention then stays inside each packed example, in training and validation), then one :class:`~tritonllm.train.step.TrainStep` call (forward, loss / grad_accum and
 backward per micro-batch, global gradient norm clipped to ``grad_clip``, AdamW). On a GPU the
 model computes in bf16 and AdamW keeps fp32 master weights, and the step is replayed from a CUDA
 graph (``trainer.cuda_graph: auto``); on the CPU (Triton interpreter) everything is fp32 and eager.
@@ -224,12 +225,13 @@ def config_differences(path: str, config: dict, tokens_per_step: int) -> list[st
 
 @torch.no_grad()
 def evaluate(model, loader, n_batches: int, device, parallel=None) -> float:
-    """Mean cross-entropy of the model over the first ``n_batches`` validation batches (with
-    ``parallel``, each rank's share of them, averaged over the ranks)."""
+    """Mean cross-entropy of the model over the first ``n_batches`` validation batches ``(x, y)`` or
+    ``(x, y, documents)`` (with ``parallel``, each rank's share of them, averaged over the ranks)."""
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float32)
-    for x, y in loader.batches(n_batches):
-        total += model(x.to(device), y.to(device), return_losses=True)[1]["ce"]
+    for x, y, *documents in loader.batches(n_batches):
+        kw = {"documents": documents[0].to(device)} if documents else {}
+        total += model(x.to(device), y.to(device), return_losses=True, **kw)[1]["ce"]
     model.train()
     if parallel is not None:
         parallel.mean_(total)

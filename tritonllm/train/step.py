@@ -1,13 +1,13 @@
 """One optimizer step as one object, eager or replayed from a CUDA graph.
 
-A step is: for each of ``grad_accum`` micro-batches ``(x, y)``, the forward (the model returns the
-loss), ``loss / grad_accum`` and its backward (gradients accumulate in the kernels' outputs);
+A step is: for each of ``grad_accum`` micro-batches ``(x, y)`` or ``(x, y, documents)`` (packed
+sequences: ``model(x, y, documents=documents)``), the forward (the model returns the loss), ``loss / grad_accum`` and its backward (gradients accumulate in the kernels' outputs);
 the mean loss; the global gradient norm, clipped to ``grad_clip`` (``tritonllm.optim.clip_grad_norm_``)
 which also sets a device flag when the norm or the loss is not finite; ``AdamW.step(found_inf=flag)``,
 which leaves weights, moments and step counts untouched when the flag is set; gradients set to None.
 
-Everything that changes from step to step is in device memory: the input batches (copied into
-static buffers), the learning rate (a 0-d fp32 tensor every parameter group points to), each
+Everything that changes from step to step is in device memory: the input batches (every tensor of
+a micro-batch copied into its static buffer), the learning rate (a 0-d fp32 tensor every parameter group points to), each
 parameter's step count (the optimizer state), the clipping coefficient and the skip flag. Nothing
 in the step waits for the host, so the whole of it can be captured in one CUDA graph and replayed:
 
@@ -81,7 +81,8 @@ class TrainStep:
 
     Args:
         model: ``model(x, y, return_losses=True)`` returns the scalar training loss and a dict of
-            detached 0-d tensors to log, as :class:`tritonllm.models.Transformer` does.
+            detached 0-d tensors to log, as :class:`tritonllm.models.Transformer` does (which also
+            takes ``documents=`` for micro-batches ``(x, y, documents)``).
         optimizer: :class:`tritonllm.optim.AdamW` (``step(found_inf=...)``, device ``lr``).
         grad_clip: max global gradient norm, or None (the norm is still computed).
         grad_accum: micro-batches per step.
@@ -137,9 +138,10 @@ class TrainStep:
         """The step's work on device-resident batches (what the graph captures)."""
         n = len(batches)
         losses = []
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y, *documents) in enumerate(batches):
+            kw = {"documents": documents[0]} if documents else {}
             with contextlib.nullcontext() if self.parallel is None else self.parallel.micro_batch(i == n - 1):
-                loss, named = self.forward(x, y, return_losses=True)
+                loss, named = self.forward(x, y, return_losses=True, **kw)
                 (loss if n == 1 else loss / n).backward()
             losses.append(loss.detach().float())
         loss = losses[0] if n == 1 else torch.stack(losses).mean()
@@ -163,21 +165,22 @@ class TrainStep:
         staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return staged.copy_(t)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return self._staged(t).to(self.device, non_blocking=True)
+    def _to_device(self, batches) -> list[tuple[torch.Tensor, ...]]:
+        """Each micro-batch's tensors on the step's device."""
+        return [tuple(self._staged(t).to(self.device, non_blocking=True) for t in batch) for batch in batches]
 
     def __call__(self, batches, lr: float) -> StepOutput:
         self._check(batches)
         self.lr.fill_(float(lr))
         self.calls += 1
         if not self.use_graph:
-            return self._run([(self._to_device(x), self._to_device(y)) for x, y in batches])
+            return self._run(self._to_device(batches))
         if self.graph is not None:
             self._load_static(batches)
             self.graph.replay()
             return self._out
         if self.calls <= self.warmup:
-            return self._side_stream_step([(self._to_device(x), self._to_device(y)) for x, y in batches])
+            return self._side_stream_step(self._to_device(batches))
         return self._capture(batches)
 
     def _side_stream_step(self, batches) -> StepOutput:
@@ -190,16 +193,17 @@ class TrainStep:
         return out
 
     def _load_static(self, batches) -> None:
-        for (sx, sy), (x, y) in zip(self._static, batches):
-            if x.shape != sx.shape or y.shape != sy.shape:
-                raise ValueError(f"batches: shape {tuple(x.shape)} / {tuple(y.shape)} differs from the captured "
-                                 f"{tuple(sx.shape)}: a CUDA-graphed step needs fixed shapes")
-            sx.copy_(self._staged(x), non_blocking=True)
-            sy.copy_(self._staged(y), non_blocking=True)
+        for static, batch in zip(self._static, batches):
+            if [t.shape for t in batch] != [t.shape for t in static]:
+                raise ValueError(f"batches: shapes {[tuple(t.shape) for t in batch]} differ from the captured "
+                                 f"{[tuple(t.shape) for t in static]}: a CUDA-graphed step needs fixed shapes "
+                                 f"(and documents in every batch or none)")
+            for s, t in zip(static, batch):
+                s.copy_(self._staged(t), non_blocking=True)
 
     def _capture(self, batches) -> StepOutput:
-        self._static = [(torch.empty(x.shape, dtype=x.dtype, device=self.device),
-                         torch.empty(y.shape, dtype=y.dtype, device=self.device)) for x, y in batches]
+        self._static = [tuple(torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in batch)
+                        for batch in batches]
         self._load_static(batches)
         # the warm-up's activations are cached for the side stream; release them so that the graph's
         # private pool can use that memory (else a model that fits eagerly may not fit captured)
@@ -222,7 +226,7 @@ class TrainStep:
             gc.collect()
             torch.cuda.empty_cache()
             log.warning("CUDA graph capture of the training step failed (%s); training eagerly", failure)
-            return self._run([(self._to_device(x), self._to_device(y)) for x, y in batches])
+            return self._run(self._to_device(batches))
         self.graph, self._out = graph, out
         log.info("training step captured in a CUDA graph after %d eager warm-up steps", self.warmup)
         graph.replay()
