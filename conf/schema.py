@@ -144,6 +144,7 @@ class BinData(_DataFiles):
 class SftData(_DataFiles):
     kind: str = _f("sft", choices=("sft",))
     chat_template: bool = True
+    pack: bool = False
 
 
 @dataclass

@@ -23,6 +23,20 @@ its state is ``(epoch, index)``, saved in checkpoints like :class:`~tritonllm.da
 With several ranks, each batch is rank ``r``'s rows ``[r B, (r + 1) B)`` of a global batch of
 ``world_size * B`` consecutive examples of the order.
 
+Packing (``data.pack=true``): consecutive examples of the order are laid end to end in rows of
+``seq_len + 1`` tokens, greedily: an example that does not fit in what is left of a row starts the
+next row (an example longer than a row is cut to it, alone in its row, as without packing), and a
+global batch ends when its ``world_size * B`` rows are full; the example that did not fit is the
+first of the next batch. Each example keeps all its tokens and its trained mask; ``y = -100`` also
+at the last position of each example (its next token belongs to the next example) and on the
+padding that ends a row. Padding forms a document of its own. Batches are ``(x, y, documents)``
+with ``documents`` the int32 ``[B, seq_len, 2]`` bounds of each position's example
+(:func:`document_bounds`) for ``flash_attention(documents=...)``, so an example attends only to its
+own tokens. Positions are not restarted per example: RoPE scores depend only on the distance between
+a query and a key, so an example's attention is that of the example alone. ``(epoch, index)`` is
+the next example to pack (as without packing, the next one to read), so a run resumed mid-epoch
+packs the same rows from the same example on.
+
 A malformed record is a :class:`~tritonllm.errors.DataError` naming the file, the line and the field.
 """
 
@@ -154,11 +168,12 @@ def encode_example(tok, messages: list[dict], where: str, use_template: bool) ->
 
 class SFTLoader:
     """``next_batch() -> (x, y)``: int64 ``[batch_size, seq_len]`` CPU tensors, one example per row,
-    ``y = -100`` where no loss is taken (context, padding). ``shuffle=False`` reads in order."""
+    ``y = -100`` where no loss is taken (context, padding). ``shuffle=False`` reads in order.
+    ``pack=True``: several examples per row and batches ``(x, y, documents)`` (module docstring)."""
 
     def __init__(self, examples: list[tuple[np.ndarray, np.ndarray]], batch_size: int, seq_len: int, seed: int,
                  shuffle: bool = True, vocab_size: int | None = None, name: str = "train", pad_id: int = 0,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, pack: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.rank, self.world_size = int(rank), int(world_size)
@@ -166,6 +181,9 @@ class SFTLoader:
             raise DataError(f"the {name} split holds no SFT examples; use more data or another data.val_fraction")
         self.examples, self.batch_size, self.seq_len = examples, int(batch_size), int(seq_len)
         self.seed, self.shuffle, self.name, self.pad_id = int(seed), shuffle, name, int(pad_id)
+        self.pack = bool(pack)
+        if self.pack and not any(len(ids) for ids, _ in examples):
+            raise DataError(f"the {name} SFT examples hold no tokens to pack")
         if vocab_size is not None:
             top = max(int(ids.max()) for ids, _ in examples if len(ids))
             if top >= vocab_size:
@@ -193,7 +211,53 @@ class SFTLoader:
             y[row, :n] = np.where(trained[1:], ids[1:], IGNORE)
         return torch.from_numpy(x), torch.from_numpy(y)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def packed_batch(self, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x, y, documents)`` of ``rows``, each a list of example ids laid end to end in
+        ``seq_len + 1`` tokens (what :meth:`_pack` plans), padded at the end."""
+        T = self.seq_len
+        tokens = np.full((len(rows), T + 1), self.pad_id, dtype=np.int64)
+        trained = np.zeros((len(rows), T + 1), dtype=bool)
+        doc = np.empty((len(rows), T + 1), dtype=np.int64)
+        for r, row in enumerate(rows):
+            at = 0
+            for k, e in enumerate(row):
+                ids, mask = self.examples[e]
+                n = min(len(ids), T + 1)
+                tokens[r, at:at + n], trained[r, at:at + n], doc[r, at:at + n] = ids[:n], mask[:n], k
+                at += n
+            doc[r, at:] = len(row)  # the padding: a document of its own
+        same = doc[:, 1:] == doc[:, :-1]  # no target across a document boundary
+        y = np.where(trained[:, 1:] & same, tokens[:, 1:], IGNORE)
+        return (torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(y),
+                torch.from_numpy(document_bounds(doc[:, :-1])))
+
+    def _pack(self, epoch: int, index: int):
+        """The ``world_size * batch_size`` rows of the global batch packed from example ``index`` of
+        epoch ``epoch``'s order on, and the position after it: ``(rows, epoch, index)``."""
+        room, rows, used = self.seq_len + 1, [[]], 0
+        order = self._order(epoch)
+        while True:
+            if index == len(self.examples):
+                epoch, index = epoch + 1, 0
+                order = self._order(epoch)
+            e = int(order[index])
+            n = min(len(self.examples[e][0]), room)
+            if used + n > room:
+                if len(rows) == self.world_size * self.batch_size:
+                    return rows, epoch, index
+                rows.append([])
+                used = 0
+            rows[-1].append(e)
+            used += n
+            index += 1
+
+    def _share(self, rows: list) -> list:
+        return rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        if self.pack:
+            rows, self.epoch, self.index = self._pack(self.epoch, self.index)
+            return self.packed_batch(self._share(rows))
         ids = []
         order = self._order(self.epoch)
         for _ in range(self.batch_size * self.world_size):
@@ -202,10 +266,16 @@ class SFTLoader:
                 order = self._order(self.epoch)
             ids.append(int(order[self.index]))
             self.index += 1
-        return self.batch(ids[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+        return self.batch(self._share(ids))
 
     def batches(self, n: int):
         """The first ``n`` batches in order (cycling when the split is short); leaves the state alone."""
+        if self.pack:
+            epoch, index = 0, 0
+            for _ in range(n):
+                rows, epoch, index = self._pack(epoch, index)
+                yield self.packed_batch(self._share(rows))
+            return
         per_step = self.batch_size * self.world_size
         first = self.rank * self.batch_size
         for b in range(n):
@@ -227,21 +297,23 @@ class SFTCorpus:
     """Encoded SFT examples of one data config, ready to be cut into batches (the interface of
     :class:`tritonllm.data.Corpus`: ``loaders``, ``tokenizer``, ``vocab_size``, ``description``)."""
 
-    def __init__(self, train, val, tokenizer, description: str):
+    def __init__(self, train, val, tokenizer, description: str, pack: bool = False):
         self.train, self.val, self.tokenizer, self.description = train, val, tokenizer, description
+        self.pack = pack
         self.vocab_size = None  # the model's vocabulary stays (a tokenizer may count fewer ids)
 
     def loaders(self, batch_size: int, seq_len: int, seed: int, vocab_size: int | None, rank: int = 0,
                 world_size: int = 1):
         pad = self.tokenizer.eos_id or 0
-        return (SFTLoader(self.train, batch_size, seq_len, seed, True, vocab_size, "train", pad, rank, world_size),
+        return (SFTLoader(self.train, batch_size, seq_len, seed, True, vocab_size, "train", pad, rank, world_size,
+                          self.pack),
                 SFTLoader(self.val, batch_size, seq_len, seed, False, vocab_size, "validation", pad, rank,
-                          world_size))
+                          world_size, self.pack))
 
 
 def load_sft_corpus(cfg) -> SFTCorpus:
     """The SFT corpus of the data config ``cfg`` (``files``, ``val_files``, ``val_fraction``,
-    ``tokenizer``: a Hugging Face model folder, ``chat_template``)."""
+    ``tokenizer``: a Hugging Face model folder, ``chat_template``, ``pack``)."""
     from tritonllm.data.corpus import glob_files
     from tritonllm.data.hf_tokenizer import HFTokenizer
 
@@ -267,5 +339,7 @@ def load_sft_corpus(cfg) -> SFTCorpus:
                             f"validation; give data.val_files")
         train, val = train[:-n_val], train[-n_val:]
     trained = sum(int(t.sum()) for _, t in train)
+    pack = bool(cfg.get("pack", False))
     return SFTCorpus(train, val, tok, f"sft: {len(train)} train / {len(val)} validation examples, "
-                                      f"{trained} trained tokens, chat template {'on' if use_template else 'off'}")
+                                      f"{trained} trained tokens, chat template {'on' if use_template else 'off'}, "
+                                      f"packing {'on' if pack else 'off'}", pack)
