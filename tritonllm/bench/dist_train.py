@@ -8,7 +8,8 @@ the same way, each measured against one GPU, in one command. The config is compo
 
 :func:`launch` (what ``--nproc`` runs) starts ``torchrun --standalone --nproc_per_node=n -m
 tritonllm.bench.dist_train`` once per configuration, one after the other (each with the GPUs to
-itself; ``--timeout`` seconds at most):
+itself; ``--timeout`` seconds at most; ours first, then the baseline; the rows are rewritten after
+each configuration, so that a run cut short keeps what it measured):
 
 - tritonllm on one GPU (``parallel=none``: the single-device step, captured in a CUDA graph), the
   reference of the scaling efficiency;
@@ -62,6 +63,7 @@ PARALLEL = ("ddp", "fsdp")
 FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_ms", "peak_mem_gb", "gpu_ms", "comm_ms",
            "cuda_graph", "triton_share", "loss")
 BASELINE_FIGURES = tuple(k for k in FIGURES if k != "triton_share")
+NOT_RUN = {"error": "not run"}
 
 
 # --- one configuration, on every rank (under torchrun) -------------------------------------------
@@ -284,8 +286,34 @@ def write_rows(path: str, rows: list[dict], header: dict) -> None:
         json.dump(doc, f, indent=1)
 
 
+def _rows(figures: dict, args, stamp: dict) -> list[dict]:
+    """The rows of the figures measured so far (a configuration not run yet: ``error: not run``)."""
+    n, get = args.nproc, lambda *key: figures.get(key, NOT_RUN)  # noqa: E731
+    pick = lambda f, keys: {k: f[k] for k in keys if k in f}  # noqa: E731
+    one = get("tritonllm", "none", 1)
+    done = next(f for f in figures.values() if "error" not in f)
+    rows = []
+    for mode in args.parallel:
+        ours = get("tritonllm", mode, n)
+        row = {"model": done["model"], "batch": done["batch"], "seq_len": done["seq_len"], "nproc": n,
+               "parallel": mode, **pick(ours, (*FIGURES, "error")), "scaling_efficiency": _efficiency(ours, one),
+               "one_gpu": pick(one, ("tokens_per_s", "step_ms", "cuda_graph", "error")), "baselines": {},
+               "speedup": None, **stamp}
+        if not args.no_baseline:
+            base = get("baseline", mode, n)
+            name = f"{'FSDP2' if mode == 'fsdp' else 'DDP'} + " + (
+                "eager" if args.compile_mode == "none" else "torch.compile")
+            row["baselines"][name] = {**pick(base, (*BASELINE_FIGURES, "error")), "compile_mode": args.compile_mode,
+                                      "scaling_efficiency": _efficiency(base, get("baseline", "none", 1))}
+            if "error" not in base and "error" not in ours:
+                row["speedup"] = round(base["step_ms"] / ours["step_ms"], 3)
+        rows.append(row)
+    return rows
+
+
 def launch(argv: list[str]) -> list[dict]:
-    """The ``--nproc`` benchmark (module docstring); returns the rows written."""
+    """The ``--nproc`` benchmark (module docstring); returns the rows written. The rows are rewritten
+    after every configuration, so that a run cut short keeps what it measured."""
     from tritonllm.bench.harness import git_commit
     from tritonllm.bench.train import host_cpu_model
 
@@ -293,48 +321,32 @@ def launch(argv: list[str]) -> list[dict]:
     if args.device == "auto" and not torch.cuda.is_available():
         sys.exit("python -m tritonllm.bench train --nproc needs CUDA GPUs (--device cpu: a gloo smoke test)")
     n = args.nproc
-    sides = ["tritonllm"] + ([] if args.no_baseline else ["baseline"])
-    figures = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for side in sides:
-            figures[side, "none", 1] = _run(side, "none", 1, args, overrides, folder)
-            for mode in args.parallel:
-                figures[side, mode, n] = _run(side, mode, n, args, overrides, folder)
     host_cpu = host_cpu_model()
-    print(f"host CPU: {host_cpu}")
+    print(f"host CPU: {host_cpu}", flush=True)
+    # ours first, then the baseline: the most wanted figures before a cut
+    configs = [("tritonllm", "none", 1), *(("tritonllm", m, n) for m in args.parallel)]
+    if not args.no_baseline:
+        configs += [*(("baseline", m, n) for m in args.parallel), ("baseline", "none", 1)]
+    figures, path = {}, None
+    with tempfile.TemporaryDirectory() as folder:
+        for side, mode, k in configs:
+            figures[side, mode, k] = _run(side, mode, k, args, overrides, folder)
+            done = [f for f in figures.values() if "error" not in f]
+            if not done:
+                continue
+            stamp = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": done[0]["torch"],
+                     "host_cpu": host_cpu}
+            path = os.path.join(args.out, f"train-{next((f['slug'] for f in done if 'slug' in f), 'cpu')}.json")
+            rows = _rows(figures, args, stamp)
+            write_rows(path, rows, {"gpu": done[0]["device"], "host_cpu": host_cpu,
+                                    "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
     print(f"{'configuration':<26}{'tokens/s':>12}{'per GPU':>12}{'MFU':>8}{'step ms':>10}{'comm ms':>9}"
           f"{'peak GB':>9}{'scaling':>8}")
     for (side, mode, k), f in figures.items():
-        eff = None if k == 1 else _efficiency(f, figures[side, "none", 1])
+        eff = None if k == 1 else _efficiency(f, figures.get((side, "none", 1), NOT_RUN))
         print(_line(f"{side} {mode} x{k}", f, eff))
-    one = figures["tritonllm", "none", 1]
-    done = [f for f in figures.values() if "error" not in f]
-    if not done:
+    if path is None:
         sys.exit("tritonllm: error: every configuration failed")
-    model, batch, seq_len = done[0]["model"], done[0]["batch"], done[0]["seq_len"]
-    stamp = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": done[0]["torch"],
-             "host_cpu": host_cpu}
-    pick = lambda f, keys: {k: f[k] for k in keys if k in f}  # noqa: E731
-    rows = []
-    for mode in args.parallel:
-        ours = figures["tritonllm", mode, n]
-        row = {"model": model, "batch": batch, "seq_len": seq_len, "nproc": n, "parallel": mode,
-               **pick(ours, (*FIGURES, "error")), "scaling_efficiency": _efficiency(ours, one),
-               "one_gpu": pick(one, ("tokens_per_s", "step_ms", "cuda_graph", "error")), "baselines": {},
-               "speedup": None, **stamp}
-        if "baseline" in sides:
-            base = figures["baseline", mode, n]
-            name = f"{'FSDP2' if mode == 'fsdp' else 'DDP'} + " + (
-                "eager" if args.compile_mode == "none" else "torch.compile")
-            row["baselines"][name] = {**pick(base, (*BASELINE_FIGURES, "error")), "compile_mode": args.compile_mode,
-                                      "scaling_efficiency": _efficiency(base, figures["baseline", "none", 1])}
-            if "error" not in base and "error" not in ours:
-                row["speedup"] = round(base["step_ms"] / ours["step_ms"], 3)
-        rows.append(row)
-    slug = next((f["slug"] for f in done if "slug" in f), "cpu")
-    path = os.path.join(args.out, f"train-{slug}.json")
-    write_rows(path, rows, {"gpu": done[0]["device"], "host_cpu": host_cpu,
-                            "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
     print(f"wrote {path}")
     return rows
 
