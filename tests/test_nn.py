@@ -195,9 +195,18 @@ def test_extra_repr_names_the_arguments():
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter refuses fp8; the GPU path is tests/test_lm_head_fp8.py's")
 def test_lm_head_loss_fp8_reaches_the_kernel():
+    """LMHeadLoss(fp8=True), and the model's with ModelConfig.lm_head_fp8, call the fp8 head."""
+    from tritonllm.models import ModelConfig, build_model
+
     head = LMHeadLoss(fp8=True)
     with pytest.raises(ValueError, match="fp8"):
         head(randn(4, 32), randn(50, 32), torch.randint(0, 50, (4,), device=DEVICE))
+    model = build_model(ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8,
+                                    lm_head_fp8=True), device=DEVICE)
+    assert model.head_loss.fp8
+    idx = torch.randint(0, 64, (1, 8), device=DEVICE)
+    with pytest.raises(ValueError, match="fp8"):
+        model(idx, idx)
 
 
 def test_bad_arguments():

@@ -127,7 +127,7 @@ class Transformer(nn.Module):
             for _ in range(cfg.value_embeddings)) if cfg.value_embeddings else None
         self.skip_gates = nn.ParameterList(
             nn.Parameter(torch.ones(1)) for _ in range(cfg.n_layers // 2)) if cfg.unet_skips else None
-        self.head_loss = LMHeadLoss(softcap=cfg.logit_softcap, z_loss=cfg.z_loss_coef)
+        self.head_loss = LMHeadLoss(softcap=cfg.logit_softcap, z_loss=cfg.z_loss_coef, fp8=cfg.lm_head_fp8)
         self._rope = None
 
     @property
