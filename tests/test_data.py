@@ -218,3 +218,12 @@ def test_stdlib_corpus(tmp_path):
     x, _ = train.next_batch()
     assert x.max().item() < corpus.vocab_size
     assert len(os.listdir(tmp_path / "cache")) == 1
+
+
+def test_stdlib_corpus_leaves_out_files_that_are_not_text():
+    """The standard library ships encoding-test fixtures that are not UTF-8 (module_koi8_r.py): the
+    embedded corpus leaves them out instead of refusing the whole corpus."""
+    from tritonllm.data.corpus import not_text
+
+    files = stdlib_files()
+    assert files and not_text(files) == []

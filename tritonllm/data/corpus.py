@@ -30,11 +30,17 @@ CACHE_VERSION = 1
 
 
 def stdlib_files() -> list[str]:
-    """The standard library's own ``*.py`` files, sorted (installed third-party packages excluded)."""
+    """The standard library's own ``*.py`` files, sorted (installed third-party packages excluded, and
+    the few that are not UTF-8 text: the encoding tests' fixtures, e.g. ``test/encoded_modules/module_koi8_r.py``)."""
     root = sysconfig.get_paths()["stdlib"]
     files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
     skip = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-    return sorted(f for f in files if not any(s in f for s in skip))
+    files = sorted(f for f in files if not any(s in f for s in skip))
+    binary = set(not_text(files))
+    if binary:
+        log.info("stdlib corpus: left out %d file(s) that are not UTF-8 text: %s", len(binary),
+                 ", ".join(os.path.relpath(f, root) for f in sorted(binary)))
+    return [f for f in files if f not in binary]
 
 
 def glob_files(pattern: str, key: str) -> list[str]:
