@@ -1,5 +1,4 @@
-"""The kernels under torch.compile: a small model built only of tritonllm.kernels (and the same built
-from tritonllm.nn modules) compiles with
+"""The kernels under torch.compile: a small model built only of tritonllm.kernels compiles with
 ``fullgraph=True`` (no graph break), keeps every kernel in the graph as a ``torch.ops.tritonllm`` op, and
 gives eager's loss and gradients; each registered op passes ``torch.library.opcheck`` (schema, fake
 tensors, autograd registration, AOT dispatch); the model works inside FSDP2's ``fully_shard``."""
@@ -14,7 +13,6 @@ from _checks import DEVICE, ON_GPU, randn
 from tritonllm.kernels import (add_fork, cross_entropy, embedding, flash_attention, fork, linear, linear_cross_entropy,
                                linear_swiglu, relu2, rms_norm, rope, rope_cos_sin, softcap, split_heads, swiglu,
                                weighted_add)
-from tritonllm import nn
 from tritonllm.kernels import library as lib
 
 V, C, HQ, HKV, D, F = 64, 64, 2, 1, 32, 48  # vocab, width, query / key-value heads, head dim, MLP width
@@ -49,33 +47,9 @@ class TinyModel(torch.nn.Module):
         return linear_cross_entropy(rms_norm(h, self.norm_f), self.head, targets)
 
 
-class NNModel(torch.nn.Module):
-    """The same block built from tritonllm.nn modules (QK-norm and the ReLU^2 MLP for the other paths)."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(V, C, device=DEVICE)
-        self.norm1, self.norm2, self.norm_f = (nn.RMSNorm(C, device=DEVICE) for _ in range(3))
-        self.attn = nn.Attention(C, HQ, HKV, D, qk_norm=True, device=DEVICE)
-        self.mlp = nn.MLP(C, F, act="relu2", device=DEVICE)
-        self.head = nn.LMHeadLoss(z_loss=1e-4)
-        cos, sin = rope_cos_sin(T, D, device=DEVICE)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, ids, targets):
-        x = self.wte(ids)
-        x = x + self.attn(self.norm1(x), self.cos, self.sin)
-        h, x = self.norm2(x, residual=self.mlp(x))
-        loss, _ = self.head(self.norm_f(h), self.wte.weight, targets)
-        return loss
-
-
-MODELS = {"kernels": TinyModel, "nn": NNModel}
-
-#: per model, the custom ops its compiled graph must hold (forward ops; the backward ops run in the AOT graph)
-_COMMON_OPS = {"embedding_fwd", "rms_norm_fwd", "linear_fwd", "rope_fwd", "flash_attention_fwd", "linear_cross_entropy_fwd"}
-MODEL_OPS = {"kernels": _COMMON_OPS | {"linear_swiglu_fwd"}, "nn": _COMMON_OPS | {"relu2_fwd"}}
+#: the custom ops the model's compiled graph must hold (forward ops; the backward ops run in the AOT graph)
+MODEL_OPS = {"embedding_fwd", "rms_norm_fwd", "linear_fwd", "rope_fwd", "flash_attention_fwd", "linear_swiglu_fwd",
+             "linear_cross_entropy_fwd"}
 
 
 def _batch():
@@ -99,11 +73,10 @@ def _compare(eager, compiled):
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("built_from", list(MODELS))
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
-def test_compiled_model_matches_eager(backend, built_from):
+def test_compiled_model_matches_eager(backend):
     torch._dynamo.reset()
-    model = MODELS[built_from]()
+    model = TinyModel()
     ids, targets = _batch()
     eager = _loss_and_grads(model, model, ids, targets)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -111,15 +84,14 @@ def test_compiled_model_matches_eager(backend, built_from):
     _compare(eager, _loss_and_grads(model, compiled, ids, targets))  # the cached graph, second call
 
 
-@pytest.mark.parametrize("built_from", list(MODELS))
-def test_no_graph_break_and_kernels_stay_ops(built_from):
+def test_no_graph_break_and_kernels_stay_ops():
     torch._dynamo.reset()
-    model = MODELS[built_from]()
+    model = TinyModel()
     explained = torch._dynamo.explain(model)(*_batch())
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
     ops = {node.target._opname for graph in explained.graphs for node in graph.graph.nodes
            if node.op == "call_function" and getattr(node.target, "namespace", None) == "tritonllm"}
-    assert MODEL_OPS[built_from] <= ops, MODEL_OPS[built_from] - ops
+    assert MODEL_OPS <= ops, MODEL_OPS - ops
 
 
 def _functionals(x, y, mix, one, norm, target):
