@@ -6,6 +6,7 @@ poisoned with NaN by ``torch.use_deterministic_algorithms`` (``fill_uninitialize
 element a kernel never writes fails the check.
 """
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from _checks import DTYPES, assert_close, dtype_id, non_contiguous, randn
+from tritonllm.bench import reference_ops as ref_ops
 from tritonllm.kernels.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
 from tritonllm.kernels.split_heads import split_heads
 
@@ -42,31 +44,8 @@ class Case:
     scale: float | None = None
 
 
-def reference(q, k, v, causal=True, window=None, scale=None):
-    """(out [B, T, Hq, D], lse [B, Hq, T]) by an explicit masked softmax in the dtype of q.
-
-    Rows that see no key (causal with T > S) give out = 0 and lse = -inf, like the kernel.
-    """
-    B, T, Hq, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
-    k = k.repeat_interleave(Hq // Hkv, dim=2)
-    v = v.repeat_interleave(Hq // Hkv, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
-    i = torch.arange(T, device=q.device)[:, None] + (S - T)
-    j = torch.arange(S, device=q.device)[None, :]
-    visible = torch.ones(T, S, dtype=torch.bool, device=q.device)
-    if causal:
-        visible &= j <= i
-    if window is not None:
-        visible &= j > i - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    m = scores.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - m)
-    denom = p.sum(-1, keepdim=True)
-    out = torch.einsum("bhts,bshd->bthd", p / denom.clamp_min(torch.finfo(q.dtype).tiny), v)
-    return out, (m + denom.log()).squeeze(-1)
+#: (out, lse) of the float64 reference (tritonllm.bench.reference_ops.attention)
+reference = functools.partial(ref_ops.attention, return_lse=True)
 
 
 def _inputs(c: Case, dtype, layout="contiguous"):
@@ -405,17 +384,8 @@ def test_flash_attention_documents(case, lengths, deterministic):
     out = flash_attention(q, k, v, causal=case.causal, window=case.window, deterministic=deterministic,
                           documents=docs)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    # reference: full attention with the document mask added to the causal/window one, per batch row
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    same_doc = ids[:, :, None] == ids[:, None, :]                             # [B, T, S]
-    rep = case.Hq // case.Hkv
-    scores = torch.einsum("bthd,bshd->bhts", q64, k64.repeat_interleave(rep, 2)) * case.D ** -0.5
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    visible = same_doc[:, None] & ((j <= i) if case.causal else torch.ones(T, T, dtype=torch.bool))
-    if case.window is not None:
-        visible = visible & (j > i - case.window)
-    p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    ref = torch.einsum("bhts,bshd->bthd", p, v64.repeat_interleave(rep, 2))
+    ref = ref_ops.attention(q64, k64, v64, case.causal, case.window, doc_ids=ids)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
         assert_close(name, got, want)

@@ -73,11 +73,12 @@ def rope(x, cos, sin, position_offset=0):
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def attention(q, k, v, causal=True, window=None, softmax_scale=None, return_lse=False):
+def attention(q, k, v, causal=True, window=None, softmax_scale=None, return_lse=False, doc_ids=None):
     """Softmax attention of ``q [B, T, Hq, D]`` over ``k, v [B, S, Hkv, D]`` by an explicit masked
     softmax: GQA by repeating each KV head for its ``Hq / Hkv`` query heads; the causal and window
     masks bottom-right aligned (query t sits at key position ``t + S - T`` and sees keys
-    ``j <= t + S - T``, and with ``window`` ``j > t + S - T - window``). Rows that see no key give
+    ``j <= t + S - T``, and with ``window`` ``j > t + S - T - window``); with ``doc_ids [B, T]``
+    (T == S, packed documents) only keys of the query's own document. Rows that see no key give
     0 and lse ``-inf``, like the kernel. With ``return_lse``: ``(out, lse [B, Hq, T])``."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -92,6 +93,8 @@ def attention(q, k, v, causal=True, window=None, softmax_scale=None, return_lse=
         visible &= j <= i
     if window is not None:
         visible &= j > i - window
+    if doc_ids is not None:
+        visible = visible & (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None].to(q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
     m = scores.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
