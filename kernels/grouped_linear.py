@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting,
-                      next_pow2, num_sms, rows_view)
+from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable,
+                      interpreting, next_pow2, num_sms, rows_view)
 from .linear import GPU_CONFIGS, PLAIN, SWIGLU_FWD, _prune_configs
 from .swiglu import swiglu_bwd
 
@@ -269,6 +269,7 @@ class GroupedLinearSwiGLUFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+@compilable
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
     """Per-expert linear layer over rows grouped by expert.
 
@@ -284,6 +285,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.
     return GroupedLinearFunction.apply(x, weight, expert_offsets)
 
 
+@compilable
 def grouped_linear_swiglu(x: torch.Tensor, w13: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
     """Per-expert SwiGLU projection ``silu(x @ W_gate[e].T) * (x @ W_up[e].T)``, one grouped GEMM.
 

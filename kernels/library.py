@@ -29,9 +29,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import (cross_entropy as _ce, embedding as _emb, flash_attention as _fa, linear as _lin,
-               linear_cross_entropy as _lce, relu2 as _relu2, residual_mix as _mix, rms_norm as _rms, rope as _rope,
-               softcap as _cap, split_heads as _split, swiglu as _swiglu)
+from . import (cross_entropy as _ce, embedding as _emb, flash_attention as _fa, grouped_linear as _gl, linear as _lin,
+               linear_cross_entropy as _lce, moe_permute as _perm, moe_router as _router, relu2 as _relu2,
+               residual_mix as _mix, rms_norm as _rms, rope as _rope, softcap as _cap, split_heads as _split,
+               swiglu as _swiglu)
 from ._common import COMPILED
 
 _custom_op = torch.library.custom_op
@@ -700,3 +701,247 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index
                                            grad and weight.requires_grad, allow_tf32,
                                            None if softcap is None else float(softcap))
     return (loss, z.detach()) if return_z_loss else loss
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+def _eager(fn):
+    """The undecorated body of a ``@compilable`` functional that is its own launcher (an op's
+    implementation runs it; it never routes back to the op)."""
+    return fn.__wrapped__
+
+
+@_custom_op("tritonllm::moe_router_fwd", mutates_args=())
+def moe_router_fwd(logits: Tensor, top_k: int, score: str,
+                   normalize: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(weights, aux_loss, z_loss, max_load, indices, counts)`` of :func:`kernels.moe_router.moe_router_fwd`:
+    the float outputs first (opcheck's AOT check sums the outputs into the first one's dtype)."""
+    indices, weights, aux, z, counts, max_load = _router.moe_router_fwd(logits, top_k, score, normalize)
+    return weights, aux, z, max_load, indices, counts
+
+
+@moe_router_fwd.register_fake
+def _(logits, top_k, score, normalize):
+    _router._check_router_args(logits, top_k, score)
+    T, E = logits.shape
+    i32, f32 = dict(dtype=torch.int32), dict(dtype=torch.float32)
+    return (logits.new_empty((T, top_k), **f32), logits.new_empty((), **f32), logits.new_empty((), **f32),
+            logits.new_empty((), **f32), logits.new_empty((T, top_k), **i32), logits.new_empty(E, **i32))
+
+
+@_custom_op("tritonllm::moe_router_bwd", mutates_args=())
+def moe_router_bwd(logits: Tensor, indices: Tensor, counts: Tensor, d_weights: Optional[Tensor],
+                   d_aux: Optional[Tensor], d_z: Optional[Tensor], score: str, normalize: bool) -> Tensor:
+    """The logits' gradient of :func:`kernels.moe_router.moe_router_bwd` (each given gradient may be None)."""
+    return _router.moe_router_bwd(logits, indices, counts, d_weights, d_aux, d_z, score, normalize)
+
+
+@moe_router_bwd.register_fake
+def _(logits, indices, counts, d_weights, d_aux, d_z, score, normalize):
+    return logits.new_empty(logits.shape)
+
+
+def _moe_router_setup(ctx, inputs, output):
+    logits, _, ctx.score, ctx.normalize = inputs
+    _, _, _, max_load, indices, counts = output
+    ctx.save_for_backward(logits, indices, counts)
+    ctx.mark_non_differentiable(indices, counts, max_load)
+    ctx.set_materialize_grads(False)
+
+
+def _moe_router_backward(ctx, d_weights, d_aux, d_z, _d_max_load, _d_indices, _d_counts):
+    if d_weights is None and d_aux is None and d_z is None:
+        return None, None, None, None
+    logits, indices, counts = ctx.saved_tensors
+    return moe_router_bwd(logits, indices, counts, d_weights, d_aux, d_z, ctx.score, ctx.normalize), None, None, None
+
+
+moe_router_fwd.register_autograd(_moe_router_backward, setup_context=_moe_router_setup)
+
+
+@_public
+def moe_router(logits: Tensor, top_k: int, score: str = "softmax", normalize: bool = True) -> _router.MoERouting:
+    weights, aux, z, max_load, indices, counts = moe_router_fwd(logits, top_k, score, normalize)
+    return _router.MoERouting(indices, weights, aux, z, counts, max_load)
+
+
+@_custom_op("tritonllm::moe_sort_fwd", mutates_args=())
+def moe_sort_fwd(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(expert_offsets, positions, slots)`` of :func:`kernels.moe_permute.moe_sort` (integers: no gradient)."""
+    return tuple(_eager(_perm.moe_sort)(indices, num_experts))
+
+
+@moe_sort_fwd.register_fake
+def _(indices, num_experts):
+    T, k = indices.shape
+    i32 = dict(dtype=torch.int32)
+    return indices.new_empty(num_experts + 1, **i32), indices.new_empty((T, k), **i32), indices.new_empty(T * k, **i32)
+
+
+@_public
+def moe_sort(indices: Tensor, num_experts: int) -> _perm.MoEPlan:
+    return _perm.MoEPlan(*moe_sort_fwd(indices, num_experts))
+
+
+@_custom_op("tritonllm::moe_gather_fwd", mutates_args=())
+def moe_gather_fwd(x: Tensor, expert_offsets: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+    """:func:`kernels.moe_permute.moe_gather_fwd` of the plan ``(expert_offsets, positions, slots)``."""
+    return _perm.moe_gather_fwd(x, _perm.MoEPlan(expert_offsets, positions, slots))
+
+
+@moe_gather_fwd.register_fake
+def _(x, expert_offsets, positions, slots):
+    return x.new_empty((slots.shape[0], x.shape[1]))
+
+
+@_custom_op("tritonllm::moe_gather_bwd", mutates_args=())
+def moe_gather_bwd(d_sorted: Tensor, positions: Tensor) -> Tensor:
+    """:func:`kernels.moe_permute.moe_gather_bwd`: each token's k row gradients summed."""
+    return _perm.moe_gather_bwd(d_sorted, positions)
+
+
+@moe_gather_bwd.register_fake
+def _(d_sorted, positions):
+    return d_sorted.new_empty((positions.shape[0], d_sorted.shape[1]))
+
+
+def _moe_gather_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _moe_gather_backward(ctx, d_sorted):
+    return moe_gather_bwd(d_sorted, ctx.saved_tensors[0]), None, None, None
+
+
+moe_gather_fwd.register_autograd(_moe_gather_backward, setup_context=_moe_gather_setup)
+
+
+@_public
+def moe_gather(x: Tensor, plan: _perm.MoEPlan) -> Tensor:
+    _perm._check_plan(plan)
+    return moe_gather_fwd(x, *plan)
+
+
+@_custom_op("tritonllm::moe_combine_fwd", mutates_args=())
+def moe_combine_fwd(expert_out: Tensor, weights: Tensor, expert_offsets: Tensor, positions: Tensor,
+                    slots: Tensor) -> Tensor:
+    """:func:`kernels.moe_permute.moe_combine_fwd` of the plan ``(expert_offsets, positions, slots)``."""
+    return _perm.moe_combine_fwd(expert_out, weights, _perm.MoEPlan(expert_offsets, positions, slots))
+
+
+@moe_combine_fwd.register_fake
+def _(expert_out, weights, expert_offsets, positions, slots):
+    return expert_out.new_empty((positions.shape[0], expert_out.shape[1]))
+
+
+@_custom_op("tritonllm::moe_combine_bwd", mutates_args=())
+def moe_combine_bwd(dy: Tensor, expert_out: Tensor, weights: Tensor, slots: Tensor,
+                    need_dw: bool) -> tuple[Tensor, Tensor]:
+    """``(d_expert_out, d_weights or absent)`` of :func:`kernels.moe_permute.moe_combine_bwd`."""
+    d_out, dw = _perm.moe_combine_bwd(dy, expert_out, weights.contiguous(), slots, need_dw)
+    return d_out, (dw if dw is not None else _absent(dy))
+
+
+@moe_combine_bwd.register_fake
+def _(dy, expert_out, weights, slots, need_dw):
+    return dy.new_empty((slots.shape[0], dy.shape[1])), (weights.new_empty(weights.shape) if need_dw else _absent(dy))
+
+
+def _moe_combine_setup(ctx, inputs, output):
+    expert_out, weights, _, _, slots = inputs
+    ctx.save_for_backward(expert_out, weights, slots)
+
+
+def _moe_combine_backward(ctx, dy):
+    need_dw = ctx.needs_input_grad[1]
+    d_out, dw = moe_combine_bwd(dy, *ctx.saved_tensors, need_dw)
+    return d_out, _given(dw, need_dw), None, None, None
+
+
+moe_combine_fwd.register_autograd(_moe_combine_backward, setup_context=_moe_combine_setup)
+
+
+@_public
+def moe_combine(expert_out: Tensor, weights: Tensor, plan: _perm.MoEPlan) -> Tensor:
+    _perm._check_plan(plan)
+    return moe_combine_fwd(expert_out, weights, *plan)
+
+
+@_custom_op("tritonllm::grouped_linear_fwd", mutates_args=())
+def grouped_linear_fwd(x: Tensor, weight: Tensor, expert_offsets: Tensor) -> Tensor:
+    """:func:`kernels.grouped_linear.grouped_linear_fwd`."""
+    return _gl.grouped_linear_fwd(x, weight, expert_offsets)
+
+
+@grouped_linear_fwd.register_fake
+def _(x, weight, expert_offsets):
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@_custom_op("tritonllm::grouped_linear_bwd", mutates_args=())
+def grouped_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, expert_offsets: Tensor, need_dx: bool,
+                       need_dw: bool) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)`` of :func:`kernels.grouped_linear.grouped_linear_bwd`, absent where not needed."""
+    dx, dw = _gl.grouped_linear_bwd(dy, x, weight, expert_offsets, need_dx, need_dw)
+    return (dx if dx is not None else _absent(x)), (dw if dw is not None else _absent(x))
+
+
+@grouped_linear_bwd.register_fake
+def _(dy, x, weight, expert_offsets, need_dx, need_dw):
+    return (dy.new_empty((dy.shape[0], weight.shape[2])) if need_dx else _absent(x),
+            weight.new_empty(weight.shape) if need_dw else _absent(x))
+
+
+def _grouped_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_grads(ctx, dy, x, weight, offsets):
+    """``(dx, dweight, None)`` from the gradient ``dy`` of the grouped GEMM's output."""
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = grouped_linear_bwd(dy, x, weight, offsets, need_dx, need_dw)
+    return _given(dx, need_dx), _given(dw, need_dw), None
+
+
+def _grouped_linear_backward(ctx, dy):
+    return _grouped_grads(ctx, dy, *ctx.saved_tensors)
+
+
+grouped_linear_fwd.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
+
+
+@_public
+def grouped_linear(x: Tensor, weight: Tensor, expert_offsets: Tensor) -> Tensor:
+    return grouped_linear_fwd(x, weight, expert_offsets)
+
+
+@_custom_op("tritonllm::grouped_linear_swiglu_fwd", mutates_args=())
+def grouped_linear_swiglu_fwd(x: Tensor, w13: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """``(h, gu)`` of :func:`kernels.grouped_linear.grouped_linear_swiglu_fwd` (the backward is the packed
+    swiglu_bwd op, then grouped_linear_bwd)."""
+    return _gl.grouped_linear_swiglu_fwd(x, w13, expert_offsets)
+
+
+@grouped_linear_swiglu_fwd.register_fake
+def _(x, w13, expert_offsets):
+    M, two_f = x.shape[0], w13.shape[1]
+    return x.new_empty((M, two_f // 2)), x.new_empty((M, two_f))
+
+
+def _grouped_linear_swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _grouped_linear_swiglu_backward(ctx, dh, _dgu):
+    x, w13, offsets, gu = ctx.saved_tensors
+    dgu, _ = swiglu_bwd(dh, gu, None)
+    return _grouped_grads(ctx, dgu, x, w13, offsets)
+
+
+grouped_linear_swiglu_fwd.register_autograd(_grouped_linear_swiglu_backward, setup_context=_grouped_linear_swiglu_setup)
+
+
+@_public
+def grouped_linear_swiglu(x: Tensor, w13: Tensor, expert_offsets: Tensor) -> Tensor:
+    return grouped_linear_swiglu_fwd(x, w13, expert_offsets)[0]
+

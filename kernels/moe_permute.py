@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting, next_pow2, rows_view
+from ._common import INDEX_DTYPES, check_same_device, check_tensor, compilable, interpreting, next_pow2, rows_view
 
 
 @triton.jit
@@ -184,6 +184,7 @@ def _row_blocks(rows: int, h: int) -> tuple[int, int]:
     return min(next_pow2(rows), max(1, budget // block_h)), block_h
 
 
+@compilable
 def moe_sort(indices: torch.Tensor, num_experts: int) -> MoEPlan:
     """Group the assignments ``indices`` (``[T, k]``, experts in ``[0, num_experts)``) by expert.
 
@@ -313,6 +314,7 @@ class MoECombineFunction(torch.autograd.Function):
         return d_out, dw, None, None, None
 
 
+@compilable
 def moe_gather(x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
     """Dispatch: ``x`` ``[T, H]`` -> ``[T k, H]`` with row ``p`` = ``x[slots[p] // k]`` (expert order).
 
@@ -322,6 +324,7 @@ def moe_gather(x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
     return MoEGatherFunction.apply(x, *plan)
 
 
+@compilable
 def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
     """Combine: ``y[t] = sum_j weights[t, j] * expert_out[positions[t, j]]``, ``[T, H]``.
 

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, interpreting, next_pow2, rows_view
+from ._common import check_tensor, compilable, interpreting, next_pow2, rows_view
 
 SCORES = ("softmax", "sigmoid")
 
@@ -304,6 +304,7 @@ class MoERouterFunction(torch.autograd.Function):
         return dl, None, None, None
 
 
+@compilable
 def moe_router(logits: torch.Tensor, top_k: int, score: str = "softmax", normalize: bool = True) -> MoERouting:
     """Choose ``top_k`` experts per token and compute the router losses.
 

@@ -1,4 +1,5 @@
-"""The kernels under torch.compile: a small model built only of tritonllm.kernels compiles with
+"""The kernels under torch.compile: a small model built only of tritonllm.kernels (a dense block, and one
+with a Mixture-of-Experts layer) compiles with
 ``fullgraph=True`` (no graph break), keeps every kernel in the graph as a ``torch.ops.tritonllm`` op, and
 gives eager's loss and gradients; each registered op passes ``torch.library.opcheck`` (schema, fake
 tensors, autograd registration, AOT dispatch); the model works inside FSDP2's ``fully_shard``."""
@@ -10,9 +11,9 @@ import torch
 
 from _checks import DEVICE, ON_GPU, randn
 
-from tritonllm.kernels import (add_fork, cross_entropy, embedding, flash_attention, fork, linear, linear_cross_entropy,
-                               linear_swiglu, relu2, rms_norm, rope, rope_cos_sin, softcap, split_heads, swiglu,
-                               weighted_add)
+from tritonllm.kernels import (MoEPlan, MoERouting, add_fork, cross_entropy, embedding, flash_attention, fork, linear,
+                               linear_cross_entropy, linear_swiglu, moe, moe_router, moe_sort, relu2, rms_norm, rope,
+                               rope_cos_sin, softcap, split_heads, swiglu, weighted_add)
 from tritonllm.kernels import library as lib
 
 V, C, HQ, HKV, D, F = 64, 64, 2, 1, 32, 48  # vocab, width, query / key-value heads, head dim, MLP width
@@ -47,9 +48,40 @@ class TinyModel(torch.nn.Module):
         return linear_cross_entropy(rms_norm(h, self.norm_f), self.head, targets)
 
 
-#: the custom ops the model's compiled graph must hold (forward ops; the backward ops run in the AOT graph)
-MODEL_OPS = {"embedding_fwd", "rms_norm_fwd", "linear_fwd", "rope_fwd", "flash_attention_fwd", "linear_swiglu_fwd",
-             "linear_cross_entropy_fwd"}
+E, FE, TOP_K = 4, 24, 2  # experts, expert MLP width, experts per token
+
+
+class MoEModel(torch.nn.Module):
+    """A pre-norm dropless top-2 MoE SwiGLU layer with a shared expert (``moe``: router, sort, gather,
+    grouped GEMMs, combine) between the embedding and the fused LM-head loss; the router losses are
+    added to the loss, so every expert weight and the router get gradients."""
+
+    def __init__(self):
+        super().__init__()
+        p = lambda *shape, scale=0.2: torch.nn.Parameter(randn(*shape, scale=scale))  # noqa: E731
+        self.wte = p(V, C, scale=1.0)
+        self.norm, self.norm_f = (torch.nn.Parameter(1 + randn(C, scale=0.1)) for _ in range(2))
+        self.router = p(E, C, scale=1.0)
+        self.w13, self.w2 = p(E, 2 * FE, C), p(E, C, FE)
+        self.shared_w13, self.shared_w2 = p(2 * FE, C), p(C, FE)
+        self.head = p(V, C, scale=0.1)
+
+    def forward(self, ids, targets):
+        x = embedding(ids, self.wte, validate=False).view(B * T, C)
+        y, routing = moe(rms_norm(x, self.norm), self.router, self.w13, self.w2, TOP_K, shared_w13=self.shared_w13,
+                         shared_w2=self.shared_w2)
+        h, _ = rms_norm(y, self.norm_f, residual=x)
+        return linear_cross_entropy(h, self.head, targets.view(-1)) + 1e-2 * routing.aux_loss + 1e-3 * routing.z_loss
+
+
+MODELS = {"dense": TinyModel, "moe": MoEModel}
+
+#: per model, the custom ops its compiled graph must hold (forward ops; the backward ops run in the AOT graph)
+MODEL_OPS = {"dense": {"embedding_fwd", "rms_norm_fwd", "linear_fwd", "rope_fwd", "flash_attention_fwd",
+                       "linear_swiglu_fwd", "linear_cross_entropy_fwd"},
+             "moe": {"embedding_fwd", "rms_norm_fwd", "linear_fwd", "moe_router_fwd", "moe_sort_fwd", "moe_gather_fwd",
+                     "grouped_linear_swiglu_fwd", "grouped_linear_fwd", "moe_combine_fwd", "linear_swiglu_fwd",
+                     "linear_cross_entropy_fwd"}}
 
 
 def _batch():
@@ -73,10 +105,11 @@ def _compare(eager, compiled):
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
-def test_compiled_model_matches_eager(backend):
+def test_compiled_model_matches_eager(backend, model_name):
     torch._dynamo.reset()
-    model = TinyModel()
+    model = MODELS[model_name]()
     ids, targets = _batch()
     eager = _loss_and_grads(model, model, ids, targets)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -84,14 +117,19 @@ def test_compiled_model_matches_eager(backend):
     _compare(eager, _loss_and_grads(model, compiled, ids, targets))  # the cached graph, second call
 
 
-def test_no_graph_break_and_kernels_stay_ops():
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_no_graph_break_and_kernels_stay_ops(model_name):
     torch._dynamo.reset()
-    model = TinyModel()
-    explained = torch._dynamo.explain(model)(*_batch())
+    ops = _graph_ops(MODELS[model_name](), *_batch())
+    assert MODEL_OPS[model_name] <= ops, MODEL_OPS[model_name] - ops
+
+
+def _graph_ops(fn, *args) -> set[str]:
+    """The tritonllm ops of ``fn``'s graph under torch.compile, checked to be one graph without a break."""
+    explained = torch._dynamo.explain(fn)(*args)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-    ops = {node.target._opname for graph in explained.graphs for node in graph.graph.nodes
-           if node.op == "call_function" and getattr(node.target, "namespace", None) == "tritonllm"}
-    assert MODEL_OPS <= ops, MODEL_OPS - ops
+    return {node.target._opname for graph in explained.graphs for node in graph.graph.nodes
+            if node.op == "call_function" and getattr(node.target, "namespace", None) == "tritonllm"}
 
 
 def _functionals(x, y, mix, one, norm, target):
@@ -117,6 +155,49 @@ def test_compiled_functionals_match_eager():
         for p in params:
             p.grad = None
     _compare(*results)
+
+
+def _routing(logits):
+    return moe_router(logits, TOP_K, "sigmoid", False), moe_sort(moe_router(logits, TOP_K).indices, E)
+
+
+def test_compiled_moe_functionals_return_named_tuples():
+    """The compiled route of moe_router / moe_sort returns MoERouting / MoEPlan, equal to eager's."""
+    torch._dynamo.reset()
+    logits = randn(12, E)
+    eager = _routing(logits)
+    compiled = torch.compile(_routing, fullgraph=True, backend="aot_eager")(logits)
+    assert type(compiled[0]) is MoERouting and type(compiled[1]) is MoEPlan
+    for e, c in zip(eager, compiled):
+        for name in type(e)._fields:
+            torch.testing.assert_close(getattr(c, name), getattr(e, name), rtol=0, atol=0, msg=name)
+
+
+def _moe_op_cases(g):
+    """The opcheck cases of the MoE ops: 6 tokens, 4 experts, top-2, width 8."""
+    logits = randn(6, E, **g)
+    *_, indices, counts = lib.moe_router_fwd(logits, TOP_K, "softmax", True)
+    plan = lib.moe_sort_fwd(indices, E)
+    offsets, positions, slots = plan
+    x, rows, weights = randn(6, 8, **g), randn(12, 8, **g), randn(6, TOP_K, **g)
+    w, w13 = randn(E, 10, 8, scale=0.3, **g), randn(E, 12, 8, scale=0.3, **g)
+    scalar = lambda value: torch.tensor(value, device=DEVICE)  # noqa: E731
+    return {
+        "moe_router_fwd": (lib.moe_router_fwd, (logits, TOP_K, "softmax", True)),
+        "moe_router_fwd_sigmoid": (lib.moe_router_fwd, (logits, 3, "sigmoid", False)),
+        "moe_router_bwd": (lib.moe_router_bwd, (logits.detach(), indices, counts, randn(6, TOP_K), scalar(0.5),
+                                                scalar(0.1), "softmax", True)),
+        "moe_router_bwd_weights_only": (lib.moe_router_bwd, (logits.detach(), indices, counts, randn(6, TOP_K), None,
+                                                             None, "sigmoid", False)),
+        "moe_sort_fwd": (lib.moe_sort_fwd, (indices, E)),
+        "moe_gather_fwd": (lib.moe_gather_fwd, (x, *plan)),
+        "moe_gather_bwd": (lib.moe_gather_bwd, (randn(12, 8), positions)),
+        "moe_combine_fwd": (lib.moe_combine_fwd, (rows, weights, *plan)),
+        "moe_combine_bwd": (lib.moe_combine_bwd, (randn(6, 8), rows.detach(), weights.detach(), slots, True)),
+        "grouped_linear_fwd": (lib.grouped_linear_fwd, (rows, w, offsets)),
+        "grouped_linear_bwd": (lib.grouped_linear_bwd, (randn(12, 10), rows.detach(), w.detach(), offsets, True, True)),
+        "grouped_linear_swiglu_fwd": (lib.grouped_linear_swiglu_fwd, (rows, w13, offsets)),
+    }
 
 
 def _op_cases():
@@ -180,6 +261,7 @@ def _op_cases():
                                                                         torch.float32)),
         "linear_cross_entropy_bwd": (lib.linear_cross_entropy_bwd, (randn(5), *[t.detach() for t in lce[:3]],
                                                                     *lce[3:], *lce_opts)),
+        **_moe_op_cases(g),
     }
 
 
