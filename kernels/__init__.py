@@ -18,13 +18,19 @@ a kernel while the interpreter is off is refused with an error naming the argume
 
 Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
 ``swiglu``, ``relu2``, ``softcap``, ``rope``, ``embedding``, ``flash_attention``, ``split_heads``,
-``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``) is also registered as
-``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta) and
-autograd registrations (``kernels/library.py``). While ``torch.compiler.is_compiling()``, a call goes to
+``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``, ``moe_router``,
+``moe_sort``, ``moe_gather``, ``moe_combine``, ``grouped_linear``, ``grouped_linear_swiglu``) is also
+registered as ``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta)
+and autograd registrations (``kernels/library.py``); ``moe`` is built of them. While
+``torch.compiler.is_compiling()``, a call goes to
 those ops, which the graph keeps as single opaque nodes: a model built of these kernels compiles with
 ``torch.compile(model, fullgraph=True)`` (any backend) without graph breaks, and works inside FSDP2's
 ``fully_shard``, compiled or not. Eager calls run the autograd Functions unchanged (the check costs
-well under a microsecond). The optimizer steps and the MoE ops are not registered yet.
+well under a microsecond). The in-place functionals ``adamw_step_``, ``clip_grads_``, ``muon_step_`` and
+``kv_cache.kv_cache_write_`` are ops that name the tensors they update (``mutates_args``; no autograd), as
+is ``orthogonalize``: a compiled optimizer step (``tritonllm.optim.AdamW`` / ``Muon``) is one graph.
+``clip_grads_(reduce=...)`` (the FSDP2 all-reduce of the norm) is refused under ``torch.compile``: a
+callable cannot enter an op. Not registered: ``flash_attention_decode`` and ``lora.lora_linear``.
 """
 
 from ._interpreter import choose_interpreter as _choose_interpreter

@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, interpreting, next_pow2, upload
+from ._common import (FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, compilable, interpreting,
+                      next_pow2, upload)
 
 #: elements per program (a chunk: the granularity of the tables), processed BLOCK elements per
 #: loop step by NUM_WARPS warps. Large chunks amortise each program's table look-ups (two
@@ -346,6 +347,7 @@ def _log2_pair(beta: float) -> tuple[float, float]:
     return hi, full - hi
 
 
+@compilable
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr, betas=(0.9, 0.999),
                 eps: float = 1e-8, weight_decay: float = 0.0, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step, in place, over lists of tensors: one Triton launch per combination of
@@ -403,6 +405,7 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr
                                                num_warps=1)
 
 
+@compilable
 def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.Tensor | None = None,
                 check: torch.Tensor | None = None, reduce=None) -> torch.Tensor:
     """Scale ``grads`` (a list of fp32/fp16/bf16 tensors on one device) in place so that their

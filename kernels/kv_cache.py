@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2
+from ._common import check_same_device, check_same_dtype, check_tensor, compilable, interpreting, next_pow2
 
 
 @triton.jit
@@ -46,6 +46,7 @@ def _kv_cache_write_kernel(
     tl.store(VC + b * stride_vcb + p * stride_vcs + h[:, None] * stride_vch + d[None, :], v, mask=mask)
 
 
+@compilable
 def kv_cache_write_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     pos: torch.Tensor) -> None:
     """In place: ``k_cache[:, p:p + T] = k`` and ``v_cache[:, p:p + T] = v`` with ``p = pos`` read on

@@ -29,10 +29,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import (cross_entropy as _ce, embedding as _emb, flash_attention as _fa, grouped_linear as _gl, linear as _lin,
-               linear_cross_entropy as _lce, moe_permute as _perm, moe_router as _router, relu2 as _relu2,
-               residual_mix as _mix, rms_norm as _rms, rope as _rope, softcap as _cap, split_heads as _split,
-               swiglu as _swiglu)
+from . import (adamw as _adamw, cross_entropy as _ce, embedding as _emb, flash_attention as _fa, grouped_linear as _gl,
+               kv_cache as _kv, linear as _lin, linear_cross_entropy as _lce, moe_permute as _perm, moe_router as _router,
+               muon as _muon, relu2 as _relu2, residual_mix as _mix, rms_norm as _rms, rope as _rope, softcap as _cap,
+               split_heads as _split, swiglu as _swiglu)
 from ._common import COMPILED
 
 _custom_op = torch.library.custom_op
@@ -945,3 +945,148 @@ grouped_linear_swiglu_fwd.register_autograd(_grouped_linear_swiglu_backward, set
 def grouped_linear_swiglu(x: Tensor, w13: Tensor, expert_offsets: Tensor) -> Tensor:
     return grouped_linear_swiglu_fwd(x, w13, expert_offsets)[0]
 
+
+# ----------------------------------------------------------------------------- in place: optimizers, KV cache
+# These ops update tensors in place and name them in mutates_args (torch.compile functionalizes
+# them); they have no autograd. A list an op mutates may hold no None (auto-functionalization cannot
+# carry one), so the optional master copies travel as the list of those given plus one flag per
+# parameter (:func:`_present`, :func:`_spread`).
+
+def _present(tensors, n: int) -> tuple[list[Tensor], list[bool]]:
+    """``(the tensors given, one flag per entry: given or not)`` of a list with None entries (or None: ``n`` absent)."""
+    if tensors is None:
+        return [], [False] * n
+    tensors = list(tensors)
+    return [t for t in tensors if t is not None], [t is not None for t in tensors]
+
+
+def _spread(tensors: list[Tensor], given: list[bool]) -> list[Optional[Tensor]]:
+    """The list :func:`_present` took apart: ``tensors`` in order where ``given``, None elsewhere."""
+    rest = iter(tensors)
+    return [next(rest) if g else None for g in given]
+
+
+def _lr(lr) -> tuple[float, Optional[Tensor]]:
+    """An optimizer's ``lr`` (a float or a device tensor) as the ops' pair ``(float, tensor or None)``."""
+    return (0.0, lr) if isinstance(lr, Tensor) else (float(lr), None)
+
+
+@_custom_op("tritonllm::adamw_step", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "masters", "steps"))
+def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+               masters: list[Tensor], has_master: list[bool], steps: list[Tensor], lr: float,
+               lr_tensor: Optional[Tensor], beta1: float, beta2: float, eps: float, weight_decay: float,
+               found_inf: Optional[Tensor]) -> None:
+    """:func:`kernels.adamw.adamw_step_` (``lr_tensor``, when given, is the learning rate)."""
+    _eager(_adamw.adamw_step_)(params, grads, exp_avgs, exp_avg_sqs, _spread(masters, has_master), steps=steps,
+                               lr=lr if lr_tensor is None else lr_tensor, betas=(beta1, beta2), eps=eps,
+                               weight_decay=weight_decay, found_inf=found_inf)
+
+
+@adamw_step.register_fake
+def _(*args):
+    return None
+
+
+@_public
+def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr, betas=(0.9, 0.999),
+                eps: float = 1e-8, weight_decay: float = 0.0, found_inf: Tensor | None = None) -> None:
+    params = list(params)
+    present, given = _present(masters, len(params))
+    adamw_step(params, list(grads), list(exp_avgs), list(exp_avg_sqs), present, given, list(steps), *_lr(lr),
+               float(betas[0]), float(betas[1]), float(eps), float(weight_decay), found_inf)
+
+
+@_custom_op("tritonllm::clip_grads", mutates_args=("grads", "found_inf"))
+def clip_grads(grads: list[Tensor], max_norm: float, eps: float, found_inf: Optional[Tensor],
+               check: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.adamw.clip_grads_` without ``reduce``: the norm before clipping."""
+    return _eager(_adamw.clip_grads_)(grads, max_norm, eps, found_inf=found_inf, check=check)
+
+
+@clip_grads.register_fake
+def _(grads, max_norm, eps, found_inf, check):
+    return grads[0].new_empty((), dtype=torch.float32)
+
+
+@_public
+def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: Tensor | None = None,
+                check: Tensor | None = None, reduce=None) -> Tensor:
+    if reduce is not None:
+        raise ValueError("clip_grads_(reduce=...) is not supported under torch.compile: the reduce callable "
+                         "cannot enter a custom op; clip outside the compiled region")
+    grads = list(grads)
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return clip_grads(grads, float(max_norm), float(eps), found_inf, check)
+
+
+@_custom_op("tritonllm::muon_step", mutates_args=("params", "momentum_bufs", "masters", "second_moments"))
+def muon_step(params: list[Tensor], grads: list[Tensor], momentum_bufs: list[Tensor], masters: list[Tensor],
+              has_master: list[bool], second_moments: list[Tensor], normuon: bool, lr: float,
+              lr_tensor: Optional[Tensor], lr_scale: float, momentum: float, nesterov: bool, weight_decay: float,
+              coefficients: str, steps: int, eps: float, adjust_lr: str, beta2: float, found_inf: Optional[Tensor],
+              work_dtype: Optional[torch.dtype]) -> None:
+    """:func:`kernels.muon.muon_step_` (``second_moments`` used when ``normuon``; ``lr_tensor``, when
+    given, is the learning rate)."""
+    _eager(_muon.muon_step_)(params, grads, momentum_bufs, _spread(masters, has_master),
+                             second_moments if normuon else None, lr=lr if lr_tensor is None else lr_tensor,
+                             lr_scale=lr_scale, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                             coefficients=coefficients, steps=steps, eps=eps, adjust_lr=adjust_lr, beta2=beta2,
+                             found_inf=found_inf, work_dtype=work_dtype)
+
+
+@muon_step.register_fake
+def _(*args):
+    return None
+
+
+@_public
+def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, *, lr, lr_scale: float = 1.0,
+               momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
+               coefficients: str = "polar_express", steps: int = 5, eps: float = 1e-7, adjust_lr: str = "original",
+               beta2: float = 0.95, found_inf: Tensor | None = None, work_dtype: torch.dtype | None = None) -> None:
+    params = list(params)
+    present, given = _present(masters, len(params))
+    muon_step(params, list(grads), list(momentum_bufs), present, given, list(second_moments or []),
+              second_moments is not None, *_lr(lr), float(lr_scale), float(momentum), bool(nesterov),
+              float(weight_decay), coefficients, int(steps), float(eps), adjust_lr, float(beta2), found_inf,
+              work_dtype)
+
+
+@_custom_op("tritonllm::orthogonalize_fwd", mutates_args=())
+def orthogonalize_fwd(x: Tensor, coefficients: str, steps: int, eps: float,
+                      work_dtype: Optional[torch.dtype]) -> Tensor:
+    """:func:`kernels.muon.orthogonalize` (no gradient)."""
+    return _eager(_muon.orthogonalize)(x, coefficients=coefficients, steps=steps, eps=eps, work_dtype=work_dtype)
+
+
+@orthogonalize_fwd.register_fake
+def _(x, coefficients, steps, eps, work_dtype):
+    work = _muon._work_dtype(work_dtype)
+    m, n = x.shape[-2:]
+    if x.numel() == 0:
+        return x.new_empty(x.shape, dtype=work)
+    out = x.new_empty((*x.shape[:-2], min(m, n), max(m, n)), dtype=work)
+    return out.transpose(-1, -2) if m >= n else out
+
+
+@_public
+def orthogonalize(x: Tensor, *, coefficients: str = "polar_express", steps: int = 5, eps: float = 1e-7,
+                  work_dtype: torch.dtype | None = None) -> Tensor:
+    return orthogonalize_fwd(x, coefficients, int(steps), float(eps), work_dtype)
+
+
+@_custom_op("tritonllm::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+def kv_cache_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> None:
+    """:func:`kernels.kv_cache.kv_cache_write_`."""
+    _eager(_kv.kv_cache_write_)(k, v, k_cache, v_cache, pos)
+
+
+@kv_cache_write.register_fake
+def _(k, v, k_cache, v_cache, pos):
+    return None
+
+
+@_public
+def kv_cache_write_(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> None:
+    kv_cache_write(k, v, k_cache, v_cache, pos)

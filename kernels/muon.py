@@ -53,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, interpreting, next_pow2, upload
+from ._common import (FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, compilable, interpreting,
+                      next_pow2, upload)
 
 #: Newton-Schulz quintic of torch.optim.Muon / K. Jordan's Muon, used for every step
 NEWTON_SCHULZ_COEFFS = ((3.4445, -4.7750, 2.0315),)
@@ -426,6 +427,7 @@ def _matrix_table(columns, shape, device) -> torch.Tensor:
     return upload(torch.tensor(rows, dtype=torch.int64).view(-1, 5), device)
 
 
+@compilable
 def orthogonalize(x: torch.Tensor, *, coefficients: str = "polar_express", steps: int = 5, eps: float = 1e-7,
                   work_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The approximate orthogonal polar factor of each matrix of ``x`` (``[m, n]`` or ``[..., m, n]``,
@@ -464,6 +466,7 @@ def _check_list(name: str, tensors, params, dtypes, shape_of) -> None:
             raise ValueError(f"{name}[{i}] must be contiguous")
 
 
+@compilable
 def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, *, lr, lr_scale: float = 1.0,
                momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
                coefficients: str = "polar_express", steps: int = 5, eps: float = 1e-7, adjust_lr: str = "original",

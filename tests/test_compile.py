@@ -1,8 +1,10 @@
 """The kernels under torch.compile: a small model built only of tritonllm.kernels (a dense block, and one
 with a Mixture-of-Experts layer) compiles with
 ``fullgraph=True`` (no graph break), keeps every kernel in the graph as a ``torch.ops.tritonllm`` op, and
-gives eager's loss and gradients; each registered op passes ``torch.library.opcheck`` (schema, fake
-tensors, autograd registration, AOT dispatch); the model works inside FSDP2's ``fully_shard``."""
+gives eager's loss and gradients; an optimizer step (gradient clipping, AdamW, NorMuon), the in-place
+KV-cache write and orthogonalize compiled give eager's tensors; each registered op passes
+``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch); the model works
+inside FSDP2's ``fully_shard``."""
 
 import socket
 
@@ -11,10 +13,12 @@ import torch
 
 from _checks import DEVICE, ON_GPU, randn
 
-from tritonllm.kernels import (MoEPlan, MoERouting, add_fork, cross_entropy, embedding, flash_attention, fork, linear,
-                               linear_cross_entropy, linear_swiglu, moe, moe_router, moe_sort, relu2, rms_norm, rope,
-                               rope_cos_sin, softcap, split_heads, swiglu, weighted_add)
+from tritonllm.kernels import (MoEPlan, MoERouting, add_fork, clip_grads_, cross_entropy, embedding, flash_attention,
+                               fork, linear, linear_cross_entropy, linear_swiglu, moe, moe_router, moe_sort, orthogonalize,
+                               relu2, rms_norm, rope, rope_cos_sin, softcap, split_heads, swiglu, weighted_add)
 from tritonllm.kernels import library as lib
+from tritonllm.kernels.kv_cache import kv_cache_write_
+from tritonllm.optim import AdamW, Muon
 
 V, C, HQ, HKV, D, F = 64, 64, 2, 1, 32, 48  # vocab, width, query / key-value heads, head dim, MLP width
 B, T = 2, 16
@@ -173,6 +177,85 @@ def test_compiled_moe_functionals_return_named_tuples():
             torch.testing.assert_close(getattr(c, name), getattr(e, name), rtol=0, atol=0, msg=name)
 
 
+def _optimizer_problem():
+    """Weights and gradients (fp32 and fp16; vectors, a matrix, stacked expert matrices) for AdamW and NorMuon."""
+    shapes = {"matrix": ((8, 12), torch.float32), "bias": ((12,), torch.float32),
+              "experts": ((2, 6, 5), torch.float16), "norm": ((16,), torch.float16)}
+    return {n: (randn(*s).to(dt), randn(*s).to(dt)) for n, (s, dt) in shapes.items()}
+
+
+def _optimizers(problem):
+    """Fresh parameters with their gradients, AdamW on the vectors and NorMuon on the matrices (fp16 ones
+    with fp32 master copies)."""
+    params = {n: torch.nn.Parameter(w.clone()) for n, (w, _) in problem.items()}
+    for n, p in params.items():
+        p.grad = problem[n][1].clone()
+    adamw = AdamW([params["bias"], params["norm"]], lr=1e-2, weight_decay=0.1)
+    muon = Muon([params["matrix"], params["experts"]], lr=0.02, weight_decay=0.01, normuon=True)
+    return params, adamw, muon
+
+
+def _optimizer_step(params, adamw, muon, flag=None, check=None):
+    norm = clip_grads_([p.grad for p in params.values()], 1.0, found_inf=flag, check=check)
+    adamw.step(found_inf=flag)
+    muon.step(found_inf=flag)
+    return norm
+
+
+def _optimizer_run(problem, compiled):
+    """Two steps of clip_grads_ (with the skip flag), AdamW and NorMuon, eager or compiled; the
+    parameters, the optimizers' states, the norms and the flag after them."""
+    params, adamw, muon = _optimizers(problem)
+    flag, loss = torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.tensor(2.5, device=DEVICE)
+    step = torch.compile(_optimizer_step, fullgraph=True, backend="aot_eager") if compiled else _optimizer_step
+    norms = [step(params, adamw, muon, flag, loss) for _ in range(2)]
+    states = {f"{n}.{k}": v for n, p in params.items() for opt in (adamw, muon) if p in opt.state
+              for k, v in opt.state[p].items()}
+    return {**{n: p.detach() for n, p in params.items()}, **states, "norms": torch.stack(norms), "flag": flag}
+
+
+def test_compiled_optimizer_step_matches_eager():
+    """clip_grads_, AdamW (fp16 with masters) and NorMuon (stacked fp16 experts with masters) compiled
+    with fullgraph: one graph of the in-place ops, and eager's parameters, states and norms exactly."""
+    torch._dynamo.reset()
+    problem = _optimizer_problem()
+    eager, compiled = _optimizer_run(problem, False), _optimizer_run(problem, True)
+    assert eager.keys() == compiled.keys() and {"experts.master", "experts.second_moment", "norm.master"} <= eager.keys()
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=0, atol=0, msg=name)
+    assert {"clip_grads", "adamw_step", "muon_step"} <= _graph_ops(_optimizer_step, *_optimizers(problem))
+
+
+def test_compiled_clip_grads_refuses_reduce():
+    """clip_grads_(reduce=...) cannot enter a custom op: under torch.compile(fullgraph=True) the trace
+    stops with the ValueError's message (eager, or a compile allowed to break, runs it)."""
+    torch._dynamo.reset()
+    clip = torch.compile(lambda g: clip_grads_(g, 1.0, reduce=lambda total: None), fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="cannot enter a custom op"):
+        clip([randn(4)])
+
+
+def _cache_and_polar(k, v, k_cache, v_cache, pos, tall, wide):
+    kv_cache_write_(k, v, k_cache, v_cache, pos)
+    return orthogonalize(tall), orthogonalize(wide, coefficients="newton_schulz", steps=3)
+
+
+def test_compiled_cache_write_and_orthogonalize_match_eager():
+    """kv_cache_write_ (in place, at a device position) and orthogonalize (a tall matrix: a transposed
+    view) compiled give eager's caches and outputs, strides included."""
+    torch._dynamo.reset()
+    k, v, tall, wide = randn(2, 3, 1, 8), randn(2, 3, 1, 8), randn(2, 9, 5), randn(4, 7)
+    pos = torch.tensor(2, device=DEVICE)
+    results = []
+    for fn in (_cache_and_polar, torch.compile(_cache_and_polar, fullgraph=True, backend="aot_eager")):
+        k_cache, v_cache = torch.zeros(2, 6, 1, 8, device=DEVICE), torch.zeros(2, 6, 1, 8, device=DEVICE)
+        results.append((k_cache, v_cache, *fn(k, v, k_cache, v_cache, pos, tall, wide)))
+    for e, c in zip(*results):
+        assert e.stride() == c.stride()
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+    torch.testing.assert_close(results[1][0][:, 2:5], k, rtol=0, atol=0)
+
+
 def _moe_op_cases(g):
     """The opcheck cases of the MoE ops: 6 tokens, 4 experts, top-2, width 8."""
     logits = randn(6, E, **g)
@@ -197,6 +280,32 @@ def _moe_op_cases(g):
         "grouped_linear_fwd": (lib.grouped_linear_fwd, (rows, w, offsets)),
         "grouped_linear_bwd": (lib.grouped_linear_bwd, (randn(12, 10), rows.detach(), w.detach(), offsets, True, True)),
         "grouped_linear_swiglu_fwd": (lib.grouped_linear_swiglu_fwd, (rows, w13, offsets)),
+    }
+
+
+def _in_place_op_cases():
+    """The opcheck cases of the in-place ops (optimizer steps, clipping, KV-cache write) and orthogonalize."""
+    pos = lambda *shape: randn(*shape).abs()  # noqa: E731  (second moments are >= 0)
+    p16, m16 = randn(3, 5).half(), randn(3, 5)
+    steps = [torch.zeros((), device=DEVICE) for _ in range(2)]
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    adamw = ([randn(4, 6), randn(7)], [randn(4, 6), randn(7)], [randn(4, 6), randn(7)], [pos(4, 6), pos(7)], [],
+             [False, False], steps, 1e-2, None, 0.9, 0.99, 1e-8, 0.1, None)
+    adamw_masters = ([p16.clone()], [randn(3, 5).half()], [randn(3, 5)], [pos(3, 5)], [m16.clone()], [True],
+                     [steps[0].clone()], 0.0, torch.tensor(1e-2, device=DEVICE), 0.9, 0.99, 1e-8, 0.0, flag)
+    muon = ([randn(2, 4, 6), p16], [randn(2, 4, 6), randn(3, 5).half()], [randn(2, 4, 6), randn(3, 5)], [m16],
+            [False, True], [pos(2, 6), pos(5)], True, 0.02, None, 1.0, 0.95, True, 0.01, "polar_express", 2, 1e-7,
+            "original", 0.95, None, None)
+    return {
+        "adamw_step": (lib.adamw_step, adamw),
+        "adamw_step_masters": (lib.adamw_step, adamw_masters),
+        "clip_grads": (lib.clip_grads, ([randn(4, 6), randn(7)], 0.5, 1e-6, flag.clone(),
+                                        torch.tensor(1.0, device=DEVICE))),
+        "muon_step": (lib.muon_step, muon),
+        "orthogonalize_fwd": (lib.orthogonalize_fwd, (randn(2, 9, 5), "polar_express", 3, 1e-7, None)),
+        "orthogonalize_fwd_wide": (lib.orthogonalize_fwd, (randn(4, 7), "newton_schulz", 2, 1e-7, None)),
+        "kv_cache_write": (lib.kv_cache_write, (randn(2, 3, 1, 8), randn(2, 3, 1, 8), randn(2, 6, 1, 8),
+                                                randn(2, 6, 1, 8), torch.tensor(1, device=DEVICE))),
     }
 
 
@@ -262,6 +371,7 @@ def _op_cases():
         "linear_cross_entropy_bwd": (lib.linear_cross_entropy_bwd, (randn(5), *[t.detach() for t in lce[:3]],
                                                                     *lce[3:], *lce_opts)),
         **_moe_op_cases(g),
+        **_in_place_op_cases(),
     }
 
 
