@@ -17,7 +17,7 @@ imported, it changes nothing. ``interpreting()`` tells which mode is on, and a C
 a kernel while the interpreter is off is refused with an error naming the argument and the variable.
 
 Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
-``swiglu``, ``relu2``, ``softcap``, ``rope``, ``embedding``, ``flash_attention``, ``split_heads``,
+``swiglu``, ``relu2``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``split_heads``,
 ``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``, ``moe_router``,
 ``moe_sort``, ``moe_gather``, ``moe_combine``, ``grouped_linear``, ``grouped_linear_swiglu``) is also
 registered as ``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta)

@@ -348,6 +348,24 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, *, position_offset: int | Tensor =
     return rope_fwd(x, cos, sin, position_offset, None)
 
 
+@_custom_op("tritonllm::rope_cos_sin_fwd", mutates_args=())
+def rope_cos_sin_fwd(turns: Tensor, seq_len: int, mscale: float) -> tuple[Tensor, Tensor]:
+    """:func:`kernels.rope.rope_cos_sin_fwd`: the tables from the frequencies (no gradient)."""
+    return _rope.rope_cos_sin_fwd(turns, seq_len, mscale)
+
+
+@rope_cos_sin_fwd.register_fake
+def _(turns, seq_len, mscale):
+    return tuple(turns.new_empty((seq_len, turns.shape[0]), dtype=torch.float32) for _ in range(2))
+
+
+@_public
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0, scaling: dict | None = None,
+                 device=None) -> tuple[Tensor, Tensor]:
+    turns, mscale = _rope.rope_turns(seq_len, head_dim, theta, scaling, device)
+    return rope_cos_sin_fwd(turns, seq_len, mscale)
+
+
 @_custom_op("tritonllm::embedding_fwd", mutates_args=())
 def embedding_fwd(ids: Tensor, weight: Tensor, padding_idx: Optional[int], validate: bool) -> Tensor:
     """:func:`kernels.embedding.embedding_fwd`, ``padding_idx`` checked as :func:`kernels.embedding.embedding`."""

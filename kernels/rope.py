@@ -369,6 +369,34 @@ def _inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float
     return extrapolation * (1 - ramp) + extrapolation / factor * ramp, float(mscale)
 
 
+def rope_turns(seq_len: int, head_dim: int, theta: float, scaling: dict | None, device) -> tuple[torch.Tensor, float]:
+    """``(inv_freq / 2 pi`` on the device, ``mscale)`` of :func:`rope_cos_sin`'s tables, its arguments checked."""
+    _check_number("seq_len", seq_len, integer=True)
+    _check_number("head_dim", head_dim, integer=True)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    _check_number("theta", theta, low=1)
+    inv_freq, mscale = _inv_freq(head_dim, float(theta), scaling)
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        raise ValueError(f"device must be a CUDA device (the CPU only with TRITON_INTERPRET=1), got {device}")
+    return (inv_freq / (2 * math.pi)).to(device), mscale
+
+
+def rope_cos_sin_fwd(turns: torch.Tensor, seq_len: int, mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the table kernel: ``cos, sin [seq_len, len(turns)]`` float32 from ``turns`` (:func:`rope_turns`)."""
+    half = turns.shape[0]
+    cos = torch.empty((seq_len, half), dtype=torch.float32, device=turns.device)
+    sin = torch.empty_like(cos)
+    block_half = next_pow2(half)
+    block_s = min(next_pow2(seq_len), max(1, _TABLE_TILE // block_half))
+    _rope_cos_sin_kernel[(triton.cdiv(seq_len, block_s),)](
+        turns, cos, sin, seq_len, mscale, HALF=half, BLOCK_S=block_s, BLOCK_HALF=block_half,
+    )
+    return cos, sin
+
+
+@compilable
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0, scaling: dict | None = None,
                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables ``cos, sin``, float32 ``[seq_len, head_dim // 2]``, for :func:`rope`.
@@ -391,22 +419,5 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0, scaling: d
 
     ``device`` defaults to CUDA when available (else the CPU, for the interpreter).
     """
-    _check_number("seq_len", seq_len, integer=True)
-    _check_number("head_dim", head_dim, integer=True)
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
-    _check_number("theta", theta, low=1)
-    inv_freq, mscale = _inv_freq(head_dim, float(theta), scaling)
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
-        raise ValueError(f"device must be a CUDA device (the CPU only with TRITON_INTERPRET=1), got {device}")
-    turns = (inv_freq / (2 * math.pi)).to(device)
-    half = head_dim // 2
-    cos = torch.empty((seq_len, half), dtype=torch.float32, device=device)
-    sin = torch.empty_like(cos)
-    block_half = next_pow2(half)
-    block_s = min(next_pow2(seq_len), max(1, _TABLE_TILE // block_half))
-    _rope_cos_sin_kernel[(triton.cdiv(seq_len, block_s),)](
-        turns, cos, sin, seq_len, mscale, HALF=half, BLOCK_S=block_s, BLOCK_HALF=block_half,
-    )
-    return cos, sin
+    turns, mscale = rope_turns(seq_len, head_dim, theta, scaling, device)
+    return rope_cos_sin_fwd(turns, seq_len, mscale)

@@ -18,6 +18,7 @@ from tritonllm.kernels import (MoEPlan, MoERouting, add_fork, clip_grads_, cross
                                relu2, rms_norm, rope, rope_cos_sin, softcap, split_heads, swiglu, weighted_add)
 from tritonllm.kernels import library as lib
 from tritonllm.kernels.kv_cache import kv_cache_write_
+from tritonllm.models import ModelConfig, build_model
 from tritonllm.optim import AdamW, Muon
 
 V, C, HQ, HKV, D, F = 64, 64, 2, 1, 32, 48  # vocab, width, query / key-value heads, head dim, MLP width
@@ -161,6 +162,28 @@ def test_compiled_functionals_match_eager():
     _compare(*results)
 
 
+def test_compiled_moe_transformer_matches_eager():
+    """tritonllm's Transformer with MoE layers (two blocks, top-2 of 4 experts and a shared one; its RoPE
+    tables built inside the first, compiled, call) is one graph, and gives eager's loss, router losses
+    and every gradient."""
+    torch._dynamo.reset()
+    cfg = ModelConfig(name="moe", vocab_size=V, d_model=48, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=40,
+                      max_seq_len=T, n_experts=E, moe_top_k=TOP_K, d_expert=FE, n_shared_experts=1,
+                      moe_aux_loss_coef=1e-2, moe_z_loss_coef=1e-3)
+    ids, targets = _batch()
+    assert {"moe_router_fwd", "grouped_linear_swiglu_fwd", "rope_cos_sin_fwd"} <= _graph_ops(
+        build_model(cfg, device=DEVICE), ids, targets)
+    model = build_model(cfg, device=DEVICE)
+    results = []
+    for run in (torch.compile(model, fullgraph=True, backend="aot_eager"), model):
+        loss, losses = run(ids, targets, return_losses=True)
+        loss.backward()
+        results.append((torch.stack([loss.detach(), losses["moe_aux"], losses["moe_z"]]),
+                        {n: p.grad for n, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    _compare(results[1], results[0])
+
+
 def _routing(logits):
     return moe_router(logits, TOP_K, "sigmoid", False), moe_sort(moe_router(logits, TOP_K).indices, E)
 
@@ -237,12 +260,15 @@ def test_compiled_clip_grads_refuses_reduce():
 
 def _cache_and_polar(k, v, k_cache, v_cache, pos, tall, wide):
     kv_cache_write_(k, v, k_cache, v_cache, pos)
-    return orthogonalize(tall), orthogonalize(wide, coefficients="newton_schulz", steps=3)
+    yarn = dict(type="yarn", factor=4.0, original_max_position=8)
+    return (orthogonalize(tall), orthogonalize(wide, coefficients="newton_schulz", steps=3),
+            *rope_cos_sin(12, 16, device=k.device), *rope_cos_sin(12, 16, 500.0, yarn, device=k.device))
 
 
 def test_compiled_cache_write_and_orthogonalize_match_eager():
-    """kv_cache_write_ (in place, at a device position) and orthogonalize (a tall matrix: a transposed
-    view) compiled give eager's caches and outputs, strides included."""
+    """kv_cache_write_ (in place, at a device position), orthogonalize (a tall matrix: a transposed
+    view) and the RoPE tables (plain and YaRN, built inside the graph) compiled give eager's caches and
+    outputs, strides included."""
     torch._dynamo.reset()
     k, v, tall, wide = randn(2, 3, 1, 8), randn(2, 3, 1, 8), randn(2, 9, 5), randn(4, 7)
     pos = torch.tensor(2, device=DEVICE)
@@ -350,6 +376,7 @@ def _op_cases():
         "rope_fwd": (lib.rope_fwd, (q, cos, sin, 2, None)),
         "rope_fwd_tensor_offset": (lib.rope_fwd, (q, cos, sin, 0, torch.tensor(3, device=DEVICE))),
         "rope_bwd": (lib.rope_bwd, (d4, cos, sin, 1, None)),
+        "rope_cos_sin_fwd": (lib.rope_cos_sin_fwd, (torch.rand(16, dtype=torch.float64, device=DEVICE) / 7, 12, 1.1)),
         "embedding_fwd": (lib.embedding_fwd, (ids, table, 0, True)),
         "embedding_bwd": (lib.embedding_bwd, (randn(3, 4, 32), ids, 10, None)),
         "flash_attention_fwd": (lib.flash_attention_fwd, (q, k, v, True, None, None, False, None)),
