@@ -8,6 +8,10 @@ shapes, dtypes and strides without launching anything, and an autograd formula
 the graph as single nodes (no graph break, no tracing into Triton), so the launchers keep their
 cached :class:`~kernels._common.Launch` path and their autotuning at run time.
 
+The in-place functionals (``adamw_step_``, ``clip_grads_``, ``muon_step_``, ``kv_cache_write_``) are
+single ops that name the tensors they update in ``mutates_args`` (torch.compile functionalizes them), with
+no autograd; so are the integer ``moe_sort``, ``orthogonalize`` and the RoPE tables.
+
 Each family ends with a functional of the public signature, registered in ``COMPILED``;
 ``@compilable`` on the public functional (kernels/_common.py) routes a call to it while
 ``torch.compiler.is_compiling()``, and the eager path runs unchanged otherwise. ``split_heads``, ``fork``
