@@ -8,7 +8,7 @@ For x [R, N] (any strides) and an fp8 format whose largest finite value is F (e4
     q[r, n] = fp8(clamp(x[r, n] * (F / amax_r), -F, F))   round to nearest even
 
 so ``x[r, n] ~ s_r q[r, n]``, and a GEMM that contracts over n of two such operands is
-``s_a[m] s_b[n]`` times the product of their fp8 values (``kernels.linear.gemm`` with ``a_scale``
+``s_a[m] s_b[n]`` times the product of their fp8 values (``kernels.gemm.gemm`` with ``a_scale``
 and ``b_scale``). Both divisions are IEEE-rounded (``div_rn``), the product with x is one fp32
 multiply: a float32 PyTorch reference reproduces q and s exactly. Nothing here allocates a
 float8 tensor on its own: ``q`` may be any float tensor (float32 under the interpreter, which

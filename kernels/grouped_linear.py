@@ -17,7 +17,7 @@ Backward (``dy`` the gradient of y; for SwiGLU ``dgu = swiglu_bwd(dh, gu)`` firs
 The forward and dx products are one persistent launch: every program walks the tile schedule
 (expert, m-tile, n-tile), computed on the device from ``offsets`` (per-expert m-tile counts and
 their prefix sum, held in registers; m-tiles of all experts in one grouped-M order as in
-``kernels/linear.py``), so there is no host synchronisation and no per-expert launch. dW has one program per (expert, n-tile, k-tile) output tile that runs over all of the
+``kernels/gemm.py``), so there is no host synchronisation and no per-expert launch. dW has one program per (expert, n-tile, k-tile) output tile that runs over all of the
 expert's rows: no split over rows, no atomics, deterministic. Accumulation is fp32 (``tl.dot``,
 tf32 for fp32 inputs on the GPU).
 """
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable,
                       interpreting, next_pow2, num_sms, rows_view)
-from .linear import GPU_CONFIGS, PLAIN, SWIGLU_FWD, _prune_configs
+from .gemm import GPU_CONFIGS, PLAIN, SWIGLU_FWD, prune_configs
 from .swiglu import swiglu_bwd
 
 
@@ -45,7 +45,7 @@ def _grouped_linear_fwd_kernel(
     stride_am,    # row stride of a
     stride_be, stride_bk, stride_bn,
     up_off,       # offset of the up half inside B_e (SWIGLU_FWD): F rows of w13
-    EPILOGUE: tl.constexpr,  # PLAIN or SWIGLU_FWD (kernels.linear's constants)
+    EPILOGUE: tl.constexpr,  # PLAIN or SWIGLU_FWD (kernels.gemm's constants)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -138,7 +138,7 @@ def _grouped_linear_dw_kernel(
 
 
 #: GPU tile configs (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps): the forward/dx kernel
-#: tries kernels.linear's GPU_CONFIGS (GROUP_M 8) with its shared-memory / register pruning (the
+#: tries kernels.gemm's GPU_CONFIGS (GROUP_M 8) with its shared-memory / register pruning (the
 #: argument names a_ptr and EPILOGUE match), the dW kernel the list below. Not yet measured
 #: on H100/H200: the lead's first tuning knob.
 _DW_CONFIGS = [(64, 128, 128, 3, 8), (64, 128, 64, 4, 4), (128, 128, 64, 3, 8)]
@@ -158,7 +158,7 @@ if interpreting():
 else:
     _fwd_kernel = triton.autotune(
         _configs(GPU_CONFIGS, GROUP_M=8), key=["M", "NO", "KR", "EPILOGUE"],
-        prune_configs_by={"early_config_prune": _prune_configs})(_grouped_linear_fwd_kernel)
+        prune_configs_by={"early_config_prune": prune_configs})(_grouped_linear_fwd_kernel)
     _dw_kernel = triton.autotune(_configs(_DW_CONFIGS), key=["M", "N", "K"])(_grouped_linear_dw_kernel)
 
 

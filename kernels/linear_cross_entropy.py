@@ -16,7 +16,7 @@ With ``softcap`` c > 0 the logits are soft-capped first, z = c tanh(l / c) of th
 ``sum`` adds the rows, ``none`` returns the per-row losses (fp32).
 
 Forward, one chunk of C tokens at a time (C = ``chunk_size``), through one [C, V] buffer:
-  1. buf = x_c W^T                       Triton GEMM (kernels.linear.gemm), logits in x's dtype
+  1. buf = x_c W^T                       Triton GEMM (kernels.gemm.gemm), logits in x's dtype
   2. one program per row: the cap (fp32) on each logit as it is read, softmax statistics over V (the whole row in registers when V fits, else
      an online max/sum over blocks), the row's loss, then dloss/dz (unscaled) written over buf;
   3. dx_c = buf W                        GEMM into the rows of dx (split along V when C gives too
@@ -53,7 +53,8 @@ import triton.language as tl
 from ._common import (INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, compilable, interpreting,
                       needs_grad, next_pow2, num_sms)
 from .fp8 import FP8_MAX, fp8_saturate, fp8_scales, quantize_rows_into
-from .linear import as_matrix, check_linear_inputs, gemm, split_fill, split_k_for
+from .gemm import as_matrix, gemm, split_fill, split_k_for
+from .linear import check_linear_inputs
 from .softcap import check_cap, softcap_math
 
 REDUCTIONS = ("mean", "sum", "none")

@@ -15,7 +15,7 @@ when p = 0)::
                dx = dy W + (G A) * m / (1 - p)     (the adapters' part through the dropout mask)
                dW = dy^T x, dbias = sum of dy's rows (only when W or bias needs a gradient)
 
-The GEMMs with a long output (``y``, ``dx``, ``dA``, ``dB``) are :func:`kernels.linear.gemm`; the
+The GEMMs with a long output (``y``, ``dx``, ``dA``, ``dB``) are :func:`kernels.gemm.gemm`; the
 two with an ``r``-wide output (``U`` and ``G``) are ``_lora_down_kernel``: one program per
 ``BLOCK_M`` rows holds the whole ``[BLOCK_M, r]`` output tile and sweeps K, scaling by ``s`` in
 its epilogue (fp32 accumulation). Dropout is ``_dropout_kernel``: the keep mask of element
@@ -32,7 +32,8 @@ import triton.language as tl
 
 from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
                       next_pow2)
-from .linear import as_matrix, gemm, linear_bwd, linear_fwd
+from .gemm import as_matrix, gemm
+from .linear import linear_bwd, linear_fwd
 
 
 @triton.jit

@@ -45,7 +45,7 @@ import triton
 from tritonllm.bench.harness import _pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
 from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu, swiglu
 
-L = importlib.import_module("tritonllm.kernels.linear")
+L = importlib.import_module("tritonllm.kernels.gemm")
 LCE = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
 
 T0 = time.time()

@@ -168,9 +168,9 @@ def test_linear_zero_rows(poisoned_empty):
 def test_gemm_split_k_empty_splits(M, N, K, splits, poisoned_empty):
     """Split-K where most splits get no K tile (the interpreter's BLOCK_K covers K = 1 and 20 in one
     step): their fp32 partials must be written as zeros before the fixed-order sum."""
-    linear_module = importlib.import_module("tritonllm.kernels.linear")
+    gemm_module = importlib.import_module("tritonllm.kernels.gemm")
     a, b = randn(M, K), randn(N, K).t()
-    c = linear_module.gemm(a, b, torch.empty(M, N, device=DEVICE), split_k=splits, allow_tf32=False)
+    c = gemm_module.gemm(a, b, torch.empty(M, N, device=DEVICE), split_k=splits, allow_tf32=False)
     assert_close("c", c, a.double() @ b.double())
 
 

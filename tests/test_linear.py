@@ -12,7 +12,7 @@ from tritonllm.bench.reference_ops import linear as ref_linear
 from tritonllm.bench.reference_ops import linear_swiglu as ref_swiglu
 from tritonllm.kernels import linear, linear_swiglu
 
-linear_module = importlib.import_module("tritonllm.kernels.linear")
+gemm_module = importlib.import_module("tritonllm.kernels.gemm")
 
 @contextlib.contextmanager
 def torch_tf32(dtype):
@@ -137,8 +137,8 @@ def test_gemm_descriptor_path_matches_pointer_path(layout, tma_store, monkeypatc
     path also with TMA stores (whole tiles or halves). The interpreter emulates descriptors."""
     if ON_GPU and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need sm90+")
-    monkeypatch.setattr(linear_module, "TMA_STORE", bool(tma_store))
-    monkeypatch.setattr(linear_module, "EPILOGUE_SUBTILE", tma_store == "subtile")
+    monkeypatch.setattr(gemm_module, "TMA_STORE", bool(tma_store))
+    monkeypatch.setattr(gemm_module, "EPILOGUE_SUBTILE", tma_store == "subtile")
     _, make_a, make_b = layout
     dtype = torch.float16
     M, K, N = 72, 40, 24
@@ -147,11 +147,11 @@ def test_gemm_descriptor_path_matches_pointer_path(layout, tma_store, monkeypatc
     c0 = randn(M, N, dtype=torch.float32)
     outs = {}
     for use_tma in (True, False):
-        plain = linear_module.gemm(a, b, c0.clone(), accumulate=True, use_tma=use_tma)
+        plain = gemm_module.gemm(a, b, c0.clone(), accumulate=True, use_tma=use_tma)
         gu = poison_(torch.empty(M, 2 * N, dtype=dtype, device=DEVICE))
-        h = linear_module.gemm(a, b2, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE)), gu=gu,
-                               epilogue=linear_module.SWIGLU_FWD, use_tma=use_tma)
-        split = linear_module.gemm(a, b, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE)), use_tma=use_tma,
+        h = gemm_module.gemm(a, b2, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE)), gu=gu,
+                               epilogue=gemm_module.SWIGLU_FWD, use_tma=use_tma)
+        split = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE)), use_tma=use_tma,
                                    split_k=3)
         outs[use_tma] = (plain, h, gu, split)
     a64, b64, b264 = a.double(), b.double(), b2.double()
@@ -167,15 +167,15 @@ def test_gemm_split_k(M, N, K, splits, poisoned_empty):
     """Split-K on ragged sizes (some splits past the end of K): fp32 partials summed in order."""
     a = randn(M, K)
     b = randn(N, K).t()
-    c = linear_module.gemm(a, b, torch.empty(M, N, device=DEVICE), split_k=splits, allow_tf32=False)
+    c = gemm_module.gemm(a, b, torch.empty(M, N, device=DEVICE), split_k=splits, allow_tf32=False)
     assert_close("c", c, a.double() @ b.double(), atol=1e-5)
 
 
 def test_split_k_heuristic(monkeypatch):
     """Few output tiles and a long K split; a product that fills the GPU, or a short K, does not."""
     for knob, value in (("SPLIT_K_MIN_K", 2048), ("SPLIT_K_MAX", 8), ("SPLIT_K_FILL_SLACK", 0.05)):
-        monkeypatch.setattr(linear_module, knob, value)
-    split_k_for = linear_module.split_k_for
+        monkeypatch.setattr(gemm_module, knob, value)
+    split_k_for = gemm_module.split_k_for
     assert split_k_for(384, 768, 32000, 132) == 7  # 18 tiles of 128x128: 126 programs
     assert split_k_for(2048, 768, 32000, 132) == 4  # 96 tiles: 384 programs fill 3 waves of 132
     assert split_k_for(16384, 768, 32000, 132) == 1
@@ -185,7 +185,7 @@ def test_split_k_heuristic(monkeypatch):
 def test_gemm_descriptor_path_rejects_unaligned_strides():
     a = randn(8, 17, dtype=torch.float16)  # row stride 34 bytes: not a multiple of 16
     with pytest.raises(ValueError, match="use_tma"):
-        linear_module.gemm(a, randn(17, 16, dtype=torch.float16),
+        gemm_module.gemm(a, randn(17, 16, dtype=torch.float16),
                            torch.empty(8, 16, dtype=torch.float16, device=DEVICE), use_tma=True)
 
 
@@ -234,8 +234,8 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
     _, make_a, make_b = layout
     a, b = make_a(1000, 1512, dtype), make_b(1512, 2056, dtype)
     ref = a.double() @ b.double()
-    tma = linear_module.gemm(a, b, torch.empty(1000, 2056, dtype=dtype, device=DEVICE), use_tma=True)
-    ptr = linear_module.gemm(a, b, torch.empty(1000, 2056, dtype=dtype, device=DEVICE), use_tma=False)
+    tma = gemm_module.gemm(a, b, torch.empty(1000, 2056, dtype=dtype, device=DEVICE), use_tma=True)
+    ptr = gemm_module.gemm(a, b, torch.empty(1000, 2056, dtype=dtype, device=DEVICE), use_tma=False)
     with torch_tf32(dtype):
         same = a @ b
     assert_close("tma", tma, ref, same, atol=gemm_atol(dtype))
@@ -243,18 +243,18 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("epilogue", [linear_module.PLAIN, linear_module.SWIGLU_FWD], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("epilogue", [gemm_module.PLAIN, gemm_module.SWIGLU_FWD], ids=["plain", "swiglu"])
 def test_configs_fit_shared_memory(epilogue, dtype):
     """Every config the autotuner may launch fits SMEM_LIMIT, float32 with two gated B tiles and a
     TMA-store staging tile included (there every tuned config overflows and one is shrunk)."""
     a = torch.empty(8, 8, dtype=dtype)
-    configs = [linear_module._config(*cfg) for cfg in linear_module.GPU_CONFIGS]
+    configs = [gemm_module._config(*cfg) for cfg in gemm_module.GPU_CONFIGS]
     for tma_store, residual, accumulate in ((True, False, False), (False, False, False), (True, True, False),
                                             (True, False, True)):
         args = {"a_ptr": a, "c_ptr": a, "EPILOGUE": epilogue, "TMA_STORE": tma_store, "HAS_RESIDUAL": residual,
                 "ACCUMULATE": accumulate}
-        kept = linear_module._prune_configs(configs, args)
-        assert kept and all(linear_module._config_smem(c, args) <= linear_module.SMEM_LIMIT for c in kept), args
+        kept = gemm_module.prune_configs(configs, args)
+        assert kept and all(gemm_module._config_smem(c, args) <= gemm_module.SMEM_LIMIT for c in kept), args
         if dtype == torch.bfloat16:
             assert len(kept) > 1, args
 
@@ -263,7 +263,7 @@ def test_gemm_launch_plans_follow_every_argument(poisoned_empty):
     """Cached gemm plans: one problem in turn with a transposed operand, a bias, a residual, the
     accumulate flag, another dtype and split-K, each twice (planned, then from the plan), gives the
     right product every time; under no_grad linear makes no autograd node."""
-    linear_module._LAUNCH_CONFIGS.clear()
+    gemm_module._LAUNCH_CONFIGS.clear()
     M, K, N = 37, 64, 48
     a, b = randn(M, K), randn(K, N, scale=K ** -0.5)
     bias, res, c0 = randn(N), randn(M, N), randn(M, N)
@@ -283,10 +283,10 @@ def test_gemm_launch_plans_follow_every_argument(poisoned_empty):
             c = (c0.clone().to(a_.dtype) if kw.get("accumulate")
                  else poison_(torch.empty(M, N, dtype=a_.dtype, device=DEVICE)))
             with torch_tf32(a_.dtype):
-                assert_close(f"{name} ({call})", linear_module.gemm(a_, b_, c, **kw), ref64, same,
+                assert_close(f"{name} ({call})", gemm_module.gemm(a_, b_, c, **kw), ref64, same,
                              atol=gemm_atol(a_.dtype))
             kw.update(a=a_, b=b_)
-    assert len(linear_module._LAUNCH_CONFIGS) == len(problems)
+    assert len(gemm_module._LAUNCH_CONFIGS) == len(problems)
     with torch.no_grad():
         y = linear(a.requires_grad_(), b.t())
     assert y.grad_fn is None

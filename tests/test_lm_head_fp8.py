@@ -16,7 +16,7 @@ import torch
 from _checks import DEVICE, ON_GPU, assert_close, randn
 from tritonllm.kernels import linear_cross_entropy
 from tritonllm.kernels.fp8 import FP8_MAX, quantize_rows, quantize_rows_into
-from tritonllm.kernels.linear import gemm
+from tritonllm.kernels.gemm import gemm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 IGNORE = -100
