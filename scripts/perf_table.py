@@ -1,6 +1,7 @@
 """Render docs/perf/<kind>-<gpu>.json as the markdown tables the README quotes.
 
-Usage: python scripts/perf_table.py docs/perf/kernels-h200.json [docs/perf/train-h200.json] > docs/perf/TABLE.md
+Usage: python scripts/perf_table.py docs/perf/kernels-h200.json docs/perf/train-h200.json docs/perf/kernels-h100.json docs/perf/train-h100.json > docs/perf/TABLE.md
+(train files: one line per side of each step row, and the speedrun rows as time to the target per side)
 """
 
 import json
@@ -50,11 +51,33 @@ def train_rows(doc: dict) -> list[str]:
     return out
 
 
+def speedrun_rows(doc: dict) -> list[str]:
+    """One line per side of each ``python -m tritonllm.bench speedrun`` row: time, steps and tokens to the target."""
+    out = ["| model | batch x seq | side | target | reached | steps | tokens | seconds | tokens/s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        if r.get("pass") != "speedrun":
+            continue
+        for name, f in r["sides"].items():
+            out.append(f"| {r['model']} | {r['batch']} x {r['seq_len']} | {name} | {f['target']} | {f['reached']} | "
+                       f"{f['steps']} | {f['tokens']} | {f['seconds']:.1f} | {f['tokens_per_s']:.0f} |")
+        out.append(f"| | | recipe / adamw time {r['time_ratio_recipe_vs_adamw']:.3f}, "
+                   f"recipe vs torch {r['speedup_vs_torch']:.2f}x | | | | | | |")
+    return out
+
+
 def main(paths: list[str]) -> None:
     for path in paths:
         with open(path) as f:
             doc = json.load(f)
-        rows = train_rows(doc) if "train-" in path else kernel_rows(doc)
+        if "train-" in path:
+            steps = [r for r in doc["results"] if r.get("pass") != "speedrun"]
+            rows = train_rows({**doc, "results": steps}) if steps else []
+            if len(steps) < len(doc["results"]):
+                rows += ([""] if rows else []) + [f"GPU: {doc['gpu']}, host CPU: {doc.get('host_cpu', '?')}."] + \
+                    [""] + speedrun_rows(doc)
+        else:
+            rows = kernel_rows(doc)
         print("\n".join(rows) + "\n")
 
 
