@@ -172,7 +172,7 @@ def resolve_parallel(setting, env: DistEnv, n_params: int) -> str:
 class Parallel:
     """A model made ready for a training step on ``env``'s ranks (:func:`parallelize` builds it).
 
-    ``module`` is the single-device model (attributes such as ``last_losses``); ``wrapped`` is what
+    ``module`` is the single-device model (its attributes and methods, e.g. ``cfg``); ``wrapped`` is what
     the step calls (the DDP wrapper, or ``module`` itself, whose blocks FSDP2 has sharded in place).
     """
 
