@@ -22,6 +22,7 @@ from tritonllm.kernels.flash_attention import flash_attention
 from tritonllm.kernels.split_heads import split_heads
 
 fa = importlib.import_module("tritonllm.kernels.flash_attention")
+fa_config = importlib.import_module("tritonllm.kernels.flash_attention.config")  # the knobs the launchers read
 
 #: the interpreter dots need fp32 or fp16 (bfloat16 on the GPU only, where the main suites run it)
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -58,8 +59,8 @@ def test_flash_attention_one_token(case, dtype, poisoned_empty):
                          ids=["tma-one-loop", "pointers-one-loop", "tma-three-loops", "pointers-three-loops"])
 def test_flash_attention_one_token_knobs(tma, one_loop, monkeypatch, poisoned_empty):
     """T = S = 1 through every setting of the TMA and ONE_LOOP knobs (float16: the TMA path)."""
-    monkeypatch.setattr(fa, "TMA", dict.fromkeys(fa.TMA, tma))
-    monkeypatch.setattr(fa, "ONE_LOOP", {name: dict.fromkeys(kinds, one_loop) for name, kinds in fa.ONE_LOOP.items()})
+    monkeypatch.setattr(fa_config, "TMA", dict.fromkeys(fa.TMA, tma))
+    monkeypatch.setattr(fa_config, "ONE_LOOP", {name: dict.fromkeys(kinds, one_loop) for name, kinds in fa.ONE_LOOP.items()})
     _check_fwd_bwd(ONE_TOKEN[0], torch.float16)
 
 

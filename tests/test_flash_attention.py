@@ -19,6 +19,7 @@ from tritonllm.kernels.flash_attention import flash_attention, flash_attention_b
 from tritonllm.kernels.split_heads import split_heads
 
 fa = importlib.import_module("tritonllm.kernels.flash_attention")  # the module (the package exports the function)
+fa_config = importlib.import_module("tritonllm.kernels.flash_attention.config")  # the knobs the launchers read
 
 
 @pytest.fixture(autouse=True)
@@ -129,8 +130,8 @@ def test_flash_attention_strided_inputs(layout, dtype):
 def test_flash_attention_knobs(case, tma, one_loop, monkeypatch):
     """The other settings of the TMA and ONE_LOOP knobs (the defaults, both on, are covered above):
     float16, since fp32 never takes the tensor-descriptor path."""
-    monkeypatch.setattr(fa, "TMA", dict.fromkeys(fa.TMA, tma))
-    monkeypatch.setattr(fa, "ONE_LOOP", {name: dict.fromkeys(kinds, one_loop) for name, kinds in fa.ONE_LOOP.items()})
+    monkeypatch.setattr(fa_config, "TMA", dict.fromkeys(fa.TMA, tma))
+    monkeypatch.setattr(fa_config, "ONE_LOOP", {name: dict.fromkeys(kinds, one_loop) for name, kinds in fa.ONE_LOOP.items()})
     _check_fwd_bwd(case, torch.float16)
 
 

@@ -1,0 +1,132 @@
+"""Fused flash attention: causal (bottom-right), native GQA/MQA, sliding window, KV-cache decode.
+
+Shapes: ``q`` is ``[B, T, Hq, D]``, ``k`` and ``v`` are ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``;
+query head ``h`` reads key/value head ``h // (Hq / Hkv)``. Inputs may be strided views (e.g. slices
+of a packed qkv projection); only the last dimension must be contiguous. Nothing is transposed.
+
+Forward, per batch, query head h, query row i, with ``s = softmax_scale`` (default ``D**-0.5``)::
+
+    visible(i, j) = j < S
+                    and (not causal or j <= i + S - T)            # bottom-right aligned causal mask
+                    and (window is None or j > i + S - T - window)  # the last `window` keys at most
+    x_ij   = s * q_i . k_j                     for visible pairs, -inf otherwise
+    lse_i  = log sum_j exp(x_ij)               (fp32 [B, Hq, T], -inf for a row that sees no key)
+    o_i    = sum_j exp(x_ij - lse_i) v_j       (0 for a row that sees no key)
+
+computed FlashAttention-2 style: one program per (query block, batch x query head) streams the
+key/value tiles with an online softmax in base 2 (scores scaled by ``s * log2(e)`` inside the
+exponent's FMA, ``exp2(x * s log2(e) - m)``, so the resident q tile stays an unscaled
+shared-memory operand of the tensor-core product), fp32 accumulators. Key tiles wholly
+outside a query block's causal/window range are skipped (the loop bounds are computed per query
+block), tiles wholly inside are processed without masks: either in three loops (masked head,
+mask-free middle, masked tail) or in one loop whose edge tiles take a masking branch (``ONE_LOOP``).
+On sm90+ GPUs (and under the interpreter) 16-bit inputs with 16-byte aligned strides stream their
+tiles through tensor descriptors (TMA, knob ``TMA``); other inputs through masked pointer loads.
+Decode (``T <= 16``, or too few query blocks to fill the GPU) uses a split-KV (flash-decoding)
+kernel instead: programs over (KV split, block of the group's query rows, batch x KV head) put
+all ``Hq / Hkv`` query heads of a KV head in the M dimension of the tile, so each K/V tile is read
+once per group, and write partial ``(o, lse)`` that a combine kernel merges.
+
+Backward, with ``P_ij = exp(x_ij - lse_i)`` recomputed from the saved lse and ``dO`` the
+output gradient::
+
+    delta_i = sum_d dO_id O_id                                   (preprocess kernel)
+    dV_j    = sum_{h in group(j), i} P_ij dO_i
+    dS_ij   = P_ij (dO_i . v_j - delta_i)
+    dK_j    = s * sum_{h in group(j), i} dS_ij q_i
+    dQ_i    = s * sum_j dS_ij k_j
+
+The backward has two variants. The default, ``deterministic=True``, is reproducible and, measured
+on an H100 with Triton 3.6, the faster: the dK/dV kernel gives each program one key block of one KV
+head; it loops over every query head of the group and the query blocks that see the key block,
+accumulating dK and dV in registers; the dQ kernel gives each program one query block and loops over
+key blocks. Seven tile products per (query, key) tile pair, no atomics. ``deterministic=False``
+runs the fused kernel of FlashAttention-2: the same dK/dV kernel also adds its share of dQ (``dS k``,
+without the scale) into an fp32 ``[B, Hq, T, D]`` buffer with atomic adds, and a finalize kernel
+scales it into dQ: five products, but the order in which the atomics land varies, so dQ may differ
+between runs in its last bits, and Triton's element-wise fp32 atomics cost more than the two
+products they save (a TMA reduce-add, tried, cost more still). The preprocess
+kernel computes delta and the base-2 lse (and zeroes the fused variant's dQ accumulator). All recompute
+``P = exp2(s log2(e) q.k - lse log2(e))`` with one FMA per score and leave the resident tile
+unscaled: pre-scaling it, as the forward does with q,
+turns it from a shared-memory operand of the tensor-core product into a register one (+32
+registers per thread at D128, enough to spill in dK/dV). With ``T == S`` the gradients are written
+as head slices of one ``[B, T, Hq + 2 Hkv, D]`` buffer, the layout of a packed qkv projection's
+gradient. Reference: Dao,
+"FlashAttention-2" (2023); Triton's fused-attention tutorial.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._common import compilable, needs_grad
+from .backward import _PREPROCESS_PLANS, _Backward, _dkdv_kernel, _dq_kernel, flash_attention_bwd
+from .config import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, HEAD_DIMS, ONE_LOOP, TMA
+from .forward import _fwd_kernel, _split_fwd_kernel, flash_attention_decode, flash_attention_fwd
+
+__all__ = ["flash_attention", "flash_attention_fwd", "flash_attention_bwd", "flash_attention_decode",
+           "FlashAttentionFunction", "HEAD_DIMS", "TMA", "ONE_LOOP", "FWD_CONFIGS", "DKDV_CONFIGS", "DQ_CONFIGS"]
+#: the autotuned kernels and the backward's launcher, for scripts/tune_attention.py and the tests
+_TUNED = (_fwd_kernel, _split_fwd_kernel, _dkdv_kernel, _dq_kernel, _Backward, _PREPROCESS_PLANS)
+
+
+# ----------------------------------------------------------------------------- autograd + functional
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: forward saves q, k, v, the output and the fp32 log-sum-exp only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, window, softmax_scale, deterministic, documents):
+        o, lse = flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)
+        ctx.save_for_backward(q, k, v, o, lse, documents)
+        ctx.causal, ctx.window, ctx.softmax_scale, ctx.deterministic = causal, window, softmax_scale, deterministic
+        # one gradient buffer for q, k, v when they share the (B, T) of a packed projection
+        ctx.packed = q.shape[:2] == k.shape[:2]
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, documents = ctx.saved_tensors
+        dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.window, ctx.softmax_scale,
+                                         ctx.deterministic, ctx.packed, documents)
+        return dq, dk, dv, None, None, None, None, None
+
+
+@compilable
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    window: int | None = None, softmax_scale: float | None = None,
+                    deterministic: bool = True, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention ``softmax(s * q k^T + mask) v`` with GQA/MQA, computed without the T x S matrix.
+
+    Args:
+        q: ``[B, T, Hq, D]`` queries; k, v: ``[B, S, Hkv, D]`` keys and values, ``Hq % Hkv == 0``
+            (query head h uses KV head ``h // (Hq // Hkv)``). Any strides with a contiguous last
+            dimension (e.g. slices of a packed ``[B, T, Hq + 2 Hkv, D]`` projection).
+            D in (32, 64, 96, 128, 256); fp16/bf16 (fp32 accepted, computed exactly, slower).
+        causal: query i sees keys ``j <= i + S - T`` (bottom-right aligned, so T = 1 against a KV
+            cache of S keys sees them all). Query rows that see no key (T > S) output 0.
+        window: sliding window (needs ``causal=True``): query i sees only keys
+            ``i + S - T - window < j <= i + S - T``, the last ``window`` keys, itself included.
+            Work grows with T * window, not T * S.
+        softmax_scale: ``s``, default ``1 / sqrt(D)``.
+        deterministic: True (default): the backward without atomics, bitwise reproducible (a dK/dV
+            and a dQ kernel, seven tile products per tile pair). False: one fused kernel with five
+            products that adds dQ with fp32 atomics, whose order varies between runs. On an H100 with
+            Triton 3.6 the atomics cost more than the two products they save (B8 Hq32/Hkv8 T4096 D128
+            backward 8.9 ms fused against 7.2 ms; ``docs/perf/NOTES.md``), so the reproducible one is
+            also the faster default.
+        documents: packed sequences (varlen attention in a ``[B, T]`` batch): int32 ``[B, T, 2]``
+            holding, for each position, the first position of its document and one past its last
+            (``tritonllm.data.sft.document_bounds`` builds it). A query then sees only keys of its own
+            document (with ``causal``, those at or before it), so packed examples never attend to each
+            other; tiles wholly outside a query block's documents are skipped. Needs ``T == S``.
+
+    Returns:
+        ``[B, T, Hq, D]`` contiguous, in the dtype of q. Differentiable in q, k, v; with ``T == S``
+        the three gradients are slices of one ``[B, T, Hq + 2 Hkv, D]`` buffer (a packed qkv
+        projection's gradient layout).
+    """
+    if needs_grad(q, k, v):
+        return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale, deterministic, documents)
+    return flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)[0]  # nothing to differentiate

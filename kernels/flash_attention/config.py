@@ -1,0 +1,217 @@
+"""Flash attention's knobs (tile configs, TMA, one loop, split-KV), their autotuning, and the host-side
+checks and flags the forward and backward launchers share."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .._common import (SMEM_PER_BLOCK, autotune, check_dot_dtype, check_same_device, check_same_dtype, check_tensor,
+                       interpreting, next_pow2, num_sms, tma_scratch)
+
+#: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+LOG2E = 1.4426950408889634
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+POS_INF: tl.constexpr = tl.constexpr(float("inf"))
+
+# Split-KV (decode) path, knobs for the lead to tune on the GPU:
+SPLIT_MAX_T = 16          # always use the split-KV kernel for T <= this
+SPLIT_WAVES = 4           # aim for this many programs per SM over the splits
+SPLIT_MIN_KEYS = 256      # fewest keys one split should read
+SPLIT_MAX_ROWS = 64       # largest M tile of (query head, query row) pairs in the split kernel
+COMBINE_ROWS = 16         # (b, h, t) rows per program of the split-combine kernel
+INTERP_COMBINE_ROWS = 64  # the same under the interpreter (fewer programs)
+PREPROCESS_BLOCK_M = 64   # rows per program of the delta = rowsum(dO * O) kernel
+#: bytes of shared memory a config may plan for: the estimate counts operand tiles only, so 27 KiB stay
+#: for layout conversions and barriers
+SMEM_BUDGET = SMEM_PER_BLOCK - 27 * 1024
+TUNE_MIN_PAIRS = 1 << 20  # autotune prefill/backward only from next_pow2(T) * next_pow2(S) >= this
+
+# Prefill/backward knobs, timed side by side by scripts/tune_attention.py on the GPU (not yet measured):
+#: per kernel: stream the K/V tiles (forward, dQ) or the Q/dO tiles and lse/delta rows (dK/dV) through
+#: tensor descriptors (TMA) where the device (sm90+), the dtype (16-bit) and the strides (16-byte
+#: aligned) allow
+TMA = {"fwd": True, "dkdv": True, "dq": True}
+#: per kernel and mask kind ("causal": every call without a window): one pipelined loop whose edge
+#: tiles take a masking branch (True) instead of three loops with a pipeline prologue each (False);
+#: short loops (sliding window: ~9 tiles) should gain. One loop also needs fewer registers (Triton 3.6,
+#: sm90, first configs, TMA, D128: forward 232 -> 190, dQ 192 -> 179, dK/dV spills 336 -> 96 bytes)
+ONE_LOOP = {"fwd": {"causal": True, "window": True},
+            "dkdv": {"causal": True, "window": True},
+            "dq": {"causal": True, "window": True}}
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
+#: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
+#: Forward: q tile resident, k/v tiles pipelined (Hopper: M 64 per warpgroup, so BLOCK_M 128 = 8 warps).
+#: first entry = the config used without autotuning. 64x64 w4 s3 was the fastest forward at every
+#: tuned shape on an H200 (scripts/tune_attention.py: 1.24x the 128x128 w8 s2 tile at B8 Hq32/Hkv8 T4096 D128).
+FWD_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 32, 4, 2)]
+#: dK/dV: k/v tiles (BLOCK_N keys) resident, q/dO tiles (BLOCK_M queries) pipelined. Triton 3.6 sm90
+#: compile (TMA, one loop), registers / spill bytes per thread at D128 and D64: 32x128 w8 s2 255/0,
+#: 131/0; 64x128 w8 s2 (FlashAttention-2's tile) 255/136, 216/0 (the dK, dV accumulators alone take
+#: 128 registers at D128); Triton's tutorial tile 32x128 w4 s5 spills at both (768, 136): left out.
+#: 64x128 w8 s3 first: 1.37x / 1.29x the 32x128 w8 s2 tile at B8 Hq32/Hkv8 T4096 D128 / B16 Hq12 T1024 D64
+#: on an H100 (scripts/tune_attention.py), spills and all.
+DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3), (16, 64, 4, 2)]
+#: dQ: q/dO tiles resident, k/v tiles pipelined (128x32 4 warps 5 stages: Triton's tutorial; spills
+#: 32 bytes at D128)
+#: 128x64 w8 s3 first: 1.16x the 128x64 w8 s2 tile at B8 Hq32/Hkv8 T4096 D128 on an H200 (tune_attention.py)
+DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2)]
+
+
+# ----------------------------------------------------------------------------- tuning
+# Under the interpreter each kernel gets one fixed config; BLOCK_M != BLOCK_N there so that tile
+# edges of queries and keys fall differently. On the GPU: the short lists FWD_CONFIGS, DKDV_CONFIGS,
+# DQ_CONFIGS (every autotuned key compiles each config: the lists are kept small so a benchmark run
+# does not spend its time compiling), pruned per head dim and dtype, keyed on the head dim, the mask
+# kind and the lengths rounded to powers of two. With TRITONLLM_NO_AUTOTUNE=1 (the test suite) each
+# kernel runs the first config the pruning keeps (see ``_common.autotune``).
+
+def tuned(kernel, interp: dict, gpu: list[tuple[dict, int, int]], key: list[str], smem_elems, reg_elems):
+    """``kernel`` autotuned over ``gpu`` = [(block sizes, num_warps, num_stages)], keyed on ``key``.
+
+    A config is kept when its planned shared memory ``smem_elems(blocks, BLOCK_D, stages)`` times the
+    element size fits the budget and the fp32 tiles live in its loop, ``reg_elems(blocks, BLOCK_D)``
+    elements, need at most 192 registers per thread. fp32 inputs (the exact, slow path) and problems
+    under ``TUNE_MIN_PAIRS`` (rounded T x S) keep only the smallest config: nothing to gain from
+    compiling and timing the others. Under the interpreter: the single config ``interp``.
+    """
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        bd, esize = args["BLOCK_D"], args["Q"].element_size()
+        kept = [c for c in configs if smem_elems(c.kwargs, bd, c.num_stages) * esize <= SMEM_BUDGET
+                and reg_elems(c.kwargs, bd) <= 192 * 32 * c.num_warps] or configs[-1:]
+        small = "T_BUCKET" in args and args["T_BUCKET"] * args["S_BUCKET"] < TUNE_MIN_PAIRS
+        return kept[-1:] if esize == 4 or small else kept
+
+    if interpreting():
+        configs = [triton.Config(interp, num_warps=1, num_stages=1)]
+    else:
+        configs = [triton.Config(blocks, num_warps=w, num_stages=s) for blocks, w, s in gpu]
+    return autotune(configs, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+def block_configs(configs: list[tuple[int, int, int, int]]) -> list[tuple[dict, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples as ``tuned`` wants them."""
+    return [({"BLOCK_M": bm, "BLOCK_N": bn}, w, st) for bm, bn, w, st in configs]
+
+
+KEYS = ["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "USE_TMA", "ONE_LOOP", "HAS_DOCS"]
+
+# ----------------------------------------------------------------------------- launchers
+
+def check_documents(documents, q: torch.Tensor, k: torch.Tensor) -> None:
+    """``documents``: None or int32 ``[B, T, 2]`` bounds on the device of q, with T == S."""
+    if documents is None:
+        return
+    check_tensor("documents", documents, dtypes=(torch.int32,), ndim=3)
+    check_same_device(q=q, documents=documents)
+    B, T = q.shape[:2]
+    if k.shape[1] != T:
+        raise ValueError(f"documents needs as many keys as queries (packed sequences), got T={T} and S={k.shape[1]}")
+    if documents.shape != (B, T, 2):
+        raise ValueError(f"documents must have shape {(B, T, 2)} [B, T, 2], got {tuple(documents.shape)}")
+
+
+def check_attention_inputs(q, k, v, causal, window, softmax_scale) -> float:
+    """Validate q, k, v and the options; return the softmax scale to use."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+    check_same_device(q=q, k=k, v=v)
+    check_same_dtype(q=q, k=k, v=v)
+    check_dot_dtype("q", q)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B, S, Hkv, D], got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    B, T, Hq, D = q.shape
+    Bk, S, Hkv, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"q and k, v must have the same batch size, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if Dk != D:
+        raise ValueError(f"q and k, v must have the same head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.numel() == 0 or k.numel() == 0:
+        raise ValueError(f"q and k, v must be non-empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim D={D} of q, k, v is not supported; expected one of {HEAD_DIMS}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"the Hq={Hq} heads of q must be a multiple of the Hkv={Hkv} heads of k and v")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (keys each query sees, itself included), got {window}")
+        if not causal:
+            raise ValueError("window requires causal=True (a sliding window looks back from each query)")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite number > 0 or None (1/sqrt(D)), got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def docs_arg(documents: torch.Tensor | None):
+    """The DOCS kernel argument: the bounds (contiguous) or 0 (an unused pointer argument)."""
+    return 0 if documents is None else documents.contiguous()
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, position, head) strides of a [B, L, H, D] tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def kernel_flags(q: torch.Tensor, causal: bool, window: int | None) -> dict:
+    D = q.shape[-1]
+    return dict(HEAD_DIM=D, BLOCK_D=next_pow2(D), CAUSAL=causal, HAS_WINDOW=window is not None,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+@functools.lru_cache(maxsize=None)
+def tma_device(device: torch.device) -> bool:
+    """Tensor descriptors work here: under the interpreter, or on an sm90+ GPU with Triton's TMA API."""
+    if interpreting():
+        return True
+    return hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def stream_flags(kernel: str, window: int | None, *streamed: torch.Tensor) -> dict:
+    """USE_TMA and ONE_LOOP of ``kernel`` ("fwd", "dkdv", "dq") from the TMA and ONE_LOOP knobs; TMA
+    also needs 16-bit ``streamed`` tensors ([B, L, H, D], last dim contiguous) whose base and (batch,
+    position, head) strides are 16-byte aligned, the descriptor's base and row pitch."""
+    use_tma = (TMA[kernel] and streamed[0].dtype != torch.float32 and tma_device(streamed[0].device)
+               and all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in strides(t))
+                       for t in streamed))
+    if use_tma and not interpreting():
+        triton.set_allocator(tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
+    return dict(USE_TMA=use_tma, ONE_LOOP=ONE_LOOP[kernel]["causal" if window is None else "window"])
+
+
+def split_rows_block(group: int, T: int) -> int:
+    """M tile of the split-KV kernel: the group's query rows, 16 (smallest tl.dot) to SPLIT_MAX_ROWS."""
+    return min(max(next_pow2(group * T), 16), SPLIT_MAX_ROWS)
+
+
+def auto_splits(B: int, T: int, Hq: int, Hkv: int, n_keys: int) -> int:
+    """0 for the one-pass kernel, else the number of KV splits of the flash-decoding kernel."""
+    if T > SPLIT_MAX_T and (triton.cdiv(T, 64) * B * Hq >= num_sms() or n_keys < 8 * T):
+        return 0
+    return split_count(B, T, Hq, Hkv, n_keys)
+
+
+def split_count(B: int, T: int, Hq: int, Hkv: int, n_keys: int) -> int:
+    """KV splits of the flash-decoding kernel over ``n_keys`` keys: enough programs for
+    ``SPLIT_WAVES`` per SM, no split under ``SPLIT_MIN_KEYS`` keys, at least one."""
+    base = B * Hkv * triton.cdiv(Hq // Hkv * T, split_rows_block(Hq // Hkv, T))
+    return max(1, min(triton.cdiv(SPLIT_WAVES * num_sms(), base), triton.cdiv(n_keys, SPLIT_MIN_KEYS)))
