@@ -24,9 +24,14 @@ install: $(STAMP)
 train: $(STAMP)
 	$(PY) -m tritonllm.train +model=void_tiny experiment=cpu_smoke
 
-# CPU suite (Triton interpreter, small shapes): under 15 minutes on 2 cores.
+# CPU suite (Triton interpreter, small shapes): under 15 minutes on 2 cores. The torch.compile tests
+# (test_compile.py, test_nn.py) run in a process of their own: run late in a worker that had run many
+# other files, dynamo's fake-tensor calls of our custom ops crashed that worker (ValueError
+# vector::reserve, a segfault) in three CI runs, while the same files pass alone; cause not found yet.
+COMPILE_TESTS := tests/test_compile.py tests/test_nn.py
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests $(addprefix --ignore=,$(COMPILE_TESTS))
+	$(PY) -m pytest -q -n 2 --dist loadfile $(COMPILE_TESTS)
 
 # ruff's lint rules (pyproject.toml [tool.ruff]) over the whole tree; .ci/run runs it before the tests.
 lint: $(STAMP)
