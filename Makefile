@@ -27,8 +27,8 @@ train: $(STAMP)
 # CPU suite (Triton interpreter, small shapes): under 15 minutes on 2 cores. The torch.compile tests
 # (test_compile.py, test_nn.py) run in a process of their own: once transformers.modeling_utils has been
 # imported in a process (test_patch.py does), dynamo's fake-tensor calls of our custom ops crash it
-# (segfault, or ValueError vector::reserve) with transformers 5.24 and torch 2.13 (CPU); a one-output
-# custom op does not. Known issue, not fixed yet (README, torch.compile section).
+# (segfault, or ValueError vector::reserve) with transformers 5.24 and torch 2.13 (CPU), though each op
+# compiled alone does not. Known issue, cause not found yet (README, torch.compile section).
 COMPILE_TESTS := tests/test_compile.py tests/test_nn.py
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests $(addprefix --ignore=,$(COMPILE_TESTS))
