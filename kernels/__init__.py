@@ -33,7 +33,19 @@ is ``orthogonalize``: a compiled optimizer step (``tritonllm.optim.AdamW`` / ``M
 callable cannot enter an op. Not registered: ``flash_attention_decode`` and ``lora.lora_linear``.
 """
 
-from ._interpreter import choose_interpreter as _choose_interpreter
+if __name__ != "tritonllm.kernels":
+    # This folder imported under another name: from the repository root (on sys.path with `python -m`),
+    # `import kernels` finds it, as transformers does when it probes for the Hugging Face `kernels` package.
+    # A second copy of the modules would register the tritonllm:: custom ops again, which frees the first
+    # copy's operator entries (torch.library allows the overwrite) and crashes dynamo later. The name
+    # stands for tritonllm.kernels instead, and the relative imports below resolve to its modules.
+    import importlib as _importlib
+    import sys as _sys
+
+    _sys.modules[__name__] = _importlib.import_module("tritonllm.kernels")
+    __package__ = "tritonllm.kernels"
+
+from ._interpreter import choose_interpreter as _choose_interpreter  # noqa: E402
 
 _choose_interpreter()
 

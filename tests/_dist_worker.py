@@ -53,6 +53,7 @@ def main(spec_path: str) -> None:
     for overrides in spec["runs"]:
         with initialize_config_module("tritonllm.conf", version_base="1.3"):
             train(compose("train", overrides=overrides))
+    dist.barrier()  # every rank done before any tears its connections down
     dist.destroy_process_group()
 
 

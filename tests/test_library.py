@@ -29,6 +29,20 @@ def test_import_leaves_environment_alone_once_triton_is_imported():
     assert _env_after_import(env, first="import triton") == "<unset>"
 
 
+def test_the_folder_imported_as_kernels_is_the_package_not_a_second_copy():
+    """From the repository root ``import kernels`` finds the kernels/ folder (transformers' probe for the
+    Hugging Face ``kernels`` package does that). It must be tritonllm.kernels itself: a second copy would
+    register the custom ops again and free the first copy's, crashing torch.compile later."""
+    code = ("import sys, torch, kernels, tritonllm.kernels as k\n"
+            "x = torch.randn(3, 8)\n"
+            "y = torch.ops.tritonllm.rms_norm_fwd(x, torch.ones(8), 1e-6, None)[0]\n"
+            "print(kernels is k, sorted(m for m in sys.modules if m.startswith('kernels')),"
+            " torch.allclose(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=1e-5))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "['kernels']", "True"], out.stdout + out.stderr
+
+
 def test_missing_extra_names_the_pip_command(monkeypatch):
     from tritonllm.logging_utils import plot_losses
 

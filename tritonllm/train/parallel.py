@@ -125,8 +125,10 @@ def init_distributed(device_spec: str = "auto", timeout_s: float = 300.0) -> Dis
 
 
 def shutdown(env: DistEnv) -> None:
-    """Destroy the process group if :func:`init_distributed` created it."""
+    """Destroy the process group if :func:`init_distributed` created it, once every rank is here (a
+    rank that tears its connections down while another still finishes can abort the other with gloo)."""
     if env.owns_group and torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
