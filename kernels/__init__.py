@@ -29,8 +29,9 @@ those ops, which the graph keeps as single opaque nodes: a model built of these 
 well under a microsecond). The in-place functionals ``adamw_step_``, ``clip_grads_``, ``muon_step_`` and
 ``kv_cache.kv_cache_write_`` are ops that name the tensors they update (``mutates_args``; no autograd), as
 is ``orthogonalize``: a compiled optimizer step (``tritonllm.optim.AdamW`` / ``Muon``) is one graph.
-``clip_grads_(reduce=...)`` (the FSDP2 all-reduce of the norm) is refused under ``torch.compile``: a
-callable cannot enter an op. Not registered: ``flash_attention_decode`` and ``lora.lora_linear``.
+``clip_grads_(reduce=...)`` (FSDP2's all-reduce of the sum of squares) compiles as two ops with the
+reduce traced between them. ``flash_attention.flash_attention_decode`` and ``lora.lora_linear`` are
+ops too.
 """
 
 if __name__ != "tritonllm.kernels":

@@ -405,6 +405,55 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr
                                                num_warps=1)
 
 
+def _sq_norm_plan(grads: list, device) -> tuple[dict, list, torch.Tensor, int]:
+    """The launches over ``grads`` and their per-chunk sums of squares: ``(sizes, launches, partials,
+    n_partials)``."""
+    sizes = _sizes()
+    launches = list(_launches(("grads",), (FLOAT_DTYPES,), (grads,), sizes["CHUNK"]))
+    n_partials = sum(launch[-1] for launch in launches)
+    partials = torch.empty(max(n_partials, 1), dtype=torch.float32, device=device)
+    start = 0
+    for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
+        _sq_norm_kernel[(n_chunks,)](table, chunk_map, partials[start:], G_DTYPE=TL_DTYPE[g_dtype],
+                                     ALIGNED=aligned, **sizes, num_warps=NUM_WARPS)
+        start += n_chunks
+    return sizes, launches, partials, n_partials
+
+
+def _clip_by_partials(sizes, launches, partials, n_partials, max_norm, eps, found_inf, check) -> torch.Tensor:
+    """The norm ``sqrt(sum(partials))`` and the scaling of every launch's gradients by
+    ``min(1, max_norm / (norm + eps))``; the flag as :func:`clip_grads_` describes."""
+    norm = torch.empty((), dtype=torch.float32, device=partials.device)
+    coef = torch.empty((), dtype=torch.float32, device=partials.device)
+    has_flag = found_inf is not None
+    _clip_coef_kernel[(1,)](partials, n_partials, norm, coef, check if has_flag else norm,
+                            found_inf if has_flag else norm, float(max_norm), float(eps), HAS_FLAG=has_flag,
+                            BLOCK=min(next_pow2(n_partials), _REDUCE_BLOCK), num_warps=4)
+    for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
+        _scale_kernel[(n_chunks,)](table, chunk_map, coef, G_DTYPE=TL_DTYPE[g_dtype], ALIGNED=aligned,
+                                   **sizes, num_warps=NUM_WARPS)
+    return norm
+
+
+def _check_max_norm(max_norm: float) -> None:
+    if not max_norm >= 0.0:
+        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+
+
+def _check_clip_args(grads: list, found_inf, check, reduced: bool):
+    """The device of ``grads`` (None when empty) after the checks :func:`clip_grads_` documents."""
+    if not grads:
+        if reduced:
+            raise ValueError("grads is empty: with reduce, every holder must pass its (possibly empty) tensors")
+        return None
+    device = grads[0].device
+    check_flag("found_inf", found_inf, device)
+    if found_inf is not None and (not isinstance(check, torch.Tensor) or check.dtype != torch.float32
+                                  or check.numel() != 1 or check.device != device):
+        raise TypeError(f"check must be a one-element fp32 tensor on {device} when found_inf is given")
+    return device
+
+
 @compilable
 def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.Tensor | None = None,
                 check: torch.Tensor | None = None, reduce=None) -> torch.Tensor:
@@ -419,40 +468,48 @@ def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: torch.T
     ``reduce``: None, or a function called with the 0-d fp32 sum of squares of ``grads`` that
     replaces it in place with the sum over every holder of a part of the gradients (e.g. an
     all-reduce over the ranks that each hold a shard); the norm and the scale then come from
-    that total, so every holder clips by the same global norm."""
-    if not max_norm >= 0.0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    that total, so every holder clips by the same global norm. The two stages around it are
+    :func:`grad_sq_norm` and :func:`clip_grads_by_sq_norm_`."""
+    _check_max_norm(max_norm)
     grads = list(grads)
-    if not grads:
-        if reduce is not None:
-            raise ValueError("grads is empty: with reduce, every holder must pass its (possibly empty) tensors")
+    device = _check_clip_args(grads, found_inf, check, reduce is not None)
+    if device is None:
         return torch.zeros((), dtype=torch.float32)
-    device = grads[0].device
-    check_flag("found_inf", found_inf, device)
-    if found_inf is not None and (not isinstance(check, torch.Tensor) or check.dtype != torch.float32
-                                  or check.numel() != 1 or check.device != device):
-        raise TypeError(f"check must be a one-element fp32 tensor on {device} when found_inf is given")
-    sizes = _sizes()
-    launches = list(_launches(("grads",), (FLOAT_DTYPES,), (grads,), sizes["CHUNK"]))
-    n_partials = sum(launch[-1] for launch in launches)
-    partials = torch.empty(max(n_partials, 1), dtype=torch.float32, device=device)
-    norm = torch.empty((), dtype=torch.float32, device=device)
-    coef = torch.empty((), dtype=torch.float32, device=device)
-    start = 0
-    for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
-        _sq_norm_kernel[(n_chunks,)](table, chunk_map, partials[start:], G_DTYPE=TL_DTYPE[g_dtype],
-                                     ALIGNED=aligned, **sizes, num_warps=NUM_WARPS)
-        start += n_chunks
+    sizes, launches, partials, n_partials = _sq_norm_plan(grads, device)
     if reduce is not None:
-        total = torch.empty((), dtype=torch.float32, device=device)
-        _sum_kernel[(1,)](partials, n_partials, total, BLOCK=min(next_pow2(n_partials), _REDUCE_BLOCK), num_warps=4)
+        total = _sum_partials_of(partials, n_partials)
         reduce(total)
         partials, n_partials = total.view(1), 1
-    has_flag = found_inf is not None
-    _clip_coef_kernel[(1,)](partials, n_partials, norm, coef, check if has_flag else norm,
-                            found_inf if has_flag else norm, float(max_norm), float(eps), HAS_FLAG=has_flag,
-                            BLOCK=min(next_pow2(n_partials), _REDUCE_BLOCK), num_warps=4)
-    for (g_dtype,), aligned, table, chunk_map, n_chunks in launches:
-        _scale_kernel[(n_chunks,)](table, chunk_map, coef, G_DTYPE=TL_DTYPE[g_dtype], ALIGNED=aligned,
-                                   **sizes, num_warps=NUM_WARPS)
-    return norm
+    return _clip_by_partials(sizes, launches, partials, n_partials, max_norm, eps, found_inf, check)
+
+
+def _sum_partials_of(partials: torch.Tensor, n_partials: int) -> torch.Tensor:
+    total = torch.empty((), dtype=torch.float32, device=partials.device)
+    _sum_kernel[(1,)](partials, n_partials, total, BLOCK=min(next_pow2(n_partials), _REDUCE_BLOCK), num_warps=4)
+    return total
+
+
+def grad_sq_norm(grads) -> torch.Tensor:
+    """The 0-d fp32 sum of squares of ``grads`` (non-empty, fp32/fp16/bf16, one device): the first
+    stage of :func:`clip_grads_` with ``reduce``, the value handed to the reduce."""
+    grads = list(grads)
+    device = _check_clip_args(grads, None, None, True)
+    _, _, partials, n_partials = _sq_norm_plan(grads, device)
+    return _sum_partials_of(partials, n_partials)
+
+
+def clip_grads_by_sq_norm_(grads, sq_norm: torch.Tensor, max_norm: float, eps: float = 1e-6, *,
+                           found_inf: torch.Tensor | None = None, check: torch.Tensor | None = None) -> torch.Tensor:
+    """The second stage of :func:`clip_grads_` with ``reduce``: scale ``grads`` in place by
+    ``min(1, max_norm / (sqrt(sq_norm) + eps))`` with ``sq_norm`` the 0-d fp32 (reduced) sum of
+    squares; returns the norm ``sqrt(sq_norm)``; ``found_inf`` / ``check`` as in :func:`clip_grads_`."""
+    _check_max_norm(max_norm)
+    grads = list(grads)
+    device = _check_clip_args(grads, found_inf, check, True)
+    check_tensor("sq_norm", sq_norm, dtypes=(torch.float32,))
+    if sq_norm.numel() != 1 or sq_norm.device != device:
+        raise ValueError(f"sq_norm must be one fp32 value on {device}, got shape {tuple(sq_norm.shape)} on "
+                         f"{sq_norm.device}")
+    sizes = _sizes()
+    launches = list(_launches(("grads",), (FLOAT_DTYPES,), (grads,), sizes["CHUNK"]))
+    return _clip_by_partials(sizes, launches, sq_norm.reshape(1), 1, max_norm, eps, found_inf, check)

@@ -10,7 +10,9 @@ cached :class:`~kernels._common.Launch` path and their autotuning at run time.
 
 The in-place functionals (``adamw_step_``, ``clip_grads_``, ``muon_step_``, ``kv_cache_write_``) are
 single ops that name the tensors they update in ``mutates_args`` (torch.compile functionalizes them), with
-no autograd; so are the integer ``moe_sort``, ``orthogonalize`` and the RoPE tables.
+no autograd; so are the integer ``moe_sort``, ``orthogonalize``, the RoPE tables and
+``flash_attention_decode``. ``clip_grads_`` with ``reduce`` is two ops, the sum of squares and the
+scaling, with the reduce (a collective, under FSDP2) traced between them.
 
 Each family ends with a functional of the public signature, registered in ``COMPILED``;
 ``@compilable`` on the public functional (kernels/_common.py) routes a call to it while
@@ -34,7 +36,7 @@ import torch
 from torch import Tensor
 
 from . import (adamw as _adamw, cross_entropy as _ce, embedding as _emb, flash_attention as _fa, grouped_linear as _gl,
-               kv_cache as _kv, linear as _lin, linear_cross_entropy as _lce, moe_permute as _perm, moe_router as _router,
+               kv_cache as _kv, linear as _lin, linear_cross_entropy as _lce, lora as _lora, moe_permute as _perm, moe_router as _router,
                muon as _muon, relu2 as _relu2, residual_mix as _mix, rms_norm as _rms, rope as _rope, softcap as _cap,
                split_heads as _split, swiglu as _swiglu)
 from ._common import COMPILED
@@ -411,6 +413,85 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None, valid
     return embedding_fwd(ids, weight, padding_idx, validate)
 
 
+# ----------------------------------------------------------------------------- LoRA
+
+def _segment_pairs(segments: list[int]) -> tuple[tuple[int, int], ...]:
+    """``(start, width)`` pairs from their flattened list (an op's schema holds ``int[]``)."""
+    return tuple(zip(segments[::2], segments[1::2]))
+
+
+@_custom_op("tritonllm::lora_linear_fwd", mutates_args=())
+def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], lora_a: Tensor,
+                    lora_b: Tensor, segments: list[int], scale: float, dropout_p: float, seed: Optional[Tensor],
+                    allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, xd, u)`` of :func:`kernels.lora.lora_linear`'s forward: the output, the dropped-out input
+    ``[M, K]`` (absent without dropout) and the scaled down projection ``[M, S r]`` the backward reads;
+    ``segments`` is the flattened list of ``(start, width)`` pairs."""
+    x2 = _lora.as_matrix(x, weight.shape[1])
+    y, xd, u = _lora._forward(x2, weight, bias, residual, lora_a, lora_b, _segment_pairs(segments), scale, dropout_p,
+                              seed, allow_tf32)
+    return y.view(*x.shape[:-1], weight.shape[0]), (xd if dropout_p > 0 else _absent(x)), u
+
+
+@lora_linear_fwd.register_fake
+def _(x, weight, bias, residual, lora_a, lora_b, segments, scale, dropout_p, seed, allow_tf32):
+    (S, r, K), M = lora_a.shape, _rows(x)
+    return (x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((M, K)) if dropout_p > 0 else _absent(x),
+            x.new_empty((M, S * r)))
+
+
+@_custom_op("tritonllm::lora_linear_bwd", mutates_args=())
+def lora_linear_bwd(dy: Tensor, x: Tensor, xd: Optional[Tensor], weight: Tensor, lora_a: Tensor, lora_b: Tensor,
+                    u: Tensor, seed: Optional[Tensor], segments: list[int], scale: float, dropout_p: float,
+                    allow_tf32: bool, need_x: bool, need_w: bool, need_bias: bool, need_a: bool,
+                    need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias, dlora_a, dlora_b)`` of :func:`kernels.lora.lora_linear`, absent where not needed."""
+    x2 = _lora.as_matrix(x, weight.shape[1])
+    dx, *rest = _lora._backward(dy, x2, x2 if xd is None else xd, weight, lora_a, lora_b, u, seed,
+                                _segment_pairs(segments), scale, dropout_p, allow_tf32,
+                                (need_x, need_w, need_bias, need_a, need_b))
+    grads = (None if dx is None else dx.view(x.shape), *rest)
+    return tuple(g if g is not None else _absent(x) for g in grads)
+
+
+@lora_linear_bwd.register_fake
+def _(dy, x, xd, weight, lora_a, lora_b, u, seed, segments, scale, dropout_p, allow_tf32, need_x, need_w, need_bias,
+      need_a, need_b):
+    like = ((x, x.shape, need_x), (weight, weight.shape, need_w), (weight, weight.shape[:1], need_bias),
+            (lora_a, lora_a.shape, need_a), (lora_b, lora_b.shape, need_b))
+    return tuple(t.new_empty(shape) if needed else _absent(x) for t, shape, needed in like)
+
+
+def _lora_setup(ctx, inputs, output):
+    x, weight, _, _, a, b, segments, scale, p, seed, allow_tf32 = inputs
+    ctx.options = (segments, scale, p, allow_tf32)
+    _, xd, u = output
+    ctx.save_for_backward(x, xd if p > 0 else None, weight, a, b, u, seed if p > 0 else None)
+
+
+def _lora_backward(ctx, dy, _dxd, _du):
+    x, xd, weight, a, b, u, seed = ctx.saved_tensors
+    segments, scale, p, allow_tf32 = ctx.options
+    need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
+    dx, dw, dbias, da, db = lora_linear_bwd(dy, x, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, need_x,
+                                            need_w, need_bias, need_a, need_b)
+    return (_given(dx, need_x), _given(dw, need_w), _given(dbias, need_bias), (dy if need_res else None),
+            _given(da, need_a), _given(db, need_b), None, None, None, None, None)
+
+
+lora_linear_fwd.register_autograd(_lora_backward, setup_context=_lora_setup)
+
+
+@_public
+def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, segments,
+                scale: float, *, dropout_p: float = 0.0, seed: Tensor | None = None, residual: Tensor | None = None,
+                allow_tf32: bool = True) -> Tensor:
+    pairs = tuple((int(s), int(n)) for s, n in segments)
+    _lora._check_lora_args(x, weight, bias, lora_a, lora_b, pairs, scale, float(dropout_p), seed, residual)
+    return lora_linear_fwd(x, weight, bias, residual, lora_a, lora_b, [v for pair in pairs for v in pair],
+                           float(scale), float(dropout_p), seed, allow_tf32)[0]
+
+
 # ----------------------------------------------------------------------------- attention
 
 @_custom_op("tritonllm::flash_attention_fwd", mutates_args=())
@@ -462,6 +543,25 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window
                     softmax_scale: float | None = None, deterministic: bool = True,
                     documents: Tensor | None = None) -> Tensor:
     return flash_attention_fwd(q, k, v, causal, window, softmax_scale, deterministic, documents)[0]
+
+
+@_custom_op("tritonllm::flash_attention_decode", mutates_args=())
+def flash_attention_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: Tensor, causal: bool,
+                              window: Optional[int], softmax_scale: Optional[float], split_kv: Optional[int]) -> Tensor:
+    """:func:`kernels.flash_attention.flash_attention_decode` (forward only)."""
+    return _eager(_fa.flash_attention_decode)(q, k_cache, v_cache, kv_len, causal, window, softmax_scale, split_kv)
+
+
+@flash_attention_decode_op.register_fake
+def _(q, k_cache, v_cache, kv_len, causal, window, softmax_scale, split_kv):
+    return q.new_empty(q.shape)
+
+
+@_public
+def flash_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: Tensor, causal: bool = True,
+                           window: int | None = None, softmax_scale: float | None = None,
+                           split_kv: int | None = None) -> Tensor:
+    return flash_attention_decode_op(q, k_cache, v_cache, kv_len, causal, window, softmax_scale, split_kv)
 
 
 @_custom_op("tritonllm::pack_heads", mutates_args=())
@@ -1030,13 +1130,42 @@ def _(grads, max_norm, eps, found_inf, check):
     return grads[0].new_empty((), dtype=torch.float32)
 
 
+@_custom_op("tritonllm::grad_sq_norm", mutates_args=())
+def grad_sq_norm(grads: list[Tensor]) -> Tensor:
+    """:func:`kernels.adamw.grad_sq_norm`: the 0-d fp32 sum of squares, the first stage of a reduced clip."""
+    return _adamw.grad_sq_norm(grads)
+
+
+@grad_sq_norm.register_fake
+def _(grads):
+    return grads[0].new_empty((), dtype=torch.float32)
+
+
+@_custom_op("tritonllm::clip_grads_by_sq_norm", mutates_args=("grads", "found_inf"))
+def clip_grads_by_sq_norm(grads: list[Tensor], sq_norm: Tensor, max_norm: float, eps: float,
+                          found_inf: Optional[Tensor], check: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.adamw.clip_grads_by_sq_norm_`: the second stage, from the reduced sum of squares."""
+    return _adamw.clip_grads_by_sq_norm_(grads, sq_norm, max_norm, eps, found_inf=found_inf, check=check)
+
+
+@clip_grads_by_sq_norm.register_fake
+def _(grads, sq_norm, max_norm, eps, found_inf, check):
+    return sq_norm.new_empty(())
+
+
 @_public
 def clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: Tensor | None = None,
                 check: Tensor | None = None, reduce=None) -> Tensor:
-    if reduce is not None:
-        raise ValueError("clip_grads_(reduce=...) is not supported under torch.compile: the reduce callable "
-                         "cannot enter a custom op; clip outside the compiled region")
+    """With ``reduce`` (e.g. FSDP2's all-reduce of the sum of squares), three steps the graph keeps: the
+    sum-of-squares op, ``reduce`` traced as Python (a collective becomes a functional collective), and the
+    scaling op; without, one op."""
     grads = list(grads)
+    if reduce is not None:
+        if not grads:
+            raise ValueError("grads is empty: with reduce, every holder must pass its (possibly empty) tensors")
+        total = grad_sq_norm(grads)
+        reduce(total)
+        return clip_grads_by_sq_norm(grads, total, float(max_norm), float(eps), found_inf, check)
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     return clip_grads(grads, float(max_norm), float(eps), found_inf, check)

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
-                      next_pow2)
+from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
+                      needs_grad, next_pow2)
 from .gemm import as_matrix, gemm
 from .linear import linear_bwd, linear_fwd
 
@@ -194,6 +194,38 @@ def _forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_t
     return y, xd, u
 
 
+def _backward(dy, x2, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, needs):
+    """``(dx [M, K], dweight, dbias, dlora_a, dlora_b)`` from dy [..., N], None where ``needs``
+    (x, weight, bias, lora_a, lora_b) says not needed; ``xd`` is the dropped-out input (``x2`` when p = 0)."""
+    need_x, need_w, need_bias, need_a, need_b = needs
+    N, K = weight.shape
+    S, r, _ = a.shape
+    dy2 = as_matrix(dy, N)
+    rows = _b_rows(segments)
+    g = torch.empty((dy2.shape[0], S * r), dtype=dy.dtype, device=dy.device)
+    for j, ((start, size), row) in enumerate(zip(segments, rows)):
+        lora_down(dy2[:, start:start + size], b[row:row + size], scale, out=g[:, j * r:(j + 1) * r],
+                  allow_tf32=allow_tf32)
+    da = db = None
+    if need_a:
+        da = gemm(g.t(), xd, torch.empty((S * r, K), dtype=a.dtype, device=a.device),
+                  allow_tf32=allow_tf32).view(S, r, K)
+    if need_b:
+        db = torch.empty_like(b)
+        for j, ((start, size), row) in enumerate(zip(segments, rows)):
+            gemm(dy2[:, start:start + size].t(), u[:, j * r:(j + 1) * r], db[row:row + size],
+                 allow_tf32=allow_tf32)
+    dx, dw, dbias = linear_bwd(dy2, x2, weight, need_x, need_w, need_bias, allow_tf32)
+    if need_x:
+        dx = dx.view(-1, K)
+        if p > 0:
+            dropout(gemm(g, a.reshape(S * r, K), torch.empty_like(dx), allow_tf32=allow_tf32), p, seed, out=dx,
+                    accumulate=True)
+        else:
+            gemm(g, a.reshape(S * r, K), dx, accumulate=True, allow_tf32=allow_tf32)
+    return dx, dw, dbias, da, db
+
+
 class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
@@ -208,37 +240,13 @@ class LoRALinearFunction(torch.autograd.Function):
         x2, xd, weight, a, b, u, seed = ctx.saved_tensors
         x_shape, segments, scale, p, allow_tf32 = ctx.meta
         need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
-        xd = x2 if xd is None else xd
-        N, K = weight.shape
-        S, r, _ = a.shape
-        dy2 = as_matrix(dy, N)
-        rows = _b_rows(segments)
-        g = torch.empty((dy2.shape[0], S * r), dtype=dy.dtype, device=dy.device)
-        for j, ((start, size), row) in enumerate(zip(segments, rows)):
-            lora_down(dy2[:, start:start + size], b[row:row + size], scale, out=g[:, j * r:(j + 1) * r],
-                      allow_tf32=allow_tf32)
-        da = db = None
-        if need_a:
-            da = gemm(g.t(), xd, torch.empty((S * r, K), dtype=a.dtype, device=a.device),
-                      allow_tf32=allow_tf32).view(S, r, K)
-        if need_b:
-            db = torch.empty_like(b)
-            for j, ((start, size), row) in enumerate(zip(segments, rows)):
-                gemm(dy2[:, start:start + size].t(), u[:, j * r:(j + 1) * r], db[row:row + size],
-                     allow_tf32=allow_tf32)
-        dx, dw, dbias = linear_bwd(dy2, x2, weight, need_x, need_w, need_bias, allow_tf32)
-        if need_x:
-            dx = dx.view(-1, K)
-            if p > 0:
-                dropout(gemm(g, a.reshape(S * r, K), torch.empty_like(dx), allow_tf32=allow_tf32), p, seed, out=dx,
-                        accumulate=True)
-            else:
-                gemm(g, a.reshape(S * r, K), dx, accumulate=True, allow_tf32=allow_tf32)
-            dx = dx.view(x_shape)
-        dres = dy if need_res else None
-        return dx, dw, dbias, dres, da, db, None, None, None, None, None
+        dx, dw, dbias, da, db = _backward(dy, x2, x2 if xd is None else xd, weight, a, b, u, seed, segments, scale,
+                                          p, allow_tf32, (need_x, need_w, need_bias, need_a, need_b))
+        dx = None if dx is None else dx.view(x_shape)
+        return dx, dw, dbias, (dy if need_res else None), da, db, None, None, None, None, None
 
 
+@compilable
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, segments, scale: float, *, dropout_p: float = 0.0,
                 seed: torch.Tensor | None = None, residual: torch.Tensor | None = None,

@@ -1,8 +1,9 @@
 """The kernels under torch.compile: a small model built only of tritonllm.kernels (a dense block, and one
 with a Mixture-of-Experts layer) compiles with
 ``fullgraph=True`` (no graph break), keeps every kernel in the graph as a ``torch.ops.tritonllm`` op, and
-gives eager's loss and gradients; an optimizer step (gradient clipping, AdamW, NorMuon), the in-place
-KV-cache write and orthogonalize compiled give eager's tensors; each registered op passes
+gives eager's loss and gradients; so do LoRA linears; an optimizer step (gradient clipping, also with a
+reduce of the norm, AdamW, NorMuon), a decode step (the in-place KV-cache write, attention over the cache)
+and orthogonalize compiled give eager's tensors; each registered op passes
 ``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch); the model works
 inside FSDP2's ``fully_shard``."""
 
@@ -17,7 +18,9 @@ from tritonllm.kernels import (MoEPlan, MoERouting, add_fork, clip_grads_, cross
                                fork, linear, linear_cross_entropy, linear_swiglu, moe, moe_router, moe_sort, orthogonalize,
                                relu2, rms_norm, rope, rope_cos_sin, softcap, split_heads, swiglu, weighted_add)
 from tritonllm.kernels import library as lib
+from tritonllm.kernels.flash_attention import flash_attention_decode
 from tritonllm.kernels.kv_cache import kv_cache_write_
+from tritonllm.kernels.lora import lora_linear
 from tritonllm.models import ModelConfig, build_model
 from tritonllm.optim import AdamW, Muon
 
@@ -249,37 +252,99 @@ def test_compiled_optimizer_step_matches_eager():
     assert {"clip_grads", "adamw_step", "muon_step"} <= _graph_ops(_optimizer_step, *_optimizers(problem))
 
 
-def test_compiled_clip_grads_refuses_reduce():
-    """clip_grads_(reduce=...) cannot enter a custom op: under torch.compile(fullgraph=True) the trace
-    stops with the ValueError's message (eager, or a compile allowed to break, runs it)."""
+def _clip_two_holders(grads, other, flag, loss):
+    """One holder's clip of its part of the gradients, the other holder's sum of squares ``other`` added
+    by ``reduce`` (what an all-reduce over two ranks gives)."""
+    return clip_grads_(grads, 1.0, found_inf=flag, check=loss, reduce=lambda total: total.add_(other))
+
+
+def test_compiled_clip_grads_with_reduce_matches_eager():
+    """clip_grads_(reduce=...) under torch.compile(fullgraph=True): the sum-of-squares op, the reduce
+    traced as Python, the scaling op; eager's norm, clipped gradients and flag exactly."""
     torch._dynamo.reset()
-    clip = torch.compile(lambda g: clip_grads_(g, 1.0, reduce=lambda total: None), fullgraph=True, backend="aot_eager")
-    with pytest.raises(RuntimeError, match="cannot enter a custom op"):
-        clip([randn(4)])
+    grads, other = [randn(4, 6), randn(7).half()], torch.tensor(30.0, device=DEVICE)
+    compiled = torch.compile(_clip_two_holders, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (_clip_two_holders, compiled):
+        gs, flag = [g.clone() for g in grads], torch.ones(1, dtype=torch.int32, device=DEVICE)
+        results.append((fn(gs, other, flag, torch.tensor(2.5, device=DEVICE)), gs, flag))
+    (norm_e, gs_e, flag_e), (norm_c, gs_c, flag_c) = results
+    expected = (sum(g.double().pow(2).sum() for g in grads) + 30.0).sqrt()
+    torch.testing.assert_close(norm_e.double(), expected, rtol=1e-5, atol=0)
+    assert norm_c == norm_e and flag_c.item() == flag_e.item() == 0
+    for c, e in zip(gs_c, gs_e):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+    ops = _graph_ops(_clip_two_holders, grads, other, torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                     torch.tensor(2.5, device=DEVICE))
+    assert {"grad_sq_norm", "clip_grads_by_sq_norm"} <= ops, ops
 
 
-def _cache_and_polar(k, v, k_cache, v_cache, pos, tall, wide):
+def _decode_and_polar(q, k, v, k_cache, v_cache, pos, tall, wide):
+    """A decode step (the new keys written at ``pos``, attention over the filled cache), orthogonalize
+    and the RoPE tables."""
     kv_cache_write_(k, v, k_cache, v_cache, pos)
+    o = flash_attention_decode(q, k_cache, v_cache, pos + k.shape[1])
     yarn = dict(type="yarn", factor=4.0, original_max_position=8)
-    return (orthogonalize(tall), orthogonalize(wide, coefficients="newton_schulz", steps=3),
+    return (o, orthogonalize(tall), orthogonalize(wide, coefficients="newton_schulz", steps=3),
             *rope_cos_sin(12, 16, device=k.device), *rope_cos_sin(12, 16, 500.0, yarn, device=k.device))
 
 
-def test_compiled_cache_write_and_orthogonalize_match_eager():
-    """kv_cache_write_ (in place, at a device position), orthogonalize (a tall matrix: a transposed
-    view) and the RoPE tables (plain and YaRN, built inside the graph) compiled give eager's caches and
-    outputs, strides included."""
+def test_compiled_decode_step_and_orthogonalize_match_eager():
+    """kv_cache_write_ (in place, at a device position) then flash_attention_decode over the cache,
+    orthogonalize (a tall matrix: a transposed view) and the RoPE tables (plain and YaRN, built inside
+    the graph) compiled give eager's caches and outputs, strides included."""
     torch._dynamo.reset()
-    k, v, tall, wide = randn(2, 3, 1, 8), randn(2, 3, 1, 8), randn(2, 9, 5), randn(4, 7)
-    pos = torch.tensor(2, device=DEVICE)
+    q, k, v, tall, wide = randn(2, 3, 2, 32), randn(2, 3, 1, 32), randn(2, 3, 1, 32), randn(2, 9, 5), randn(4, 7)
+    pos, caches = torch.tensor(2, device=DEVICE), (randn(2, 8, 1, 32), randn(2, 8, 1, 32))
     results = []
-    for fn in (_cache_and_polar, torch.compile(_cache_and_polar, fullgraph=True, backend="aot_eager")):
-        k_cache, v_cache = torch.zeros(2, 6, 1, 8, device=DEVICE), torch.zeros(2, 6, 1, 8, device=DEVICE)
-        results.append((k_cache, v_cache, *fn(k, v, k_cache, v_cache, pos, tall, wide)))
+    for fn in (_decode_and_polar, torch.compile(_decode_and_polar, fullgraph=True, backend="aot_eager")):
+        k_cache, v_cache = (c.clone() for c in caches)
+        results.append((k_cache, v_cache, *fn(q, k, v, k_cache, v_cache, pos, tall, wide)))
     for e, c in zip(*results):
         assert e.stride() == c.stride()
         torch.testing.assert_close(c, e, rtol=0, atol=0)
     torch.testing.assert_close(results[1][0][:, 2:5], k, rtol=0, atol=0)
+    assert {"kv_cache_write", "flash_attention_decode"} <= _graph_ops(_decode_and_polar, q, k, v, *caches, pos, tall,
+                                                                      wide)
+
+
+def _lora_loss(x, weight, bias, a, b, residual, seed):
+    """Two LoRA linears (q and v segments with dropout; one adapter without) and a squared loss."""
+    h = lora_linear(x, weight, bias, a, b, [(0, 8), (16, 8)], 2.0, dropout_p=0.25, seed=seed, residual=residual)
+    y = lora_linear(h, weight[:, :24].contiguous(), None, a[:1, :, :24], b[:8], [(4, 8)], 0.5)
+    return (y * y).sum()
+
+
+def test_compiled_lora_linear_matches_eager():
+    """lora_linear under torch.compile(fullgraph=True): one op each way, eager's loss and the
+    gradients of x, the adapters, the bias and the residual (the base weight frozen)."""
+    torch._dynamo.reset()
+    g = dict(requires_grad=True)
+    inputs = (randn(2, 3, 32, **g), randn(24, 32, scale=0.2), randn(24, **g), randn(2, 4, 32, scale=0.2, **g),
+              randn(16, 4, scale=0.2, **g), randn(2, 3, 24, **g), torch.tensor([7], dtype=torch.int64, device=DEVICE))
+    results = []
+    for fn in (_lora_loss, torch.compile(_lora_loss, fullgraph=True, backend="aot_eager")):
+        loss = fn(*inputs)
+        grads = torch.autograd.grad(loss, [t for t in inputs if t.requires_grad])
+        results.append((loss, *grads))
+    for e, c in zip(*results):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+    assert "lora_linear_fwd" in _graph_ops(_lora_loss, *inputs)
+
+
+def _lora_op_cases(g):
+    """The opcheck cases of the LoRA ops: two adapters of rank 4 on columns 0-7 and 16-23 of 24."""
+    x, w, bias = randn(5, 32, **g), randn(24, 32, scale=0.2, **g), randn(24, **g)
+    a, b = randn(2, 4, 32, **g), randn(16, 4, **g)
+    segments, seed = [0, 8, 16, 8], torch.tensor([3], dtype=torch.int64, device=DEVICE)
+    _, xd, u = lib.lora_linear_fwd(x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True)
+    saved = (x.detach(), xd.detach(), w.detach(), a.detach(), b.detach(), u.detach(), seed, segments, 0.5, 0.25, True)
+    return {
+        "lora_linear_fwd": (lib.lora_linear_fwd, (x, w, bias, randn(5, 24, **g), a, b, segments, 0.5, 0.0, None, True)),
+        "lora_linear_fwd_dropout": (lib.lora_linear_fwd, (x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True)),
+        "lora_linear_bwd": (lib.lora_linear_bwd, (randn(5, 24), *saved, True, True, True, True, True)),
+        "lora_linear_bwd_adapters": (lib.lora_linear_bwd, (randn(5, 24), *saved, False, False, False, True, True)),
+    }
 
 
 def _moe_op_cases(g):
@@ -327,9 +392,15 @@ def _in_place_op_cases():
         "adamw_step_masters": (lib.adamw_step, adamw_masters),
         "clip_grads": (lib.clip_grads, ([randn(4, 6), randn(7)], 0.5, 1e-6, flag.clone(),
                                         torch.tensor(1.0, device=DEVICE))),
+        "grad_sq_norm": (lib.grad_sq_norm, ([randn(4, 6), randn(7).half()],)),
+        "clip_grads_by_sq_norm": (lib.clip_grads_by_sq_norm, ([randn(4, 6), randn(7)], torch.tensor(9.0, device=DEVICE),
+                                                              0.5, 1e-6, flag.clone(), torch.tensor(1.0, device=DEVICE))),
         "muon_step": (lib.muon_step, muon),
         "orthogonalize_fwd": (lib.orthogonalize_fwd, (randn(2, 9, 5), "polar_express", 3, 1e-7, None)),
         "orthogonalize_fwd_wide": (lib.orthogonalize_fwd, (randn(4, 7), "newton_schulz", 2, 1e-7, None)),
+        "flash_attention_decode": (lib.flash_attention_decode_op, (randn(2, 3, 2, 32), randn(2, 8, 1, 32),
+                                                                   randn(2, 8, 1, 32), torch.tensor(5, device=DEVICE),
+                                                                   True, None, None, None)),
         "kv_cache_write": (lib.kv_cache_write, (randn(2, 3, 1, 8), randn(2, 3, 1, 8), randn(2, 6, 1, 8),
                                                 randn(2, 6, 1, 8), torch.tensor(1, device=DEVICE))),
     }
@@ -397,6 +468,7 @@ def _op_cases():
                                                                         torch.float32)),
         "linear_cross_entropy_bwd": (lib.linear_cross_entropy_bwd, (randn(5), *[t.detach() for t in lce[:3]],
                                                                     *lce[3:], *lce_opts)),
+        **_lora_op_cases(g),
         **_moe_op_cases(g),
         **_in_place_op_cases(),
     }
@@ -431,6 +503,7 @@ def _fsdp_rank(rank: int, world: int, port: int, backend: str) -> None:
     single model's)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
 
     if ON_GPU:
         torch.cuda.set_device(rank)
@@ -445,6 +518,15 @@ def _fsdp_rank(rank: int, world: int, port: int, backend: str) -> None:
         compiled = torch.compile(model, fullgraph=True, backend=backend)
         loss, grads = _loss_and_grads(model, compiled, ids, targets)
         _compare(eager, (loss, {n: g.full_tensor() for n, g in grads.items()}))
+        # FSDP2's clip: each rank's shards, the sums of squares all-reduced inside the compiled graph
+        clip = torch.compile(lambda gs: clip_grads_(gs, 0.5, reduce=dist.all_reduce), fullgraph=True, backend=backend)
+        shards = [g.to_local().clone() for g in grads.values()]
+        norm = clip(shards)
+        full = list(eager[1].values())  # clipped in place below: the single model's clip
+        torch.testing.assert_close(norm, clip_grads_(full, 0.5), rtol=1e-5, atol=0)
+        for shard, g, whole in zip(shards, grads.values(), full):
+            mine = distribute_tensor(whole, g.device_mesh, g.placements).to_local()
+            torch.testing.assert_close(shard, mine, rtol=1e-5, atol=1e-7)
     finally:
         dist.destroy_process_group()
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import check_same_device, interpreting, next_pow2
+from .._common import check_same_device, compilable, interpreting, next_pow2
 from .config import (COMBINE_ROWS, FWD_CONFIGS, INTERP_COMBINE_ROWS, KEYS, LN2, LOG2E, NEG_INF,
                       SPLIT_MAX_ROWS, auto_splits, block_configs, check_attention_inputs, check_documents,
                       docs_arg, kernel_flags, last_dim_contiguous, split_count, split_rows_block,
@@ -304,6 +304,7 @@ def _split_launch(q, k, v, o, lse, flags: dict, qk_scale: float, win: int, key_l
         HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_R=rows_block, num_warps=1 if interpreting() else 4)
 
 
+@compilable
 def flash_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor,
                            causal: bool = True, window: int | None = None, softmax_scale: float | None = None,
                            split_kv: int | None = None) -> torch.Tensor:
