@@ -258,6 +258,7 @@ def test_parse_options():
     assert overrides == ["+model=void125m", "trainer.batch_size=4"]
     assert _parse([])[0].baselines == ["compile", "reduce-overhead", "max-autotune"]
     assert _parse(["--no-baseline"])[0].baselines == []
+    assert (_parse([])[0].compiled, _parse(["--compiled"])[0].compiled) == (False, True)
     with pytest.raises(SystemExit):
         _parse(["--warmup", "2"])
     with pytest.raises(SystemExit):

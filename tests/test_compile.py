@@ -187,6 +187,27 @@ def test_compiled_moe_transformer_matches_eager():
     _compare(results[1], results[0])
 
 
+def test_train_step_of_a_compiled_model_matches_eager():
+    """TrainStep (clipping, AdamW) around torch.compile(model, fullgraph=True), as
+    ``python -m tritonllm.bench train --compiled`` times it: eager's losses, norms and weights over three steps."""
+    from tritonllm.train.step import TrainStep
+
+    cfg = ModelConfig(name="dense", vocab_size=V, d_model=C, n_layers=1, n_heads=HQ, n_kv_heads=HKV, head_dim=D,
+                      d_ff=F, max_seq_len=T)
+    batches = [_batch() for _ in range(3)]
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model(cfg, device=DEVICE)
+        step = TrainStep(torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model,
+                         AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), grad_clip=0.5, cuda_graph=False)
+        outs = [step([batch], lr=1e-2) for batch in batches]
+        results.append((torch.stack([torch.stack([o.loss, o.grad_norm]) for o in outs]),
+                        {n: p.detach() for n, p in model.named_parameters()}))
+    _compare(*results)
+
+
 def _routing(logits):
     return moe_router(logits, TOP_K, "sigmoid", False), moe_sort(moe_router(logits, TOP_K).indices, E)
 

@@ -13,7 +13,10 @@ Sides, each timed alone (GPU memory freed between them):
   optimizer step = :class:`tritonllm.train.step.TrainStep` (forward, backward, clipping to
   ``trainer.grad_clip``, AdamW, gradients zeroed) with ``cuda_graph=True``: the whole step
   captured once after the warm-up and replayed (the row's headline figures; ``cuda_graph`` in the
-  row says whether the capture held), and with ``cuda_graph=False`` (the ``eager`` entry).
+  row says whether the capture held), and with ``cuda_graph=False`` (the ``eager`` entry). With
+  ``--compiled``, both again with the model under ``torch.compile(fullgraph=True)`` (default mode:
+  inductor around the ``torch.ops.tritonllm`` ops), the ``compiled`` entry: what a user who compiles a
+  model made of tritonllm's kernels gets, against the same model eager.
 - **baselines**: :class:`tritonllm.bench.baseline_model.BaselineTransformer` (the same architecture
   written for speed: F.rms_norm, SDPA on contiguous ``[B, H, T, D]``, RoPE tables built once,
   fused cross-entropy; MoE experts through ``torch._grouped_mm``) loaded with tritonllm's initial
@@ -215,9 +218,10 @@ def free_gpu() -> None:
 # --- the sides -------------------------------------------------------------------------------------
 
 def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
-    """tritonllm's eager and graphed steps. Returns (graphed figures, eager figures, graphed kernel
-    times (ours, others), whether the graph was captured, flops per token, the initial weights on
-    the CPU)."""
+    """tritonllm's eager and graphed steps, and with ``args.compiled`` the same two with the model under
+    ``torch.compile(fullgraph=True)``. Returns (graphed figures, eager figures, graphed kernel times
+    (ours, others), whether the graph was captured, flops per token, the initial weights on the CPU,
+    the compiled sides' figures by ``eager`` / ``graphed``)."""
     from tritonllm.models import build_model
     from tritonllm.train import build_optimizer
     from tritonllm.train.step import TrainStep
@@ -230,18 +234,24 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
     print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{x.shape[0]} x T{x.shape[1]} bf16, "
           f"{flops_per_token * x.numel() / 1e12:.2f} TFLOP per step", flush=True)
     lr = float(cfg.optim.lr)
-    sides = {}
-    for graph in (False, True):
-        train_step = TrainStep(model, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1, cuda_graph=graph)
-        sides[graph] = measure(lambda: train_step([(x, y)], lr=lr), args, x.numel(), flops_per_token, peak_flops,
-                               cycles_per_ms)
-        captured = train_step.graphed
-        del train_step
-        free_gpu()
+    sides, captured = {}, {}
+    for compiled in (False, True) if args.compiled else (False,):
+        runner = torch.compile(model, fullgraph=True) if compiled else model
+        for graph in (False, True):
+            train_step = TrainStep(runner, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1, cuda_graph=graph)
+            sides[compiled, graph] = measure(lambda: train_step([(x, y)], lr=lr), args, x.numel(), flops_per_token,
+                                             peak_flops, cycles_per_ms)
+            captured[compiled, graph] = train_step.graphed
+            del train_step
+            free_gpu()
+        del runner
+        torch._dynamo.reset()
     del model, optimizer
     free_gpu()
-    (graphed, ours, others), (eager, _, _) = sides[True], sides[False]
-    return graphed, eager, (ours, others), captured, flops_per_token, weights
+    (graphed, ours, others), (eager, _, _) = sides[False, True], sides[False, False]
+    compiled_sides = {("graphed" if graph else "eager"): {**sides[True, graph][0], "cuda_graph": captured[True, graph]}
+                      for graph in (False, True) if (True, graph) in sides}
+    return graphed, eager, (ours, others), captured[False, True], flops_per_token, weights, compiled_sides
 
 
 def baseline_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
@@ -306,6 +316,8 @@ def _parse(argv: list[str]):
     p.add_argument("--baselines", default=",".join(BASELINE_MODES),
                    help=f"comma-separated torch.compile modes of the baseline, of: {', '.join(BASELINE_MODES)}")
     p.add_argument("--no-baseline", action="store_true", help="time tritonllm only")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time tritonllm's model under torch.compile(fullgraph=True), eager and graphed steps")
     p.add_argument("--moe-experts", default="auto", choices=("auto", "grouped_mm", "loop"),
                    help="the MoE baseline's experts: torch._grouped_mm, a loop over experts, or auto (the default "
                         "of tritonllm.bench.baseline_model)")
@@ -375,14 +387,19 @@ def main(argv: list[str]) -> None:
     cycles_per_ms = spin_cycles_per_ms()
     print(f"{torch.cuda.get_device_name()}, host CPU: {host_cpu}, torch {torch.__version__}", flush=True)
 
-    graphed, eager, (ours_ms, other_ms), captured, flops_per_token, weights = time_tritonllm(
+    graphed, eager, (ours_ms, other_ms), captured, flops_per_token, weights, compiled = time_tritonllm(
         model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms)
     print(HEADER)
     print(_line(f"tritonllm ({'CUDA graph' if captured else 'graph NOT captured'})", graphed))
     print(_line("tritonllm (eager)", eager), flush=True)
+    for name, figures in compiled.items():
+        print(_line(f"tritonllm compiled ({name})", figures))
+    if compiled:
+        print(f"compiled / eager step time: {compiled['eager']['step_ms'] / eager['step_ms']:.3f} (eager steps), "
+              f"{compiled['graphed']['step_ms'] / graphed['step_ms']:.3f} (graphed steps)", flush=True)
     total = sum(ours_ms.values()) + sum(other_ms.values())
     row = {"model": model_cfg.name, "batch": B, "seq_len": T, "nproc": 1, "parallel": "none", "cuda_graph": captured,
-           **graphed, "eager": eager, "baselines": {}, "speedup": None,
+           **graphed, "eager": eager, **({"compiled": compiled} if compiled else {}), "baselines": {}, "speedup": None,
            "triton_share": round(sum(ours_ms.values()) / total, 4) if total else None, "host_cpu": host_cpu,
            "other_kernels_ms": {k: round(v, 3) for k, v in sorted(other_ms.items(), key=lambda kv: -kv[1])}}
     print(f"tritonllm triton_share {row['triton_share']}; host CPU: {host_cpu}")
