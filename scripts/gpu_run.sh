@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [train] [trainrun]   (default: tests bench)
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [train] [trainrun] [finetune] [evolve]   (default: tests bench)
 # trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
+# train: TRAIN_ARGS e.g. "--compiled --baselines compile" (the model under torch.compile beside eager)
+# finetune: python -m tritonllm.bench finetune (FINETUNE_ARGS; default TinyLlama shape, B4 T2048, rank 16)
+# evolve: python -m tritonllm.evolve from MODEL (EVOLVE_ARGS) in evolve-run/ (gitignored, kept on a warm
+#   machine): the same stage again resumes the search; its results, plot and best configs are copied to $OUT
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -36,5 +40,13 @@ for stage in $stages; do
                 trainer.eval_interval=1000 trainer.eval_batches=2 trainer.ckpt_interval=null trainer.progress=false \
                 hydra.run.dir=/tmp/trainrun ${TRAINRUN_ARGS:-} > "$OUT/trainrun.log" 2>&1
             grep -E "captured|graph|error|Error" "$OUT/trainrun.log" | head; grep '"kind": "train"' /tmp/trainrun/metrics.jsonl ;;
+        finetune)
+            timeout ${FINETUNE_TIMEOUT:-500} python3 -m tritonllm.bench finetune ${FINETUNE_ARGS:---config tinyllama --batch 4 --seq-len 2048 --rank 16 --steps 10 --warmup 3} \
+                --out "$OUT" 2>&1 | tee "$OUT/finetune.log" | tail -${TAIL:-40} ;;
+        evolve)
+            timeout -s INT -k 30 ${EVOLVE_TIMEOUT:-540} python3 -m tritonllm.evolve +model=${MODEL:-void125m} hydra.run.dir=evolve-run \
+                ${EVOLVE_ARGS:-evolve.budget=90s evolve.population=4 evolve.generations=2 evolve.memory_cap_gb=40 evolve.warm_start=true trainer.batch_size=16 trainer.seq_len=1024} \
+                > "$OUT/evolve.log" 2>&1; tail -${TAIL:-40} "$OUT/evolve.log"
+            mkdir -p "$OUT/evolve" && cp -r evolve-run/*.json evolve-run/*.csv evolve-run/*.png evolve-run/model "$OUT/evolve/" 2>/dev/null; ls "$OUT/evolve" ;;
     esac
 done
