@@ -64,6 +64,14 @@ def read_hf_config(path: str) -> dict:
         return json.load(f)
 
 
+def _required(params: dict, key: str, field: str):
+    """``params[key]``; an HFConfigError naming ``field.key`` when it is missing or null."""
+    value = params.get(key)
+    if value is None:
+        raise HFConfigError(f"{field}.{key} is missing")
+    return value
+
+
 def _rope(hf: dict, head_dim: int) -> tuple[float, dict | None]:
     """``(rope_theta, rope_scaling)`` of tritonllm from the config's RoPE fields."""
     params = hf.get("rope_parameters")
@@ -80,17 +88,17 @@ def _rope(hf: dict, head_dim: int) -> tuple[float, dict | None]:
         raise HFConfigError(f"partial_rotary_factor={partial}: only full-width RoPE is supported")
     if kind == "default":
         return theta, None
-    factor = params.get("factor")
     if kind == "linear":
-        return theta, {"type": "linear", "factor": float(factor)}
-    orig = params.get("original_max_position_embeddings")
+        return theta, {"type": "linear", "factor": float(_required(params, "factor", field))}
     if kind == "llama3":
-        return theta, {"type": "llama3", "factor": float(factor), "original_max_position": int(orig),
+        return theta, {"type": "llama3", "factor": float(_required(params, "factor", field)),
+                       "original_max_position": int(_required(params, "original_max_position_embeddings", field)),
                        "low_freq_factor": float(params.get("low_freq_factor", 1.0)),
                        "high_freq_factor": float(params.get("high_freq_factor", 4.0))}
     if kind == "yarn":
+        factor, orig = params.get("factor"), params.get("original_max_position_embeddings")
         if orig is None:
-            orig = hf.get("max_position_embeddings")
+            orig = _required(hf, "max_position_embeddings", "config")
         if factor is None:
             factor = hf["max_position_embeddings"] / orig
         mscale = params.get("attention_factor")
@@ -188,7 +196,7 @@ def load_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _layer_names(i: int) -> dict[str, str]:
+def _layer_names(i: int) -> dict[str, str | list[str]]:
     """tritonllm parameter -> Hugging Face tensor name(s) of block ``i`` (packed ones list theirs)."""
     hf, tl = f"model.layers.{i}.", f"blocks.{i}."
     attn = hf + "self_attn."
@@ -207,7 +215,7 @@ def _layer_names(i: int) -> dict[str, str]:
 
 def _names(cfg: ModelConfig) -> dict[str, str | list[str]]:
     """The whole name map of a model of config ``cfg`` (parameters it does not have left out)."""
-    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    names: dict[str, str | list[str]] = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
     for i in range(cfg.n_layers):
@@ -314,7 +322,7 @@ def hf_config_from(cfg: ModelConfig, architecture: str | None = None, dtype: tor
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face tensors from a Transformer state dict (packed rows split back)."""
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
     splits = {"qkv": [q, kv, kv], "w13": [cfg.d_ff, cfg.d_ff]}
     out = {}
     for tl, src in _names(cfg).items():

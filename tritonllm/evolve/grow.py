@@ -95,7 +95,7 @@ def _unknown(key: str, op: str) -> GrowthError:
 def _kv_sources(parent: ModelConfig, n_heads: int, n_kv_heads: int) -> list[int | None]:
     """Per child KV head, the parent KV head it copies (None: a new one); GrowthError when its
     query heads read different parent KV heads."""
-    group, new_group = parent.n_heads // parent.n_kv_heads, n_heads // n_kv_heads
+    group, new_group = parent.n_heads // parent.kv_heads, n_heads // n_kv_heads
     out = []
     for j in range(n_kv_heads):
         olds = {h // group for h in range(j * new_group, (j + 1) * new_group) if h < parent.n_heads}
@@ -122,7 +122,7 @@ def growth_steps(parent: ModelConfig, child: ModelConfig) -> list[str]:
         if b[field] > a[field]:
             steps.append(f"{field} {a[field]} -> {b[field]}")
     if child.n_kv_heads != parent.n_kv_heads:
-        _kv_sources(parent, child.n_heads, child.n_kv_heads)
+        _kv_sources(parent, child.n_heads, child.kv_heads)
         steps.append(f"n_kv_heads {parent.n_kv_heads} -> {child.n_kv_heads}")
     if child.n_layers > parent.n_layers:
         for field, value in (("unet_skips", parent.unet_skips), ("value_embeddings", parent.value_embeddings),
@@ -165,7 +165,7 @@ def widen_model(state: dict, cfg: ModelConfig, d_model: int, init: NewValues) ->
 
 def add_heads(state: dict, cfg: ModelConfig, n_heads: int, n_kv_heads: int, init: NewValues) -> tuple[dict, ModelConfig]:
     """``n_heads`` up and/or ``n_kv_heads`` changed at the same ``head_dim`` (module docstring)."""
-    D, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    D, hq, hkv = cfg.head_size, cfg.n_heads, cfg.kv_heads
     sources = _kv_sources(cfg, n_heads, n_kv_heads)
     new_q = (n_heads - hq) * D
 
@@ -203,7 +203,7 @@ def widen_ffn(state: dict, cfg: ModelConfig, width: int, init: NewValues) -> tup
     """The MLP's hidden width up: ``d_ff`` of a dense MLP, ``d_expert`` of an MoE's experts (and its
     shared experts, ``n_shared_experts * d_expert`` wide). New units: random input rows, zero ``w2`` columns."""
     moe = bool(cfg.n_experts)
-    extra = width - (cfg.d_expert if moe else cfg.d_ff)
+    extra = width - (cfg.expert_width if moe else cfg.d_ff)
     shared = cfg.n_shared_experts * extra
     out = {}
     for key, v in state.items():
@@ -224,7 +224,7 @@ def widen_ffn(state: dict, cfg: ModelConfig, width: int, init: NewValues) -> tup
             out[key] = _pad_hidden(v, 1, shared, 1, init.zeros)
         else:
             out[key] = v
-    return out, dataclasses.replace(cfg, **({"d_expert": width} if moe else {"d_ff": width}))
+    return out, (dataclasses.replace(cfg, d_expert=width) if moe else dataclasses.replace(cfg, d_ff=width))
 
 
 def _identity_block(template: dict, init: NewValues) -> dict:
@@ -273,9 +273,9 @@ def grow(state: dict, parent: ModelConfig, child: ModelConfig, seed: int = 0) ->
     if child.d_model > cfg.d_model:
         state, cfg = widen_model(state, cfg, child.d_model, init)
     if (child.n_heads, child.n_kv_heads) != (cfg.n_heads, cfg.n_kv_heads):
-        state, cfg = add_heads(state, cfg, child.n_heads, child.n_kv_heads, init)
-    width = child.d_expert if child.n_experts else child.d_ff
-    if width > (cfg.d_expert if cfg.n_experts else cfg.d_ff):
+        state, cfg = add_heads(state, cfg, child.n_heads, child.kv_heads, init)
+    width = child.expert_width if child.n_experts else child.d_ff
+    if width > (cfg.expert_width if cfg.n_experts else cfg.d_ff):
         state, cfg = widen_ffn(state, cfg, width, init)
     if child.n_layers > cfg.n_layers:
         state, cfg = add_layers(state, cfg, child.n_layers, init)

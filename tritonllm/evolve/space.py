@@ -108,7 +108,7 @@ def _sort_key(v):
 def seed_genome(seed: ModelConfig, lr: float) -> dict:
     """The seed model as a genome (all genes, searched or not)."""
     return {"n_layers": seed.n_layers, "d_model": seed.d_model, "n_heads": seed.n_heads,
-            "kv_ratio": seed.n_heads // seed.n_kv_heads, "head_dim": seed.head_dim,
+            "kv_ratio": seed.n_heads // seed.kv_heads, "head_dim": seed.head_size,
             "ffn_mult": round(seed.d_ff / seed.d_model, 4), "window": seed.window, "qk_norm": seed.qk_norm,
             "n_experts": seed.n_experts, "moe_top_k": seed.moe_top_k, "lr": float(lr)}
 
@@ -127,7 +127,7 @@ class SearchSpace:
             raise ConfigError(f"evolve.space: unknown gene(s) {unknown}; genes: {list(GENES)}")
         self.seed, self.limits = seed, limits
         # top_k experts together are this share of d_ff wide (the seed's; 1 for a dense seed)
-        self.expert_share = seed.d_expert * seed.moe_top_k / seed.d_ff if seed.n_experts else 1.0
+        self.expert_share = seed.expert_width * seed.moe_top_k / seed.d_ff if seed.n_experts else 1.0
         self.seed_genome = seed_genome(seed, lr)
         self.choices: dict[str, list] = {}
         for gene in GENES:
@@ -244,8 +244,8 @@ class SearchSpace:
 def violations(model: ModelConfig, limits: Limits) -> list[str]:
     """Every constraint ``model`` breaks (empty: a valid candidate)."""
     m, out = limits.multiple_of, []
-    if model.n_heads % model.n_kv_heads:
-        out.append(f"n_kv_heads={model.n_kv_heads} does not divide n_heads={model.n_heads}")
+    if model.n_heads % model.kv_heads:
+        out.append(f"n_kv_heads={model.kv_heads} does not divide n_heads={model.n_heads}")
     if model.head_dim not in HEAD_DIMS:
         out.append(f"head_dim={model.head_dim} is not one of the attention kernels' {HEAD_DIMS}")
     for name in ("d_model", "d_ff") + (("d_expert",) if model.n_experts else ()):

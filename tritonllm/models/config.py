@@ -66,17 +66,15 @@ class ModelConfig:
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, f) < 1:
                 raise ModelConfigError(f"{f} must be >= 1, got {getattr(self, f)}")
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ModelConfigError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
-        if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                raise ModelConfigError(f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); "
-                                 "set head_dim explicitly")
-            self.head_dim = self.d_model // self.n_heads
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ModelConfigError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        self.n_kv_heads = kv_heads = self.kv_heads
+        if kv_heads < 1 or self.n_heads % kv_heads:
+            raise ModelConfigError(f"n_kv_heads ({kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ModelConfigError(f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); "
+                                   "set head_dim explicitly")
+        self.head_dim = head_dim = self.head_size
+        if head_dim < 2 or head_dim % 2:
+            raise ModelConfigError(f"head_dim must be even (RoPE rotates pairs), got {head_dim}")
         if self.window is not None and self.window < 1:
             raise ModelConfigError(f"window must be None or >= 1, got {self.window}")
         if self.window_schedule is not None:
@@ -97,14 +95,30 @@ class ModelConfig:
         if self.rope_scaling is not None and self.rope_scaling.get("type") not in ROPE_SCALINGS:
             raise ModelConfigError(f"rope_scaling must be None or a dict with type in {ROPE_SCALINGS}, "
                              f"got {self.rope_scaling}")
-        if self.d_expert is None:
-            self.d_expert = self.d_ff
+        self.d_expert = self.expert_width
         if self.n_experts < 0:
             raise ModelConfigError(f"n_experts must be >= 0, got {self.n_experts}")
         if self.n_experts and not 1 <= self.moe_top_k <= self.n_experts:
             raise ModelConfigError(f"moe_top_k must be in [1, n_experts={self.n_experts}], got {self.moe_top_k}")
         if self.moe_score not in MOE_SCORES:
             raise ModelConfigError(f"moe_score must be one of {MOE_SCORES}, got {self.moe_score!r}")
+
+    # The fields that None defaults to another field's value, resolved (typed int): __post_init__ stores
+    # these values in the fields, so after construction they equal n_kv_heads, head_dim and d_expert.
+    @property
+    def kv_heads(self) -> int:
+        """``n_kv_heads``, or ``n_heads`` when it is None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        """``head_dim``, or ``d_model // n_heads`` when it is None."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def expert_width(self) -> int:
+        """``d_expert``, or ``d_ff`` when it is None."""
+        return self.d_ff if self.d_expert is None else self.d_expert
 
     @classmethod
     def from_dict(cls, d) -> ModelConfig:
@@ -169,19 +183,19 @@ class ModelConfig:
         tables like the token embedding (dropped by ``exclude_embedding``); each layer that mixes one in
         has 2 mixing weights; U-net skips add one gate per pair of blocks.
         """
-        d, hd = self.d_model, self.head_dim
-        attn = d * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * d
+        d, hd, kv = self.d_model, self.head_size, self.kv_heads
+        attn = d * (self.n_heads + 2 * kv) * hd + self.n_heads * hd * d
         attn += 2 * hd if self.qk_norm else 0
-        attn += (self.n_heads + 2 * self.n_kv_heads) * hd if self.qkv_bias else 0
+        attn += (self.n_heads + 2 * kv) * hd if self.qkv_bias else 0
         if self.n_experts:
             experts = self.moe_top_k if active else self.n_experts
-            mlp = d * self.n_experts + (experts + self.n_shared_experts) * 3 * d * self.d_expert
+            mlp = d * self.n_experts + (experts + self.n_shared_experts) * 3 * d * self.expert_width
         else:
             mlp = (2 if self.mlp_act == "relu2" else 3) * d * self.d_ff
         total = self.n_layers * (attn + mlp + 2 * d) + d
         total += 2 * sum(self.layer_value_embedding(i) is not None for i in range(self.n_layers))
         total += self.n_layers // 2 if self.unet_skips else 0
-        embed = self.vocab_size * (d + self.value_embeddings * self.n_kv_heads * hd)
+        embed = self.vocab_size * (d + self.value_embeddings * kv * hd)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         if exclude_embedding:
             return total + head

@@ -36,7 +36,9 @@ residual stream's variance does not grow with depth; RMSNorm weights ones.
 from __future__ import annotations
 
 import math
+import typing
 import weakref
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -58,13 +60,13 @@ class KVCache(_KVCache):
     cfg.n_kv_heads, cfg.head_dim]`` keys and values."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=None):
-        super().__init__(cfg.n_layers, batch_size, max_len, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
+        super().__init__(cfg.n_layers, batch_size, max_len, cfg.kv_heads, cfg.head_size, device=device, dtype=dtype)
 
 
 def build_attention(cfg: ModelConfig, layer_idx: int) -> Attention:
     """Block ``layer_idx``'s :class:`tritonllm.nn.Attention`: its window (``cfg.layer_window``) and, when
     the layer mixes in a value embedding, ``value_mix``."""
-    return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qkv_bias=cfg.qkv_bias,
+    return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size, qkv_bias=cfg.qkv_bias,
                      qk_norm=cfg.qk_norm, eps=cfg.norm_eps, window=cfg.layer_window(layer_idx),
                      value_mix=cfg.layer_value_embedding(layer_idx) is not None, layer_idx=layer_idx,
                      init_std=cfg.init_std, out_std=_out_std(cfg))
@@ -123,12 +125,12 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, init_std=cfg.init_std)
         self.value_embeds = nn.ModuleList(
-            Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim, init_std=cfg.init_std, validate=False)
+            Embedding(cfg.vocab_size, cfg.kv_heads * cfg.head_size, init_std=cfg.init_std, validate=False)
             for _ in range(cfg.value_embeddings)) if cfg.value_embeddings else None
         self.skip_gates = nn.ParameterList(
             nn.Parameter(torch.ones(1)) for _ in range(cfg.n_layers // 2)) if cfg.unet_skips else None
         self.head_loss = LMHeadLoss(softcap=cfg.logit_softcap, z_loss=cfg.z_loss_coef, fp8=cfg.lm_head_fp8)
-        self._rope = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -141,7 +143,7 @@ class Transformer(nn.Module):
         device = torch.device(device)
         if self._rope is None or self._rope[0].device != device:
             cfg = self.cfg
-            self._rope = rope_cos_sin(cfg.max_seq_len, cfg.head_dim, theta=cfg.rope_theta,
+            self._rope = rope_cos_sin(cfg.max_seq_len, cfg.head_size, theta=cfg.rope_theta,
                                       scaling=cfg.rope_scaling, device=device)
         return self._rope
 
@@ -159,7 +161,9 @@ class Transformer(nn.Module):
         cos, sin = self.rope_tables(idx.device)
         delta = self.embed(idx)
         x = torch.zeros_like(delta)
-        ves, skips, moe = self.layer_value_embeds(idx), [], []
+        ves = self.layer_value_embeds(idx)
+        skips: list[torch.Tensor] = []
+        moe: list[MoEOutput] = []
         for i, block in enumerate(self.blocks):
             delta = self._skip_in(i, delta, skips)
             x, delta, out = block(x, delta, cos, sin, cache, ves[i], documents)
@@ -247,8 +251,12 @@ class Transformer(nn.Module):
         """Parameters held (a tied matrix once); ``exclude_embedding`` drops the token-embedding table
         and the value-embedding tables."""
         n = sum(p.numel() for p in self.parameters())
-        tables = [self.embed.weight] + [t.weight for t in self.value_embeds or ()]
+        tables = [self.embed.weight, *self._value_tables()]
         return n - sum(t.numel() for t in tables) if exclude_embedding else n
+
+    def _value_tables(self) -> list[torch.Tensor]:
+        """The weights of the value-embedding tables (none without ``cfg.value_embeddings``)."""
+        return [] if self.value_embeds is None else list(self.value_embeds.parameters())
 
     def num_active_params(self) -> int:
         """Parameters one token's forward multiplies with: all but the embedding lookup tables (a tied
@@ -256,13 +264,13 @@ class Transformer(nn.Module):
         cfg = self.cfg
         inactive = cfg.param_count() - cfg.param_count(active=True)
         if cfg.tie_embeddings:  # the token table counts as the head; the value tables are lookups only
-            inactive += sum(t.weight.numel() for t in self.value_embeds or ())
+            inactive += sum(t.numel() for t in self._value_tables())
         return self.num_params(exclude_embedding=not cfg.tie_embeddings) - inactive
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): ``6 N_active + 12 n_layers n_heads head_dim seq_len``."""
         cfg = self.cfg
-        return 6 * self.num_active_params() + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+        return 6 * self.num_active_params() + 12 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -275,8 +283,9 @@ class Transformer(nn.Module):
         kv_len = cache.pos + 1
         delta = self.embed(tokens)
         x = torch.zeros_like(delta)
-        ves, skips = self.layer_value_embeds(tokens), []
-        for i, block in enumerate(self.blocks):
+        ves = self.layer_value_embeds(tokens)
+        skips: list[torch.Tensor] = []
+        for i, block in enumerate(typing.cast(Iterable[Block], self.blocks)):  # nn.ModuleList is untyped
             delta = self._skip_in(i, delta, skips)
             x, delta = block.decode(x, delta, cos, sin, cache, kv_len, ves[i])
             x, delta = self._skip_out(i, x, delta, skips)
@@ -356,7 +365,7 @@ class _Decoder:
         self.sampling, self.graphed = sampling, graphed  # no reference to the model: it keys _DECODERS weakly
         self.cache = KVCache(model.cfg, batch, max_len, device=device, dtype=model.head_weight.dtype)
         self.tokens = torch.zeros((batch, max_len + 1), dtype=torch.int64, device=device)
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
 
     def step(self, model: Transformer) -> None:
         """Token at column ``p = cache.pos`` -> :meth:`Transformer.decode_step` -> the sampled token
