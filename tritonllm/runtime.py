@@ -107,6 +107,17 @@ def compose_config(config_name: str, overrides: list[str]):
     return cfg
 
 
+def config_dict(node, resolve: bool = True) -> dict:
+    """The ``DictConfig`` ``node`` as a plain dict (``OmegaConf.to_container``, interpolations resolved
+    unless ``resolve`` is False)."""
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.to_container(node, resolve=resolve)
+    if not isinstance(out, dict):
+        raise TypeError(f"config_dict: expected a DictConfig, got {type(node).__name__}")
+    return out
+
+
 def _set_full_error(value: str | None) -> None:
     if value is None:
         os.environ.pop("HYDRA_FULL_ERROR", None)

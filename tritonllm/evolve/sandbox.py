@@ -20,6 +20,7 @@ folder is read back except that log (the caller removes the rest: the rollback).
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import logging
 import os
@@ -126,5 +127,6 @@ def main(folder: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.stdout.reconfigure(line_buffering=True)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # the log file
+        sys.stdout.reconfigure(line_buffering=True)
     raise SystemExit(main(sys.argv[1]))

@@ -64,6 +64,7 @@ from tritonllm.evolve.grow import GrowthError, growth_steps
 from tritonllm.evolve.sandbox import run_sandboxed
 from tritonllm.evolve.space import GENES, Candidate, Limits, SearchSpace, SpaceExhausted
 from tritonllm.models.config import ModelConfig
+from tritonllm.runtime import config_dict
 
 log = logging.getLogger("tritonllm.evolve")
 
@@ -81,9 +82,8 @@ def parse_budget(budget) -> tuple[str, float]:
     if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
         return "tokens", float(budget)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(budget))
-    unit = m.group(2).lower() if m else None
     if m and float(m.group(1)) > 0:
-        value = float(m.group(1))
+        value, unit = float(m.group(1)), m.group(2).lower()
         if unit in ("", "tok", "tokens"):
             return "tokens", value
         if unit in _SUFFIX:
@@ -175,8 +175,7 @@ class Search:
         tr = cfg.trainer
         self.limits = Limits(multiple_of=int(self.ev.multiple_of), max_params=self.ev.max_params,
                              memory_cap_gb=self.ev.memory_cap_gb, seq_len=int(tr.seq_len))
-        self.space = SearchSpace(seed, float(cfg.optim.lr), OmegaConf.to_container(self.ev.space, resolve=True),
-                                 self.limits)
+        self.space = SearchSpace(seed, float(cfg.optim.lr), config_dict(self.ev.space), self.limits)
         self.directions = [OBJECTIVES[o] for o in self.ev.objectives]
         self.total = int(self.ev.population * self.ev.generations)
         self._optuna = optuna
@@ -192,11 +191,11 @@ class Search:
 
     def definition(self) -> dict:
         """What must not change when a search is resumed."""
-        ev = OmegaConf.to_container(self.ev, resolve=True)
+        ev = config_dict(self.ev)
         return {"seed_model": self.seed.to_dict(), "space": self.space.choices, "objectives": ev["objectives"],
                 "budget": ev["budget"], "multiple_of": ev["multiple_of"], "max_params": ev["max_params"],
                 "memory_cap_gb": ev["memory_cap_gb"], "include_seed": ev["include_seed"],
-                "data": OmegaConf.to_container(self.cfg.data, resolve=True),
+                "data": config_dict(self.cfg.data),
                 "trainer": {k: self.cfg.trainer[k] for k in ("batch_size", "seq_len", "grad_accum")},
                 "seed": self.cfg.seed, **({"warm_start": True} if ev["warm_start"] else {})}
 
@@ -303,7 +302,7 @@ class Search:
         return None
 
     def _payload(self, cand: Candidate, run_dir: str, name: str, warm: tuple | None) -> dict:
-        cfg = OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=False))
+        cfg = OmegaConf.create(config_dict(self.cfg, resolve=False))
         tr = cfg.trainer
         with open_dict(cfg):
             del cfg["evolve"]
@@ -325,7 +324,7 @@ class Search:
             if self.budget_kind == "seconds":
                 tr.control = True
         source = warm[0] if warm else None
-        return {"config": OmegaConf.to_container(cfg, resolve=True),
+        return {"config": config_dict(cfg),
                 "budget_s": self.budget if self.budget_kind == "seconds" else None,
                 "gpu_memory_gb": self.ev.memory_cap_gb if self.ev.sandbox.enforce_memory_cap else None,
                 "save_weights": bool(self.ev.warm_start),
@@ -356,8 +355,8 @@ class Search:
                   "key": cand.key, "name": name, "model": m.to_dict(), "lr": cand.lr, "repairs": cand.repairs,
                   "wall_s": out.wall_s, "folder": os.path.relpath(folder, self.out_dir)}
         values = None
-        if out.status == "ok":
-            metrics = out.result
+        metrics = out.result  # the evaluator's result: set when out.status is "ok"
+        if metrics is not None:
             missing = [o for o in self.ev.objectives if not isinstance(metrics.get(o), (int, float))
                        or not math.isfinite(metrics[o])]
             if missing:

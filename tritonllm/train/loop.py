@@ -68,7 +68,7 @@ from tritonllm.conf.schema import check_config
 from tritonllm.data import load_corpus
 from tritonllm.errors import CheckpointError, ConfigError, TrainingError
 from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job, rewind_metrics
-from tritonllm.runtime import resolve_dtype
+from tritonllm.runtime import config_dict, resolve_dtype
 from tritonllm.schedule import check_schedule, lr_multiplier
 from tritonllm.studio.hooks import RunHooks
 from tritonllm.train.dist_checkpoint import is_sharded, load_full_into_shards, load_sharded, save_sharded
@@ -310,7 +310,7 @@ def train(cfg) -> float:
     step, tokens_seen = 0, 0
     guard = NonFiniteGuard(tr.max_bad_steps)
     candidates = broadcast_object(resume_candidates(tr, out_dir), env)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = config_dict(cfg)
 
     def load(ckpt: str) -> dict:
         """Verify ``ckpt`` (on rank 0, which tells the others), compare its config with this run's, load it."""
@@ -359,7 +359,7 @@ def train(cfg) -> float:
     metrics = MetricsQueue(lambda: train_step.metric_names, device)
 
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    run_log = RunLogger(out_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), cfg.logger,
+    run_log = RunLogger(out_dir, cfg.name, config_dict(cfg), cfg.logger,
                         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") if env.main else NullLogger()
     studio = RunHooks(out_dir, run_log, model, device, telemetry=tr.gpu_telemetry, control=tr.control, main=env.main,
                       share=lambda obj: broadcast_object(obj, env))
