@@ -170,7 +170,7 @@ class Launch:
 
     __slots__ = ("fn", "grid", "kwargs", "tensors", "tail", "kernels")
 
-    def __init__(self, fn, grid, **kwargs):
+    def __init__(self, fn, grid, **kwargs) -> None:
         self.fn = fn
         grid = tuple(grid)
         self.grid = grid + (1,) * (3 - len(grid))
@@ -301,14 +301,14 @@ def _differ(tensors: dict, attr: str) -> bool:
     return False
 
 
-def check_same_device(**tensors: torch.Tensor) -> None:
+def check_same_device(**tensors: torch.Tensor | None) -> None:
     """Raise a ValueError naming the tensors when they are not all on one device."""
     if _differ(tensors, "device"):
         listed = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if t is not None)
         raise ValueError(f"tensors must be on the same device: {listed}")
 
 
-def check_same_dtype(**tensors: torch.Tensor) -> None:
+def check_same_dtype(**tensors: torch.Tensor | None) -> None:
     """Raise a TypeError naming the tensors when their dtypes differ."""
     if _differ(tensors, "dtype"):
         listed = ", ".join(f"{n} is {str(t.dtype).replace('torch.', '')}" for n, t in tensors.items()

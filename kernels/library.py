@@ -132,7 +132,8 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bo
                allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)`` of :func:`kernels.linear.linear_bwd`, absent where not needed."""
     grads = _lin.linear_bwd(dy, x, weight, need_dx, need_dw, need_db, allow_tf32)
-    return tuple(g if g is not None else _absent(x) for g in grads)
+    dx, dw, db = (g if g is not None else _absent(x) for g in grads)
+    return dx, dw, db
 
 
 @linear_bwd.register_fake
@@ -451,7 +452,8 @@ def lora_linear_bwd(dy: Tensor, x: Tensor, xd: Optional[Tensor], weight: Tensor,
                                 _segment_pairs(segments), scale, dropout_p, allow_tf32,
                                 (need_x, need_w, need_bias, need_a, need_b))
     grads = (None if dx is None else dx.view(x.shape), *rest)
-    return tuple(g if g is not None else _absent(x) for g in grads)
+    dx, dw, db, da, dlb = (g if g is not None else _absent(x) for g in grads)
+    return dx, dw, db, da, dlb
 
 
 @lora_linear_bwd.register_fake
@@ -613,7 +615,8 @@ def weighted_add_bwd(dout: Tensor, x: Tensor, y: Tensor, weight: Tensor, need_dx
     """``(dx, dy, dweight)`` of :func:`kernels.residual_mix.weighted_add_bwd`, absent where not needed;
     dx is absent for a one-weight sum too (it is ``dout`` itself, which an op may not return)."""
     dx, dy, dw = _mix.weighted_add_bwd(dout, x, y, weight, need_dx and weight.numel() == 2, need_dy, need_dw)
-    return tuple(g if g is not None else _absent(x) for g in (dx, dy, dw))
+    dx, dy, dw = (g if g is not None else _absent(x) for g in (dx, dy, dw))
+    return dx, dy, dw
 
 
 @weighted_add_bwd.register_fake
@@ -739,7 +742,8 @@ def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, target: Tensor, ignore_i
     where it gives None (the gradients and the scale for ``reduction="none"``)."""
     out = _lce.linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
                                         chunk_size, need_dx, need_dw, allow_tf32, softcap)
-    return tuple(t if t is not None else _absent(x) for t in out)
+    loss, z, dx, dw, scale = (t if t is not None else _absent(x) for t in out)
+    return loss, z, dx, dw, scale
 
 
 @linear_cross_entropy_fwd.register_fake

@@ -395,9 +395,9 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
         check_tensor("dh", dh)
     check_same_device(dy=dy, x=x, weight=weight, rstd=rstd, dh=dh)
     n = x.shape[-1]
-    for name, t in (("dy", dy), ("dh", dh)):
-        if t is not None and t.shape != x.shape:
-            raise ValueError(f"{name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
+    for name, grad in (("dy", dy), ("dh", dh)):
+        if grad is not None and grad.shape != x.shape:
+            raise ValueError(f"{name} must have the shape of x {tuple(x.shape)}, got {tuple(grad.shape)}")
     x2 = rows_view(x, n)
     m = x2.shape[0]
     if weight.shape != (n,) or rstd.shape != (m,):

@@ -300,14 +300,15 @@ _SCALING_KEYS = {
 }
 
 
-def _check_number(name: str, value, *, low: float = 0, inclusive: bool = False, integer: bool = False) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is a number (an int with ``integer``)
+def _check_number(name: str, value, *, low: float = 0, inclusive: bool = False, integer: bool = False) -> float:
+    """``value``; a ValueError naming ``name`` unless it is a number (an int with ``integer``)
     above ``low`` (or equal to it with ``inclusive``)."""
     kinds = (int,) if integer else (int, float)
     ok = not isinstance(value, bool) and isinstance(value, kinds) and (value >= low if inclusive else value > low)
     if not ok:
         bound = f"{'>=' if inclusive else '>'} {low:g}"
         raise ValueError(f"{name} must be {'an int' if integer else 'a number'} {bound}, got {value!r}")
+    return value
 
 
 def _inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float]:
@@ -323,8 +324,7 @@ def _inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float
     unknown = set(scaling) - _SCALING_KEYS[kind]
     if unknown:
         raise ValueError(f"scaling: unknown keys {sorted(unknown)} for type {kind!r}")
-    factor = scaling.get("factor")
-    _check_number("scaling['factor']", factor, low=1, inclusive=True)
+    factor = _check_number("scaling['factor']", scaling.get("factor"), low=1, inclusive=True)
     if kind == "ntk":
         if head_dim <= 2:
             raise ValueError(f"head_dim must be > 2 for NTK scaling (theta * f ** (D / (D - 2))), got {head_dim}")
