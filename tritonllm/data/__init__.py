@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tritonllm.data.corpus import glob_files, stdlib_files, tokenized_corpus, within_budget
 from tritonllm.data.loader import TokenLoader, TokenStream, split_stream
 from tritonllm.data.shards import open_shard, shard_max_id, write_shard
 from tritonllm.data.tokenizer import Tokenizer
 from tritonllm.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from tritonllm.data.sft import SFTCorpus
 
 __all__ = ["Corpus", "load_corpus", "Tokenizer", "TokenLoader", "TokenStream", "open_shard", "write_shard"]
 
@@ -69,7 +73,7 @@ def _tokenizer_path(cfg) -> str | None:
     return path
 
 
-def load_corpus(cfg) -> Corpus:
+def load_corpus(cfg) -> Corpus | SFTCorpus:
     """Build (or find in the cache) the token shards and tokenizer described by the data config ``cfg``."""
     kind = cfg.get("kind")
     val_fraction = float(cfg.get("val_fraction", 0.05))
@@ -91,10 +95,10 @@ def load_corpus(cfg) -> Corpus:
         shards = {f: open_shard(f) for f in train_files + val_files}
         max_ids = {f: shard_max_id(f, tokens, cfg.get("cache_dir")) for f, tokens in shards.items()}
         path = _tokenizer_path(cfg)
-        tok = Tokenizer(path) if path else None
-        vocab = cfg.get("vocab_size") or (tok.vocab_size if tok else None)
+        tokenizer = Tokenizer(path) if path else None
+        vocab = cfg.get("vocab_size") or (tokenizer.vocab_size if tokenizer else None)
         return Corpus([shards[f] for f in train_files], [shards[f] for f in val_files] if val_files else None,
-                      val_fraction, tok, vocab, f"bin: {len(train_files)} train shards ({cfg.files})", max_ids)
+                      val_fraction, tokenizer, vocab, f"bin: {len(train_files)} train shards ({cfg.files})", max_ids)
     if kind == "sft":
         from tritonllm.data.sft import load_sft_corpus
 

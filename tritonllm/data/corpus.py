@@ -56,7 +56,8 @@ def within_budget(files: list[str], max_bytes: int | None) -> list[str]:
     """The leading files of ``files`` whose sizes add up to at most ``max_bytes`` (at least one)."""
     if max_bytes is None:
         return list(files)
-    chosen, total = [], 0
+    chosen: list[str] = []
+    total = 0
     for f in files:
         size = os.path.getsize(f)
         if chosen and total + size > max_bytes:
@@ -144,8 +145,8 @@ def tokenized_corpus(kind: str, files: list[str], vocab_size: int, tokenizer: st
                 w.write([tok.eos_id])
         meta = {"files": len(files), "bytes": sum(os.path.getsize(f) for f in files), "tokens": w.count,
                 "vocab_size": tok.vocab_size, "settings": settings}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
+        with open(os.path.join(tmp, "meta.json"), "w") as out:
+            json.dump(meta, out, indent=1)
         log.info("tokenized %d files (%d bytes) into %d tokens: %s", len(files), meta["bytes"], w.count, entry)
         try:
             os.replace(tmp, entry)

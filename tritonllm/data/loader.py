@@ -76,12 +76,13 @@ class TokenLoader:
             raise DataError(f"the {name} split has {len(stream)} tokens, fewer than seq_len + 1 = {self.seq_len + 1}; "
                             f"use more data, a smaller seq_len or another data.val_fraction")
         self.epoch, self.index = 0, 0
-        self._order_epoch, self._order = None, None
+        self._order_epoch: int | None = None
+        self._order: np.ndarray | None = None
 
     def _window_id(self, epoch: int, index: int) -> int:
         if not self.shuffle:
             return index
-        if self._order_epoch != epoch:
+        if self._order is None or self._order_epoch != epoch:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
             self._order_epoch = epoch
         return int(self._order[index])
@@ -92,8 +93,8 @@ class TokenLoader:
         if self.vocab_size is not None and rows.max() >= self.vocab_size:
             raise DataError(f"the {self.name} data holds token id {int(rows.max())}, outside the model's vocabulary "
                             f"of {self.vocab_size}; set data.vocab_size (or model.vocab_size) to cover the shards")
-        rows = torch.from_numpy(rows)
-        return rows[:, :-1], rows[:, 1:]
+        batch = torch.from_numpy(rows)
+        return batch[:, :-1], batch[:, 1:]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the next global batch."""

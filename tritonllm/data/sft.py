@@ -234,7 +234,8 @@ class SFTLoader:
     def _pack(self, epoch: int, index: int):
         """The ``world_size * batch_size`` rows of the global batch packed from example ``index`` of
         epoch ``epoch``'s order on, and the position after it: ``(rows, epoch, index)``."""
-        room, rows, used = self.seq_len + 1, [[]], 0
+        rows: list[list[int]] = [[]]
+        room, used = self.seq_len + 1, 0
         order = self._order(epoch)
         while True:
             if index == len(self.examples):

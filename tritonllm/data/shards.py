@@ -28,7 +28,7 @@ from tritonllm.errors import DataError
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 #: magic -> (version, token dtype)
-FORMATS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}
+FORMATS: dict[int, tuple[int, np.dtype]] = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}
 
 
 def magic_for_vocab(vocab_size: int) -> int:
@@ -36,7 +36,7 @@ def magic_for_vocab(vocab_size: int) -> int:
     return 20240520 if vocab_size <= 1 << 16 else 20240801
 
 
-def open_shard(path: str) -> np.memmap:
+def open_shard(path: str) -> np.ndarray:
     """Validate the header of the shard at ``path`` and memory-map its tokens (1-D, read-only)."""
     try:
         size = os.path.getsize(path)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Iterable
+from typing import Any, Iterable
 
 from tritonllm.errors import DataError
 
 #: training options for SentencePieceTrainer (vocab size and input are added per call)
-SPM_OPTIONS = dict(
+SPM_OPTIONS: dict[str, Any] = dict(
     model_type="bpe",
     character_coverage=0.9995,  # rarer characters are spelled as bytes (byte_fallback)
     byte_fallback=True,
