@@ -52,9 +52,11 @@ CHECKSUM = "blake2b-128"
 
 def rng_state() -> dict:
     """Every RNG state a training step can touch (weights_only-loadable types only)."""
+    # get_state() returns the legacy tuple (legacy=True is its default); numpy's stub types a call without
+    # arguments as the legacy=False overload, a dict
     np_state = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
+             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}  # type: ignore[index]
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -48,7 +48,7 @@ def git_info() -> dict:
 
 
 def library_versions() -> dict:
-    out = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
         try:
             out[name] = metadata.version(name)

@@ -159,6 +159,8 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     nothing; ``shift_labels`` given instead are used as they are); the mean over counted positions,
     or their sum divided by ``num_items_in_batch`` when given (gradient accumulation in the Trainer)."""
     if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_loss: labels or shift_labels must be given")
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden, weight = _autocast(hidden, weight)
     target = shift_labels.to(hidden.device).contiguous()
@@ -214,7 +216,7 @@ def _register_attention() -> None:
 class RopeTables:
     """The cos/sin tables of one patched model, per device, long enough for every position seen."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg) -> None:
         self.head_dim, self.theta, self.scaling, self.window = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.window
         self.length = cfg.max_seq_len
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -275,7 +277,8 @@ def _bind(module: nn.Module, fn) -> None:
 
 def _plain_linear(module: nn.Module) -> nn.Linear | None:
     """``module`` itself, or the layer under a PEFT adapter, when it is a plain ``nn.Linear``."""
-    base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+    get_base_layer = getattr(module, "get_base_layer", None)
+    base = module if get_base_layer is None else get_base_layer()
     return base if type(base) is nn.Linear else None
 
 

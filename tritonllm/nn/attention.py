@@ -118,7 +118,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
         # RoPE's outputs feed only the attention, whose backward writes dq, dk, dv as slices of one packed
         # buffer: rotated back in place there, they reach the qkv projection as its gradient without a copy
-        if self.q_norm is None:  # q and k are adjacent heads: one RoPE launch rotates both
+        if self.q_norm is None or self.k_norm is None:  # q and k are adjacent heads: one RoPE launch rotates both
             qk, v = split_heads(qkv, (Hq + Hkv, Hkv))
             q, k = split_heads(rope(qk, cos, sin, position_offset=pos, in_place_backward=True), (Hq, Hkv))
         else:

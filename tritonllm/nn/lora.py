@@ -27,6 +27,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,10 @@ from tritonllm.errors import CheckpointError, ConfigError
 from tritonllm.kernels.linear import linear
 from tritonllm.kernels.lora import lora_linear
 from tritonllm.kernels.swiglu import swiglu
+from tritonllm.nn.linear import Linear, LinearSwiGLU
+
+if TYPE_CHECKING:  # for annotations only: tritonllm.models imports tritonllm.nn
+    from tritonllm.models.transformer import Transformer
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 #: target -> Hugging Face module name inside a decoder layer
@@ -82,7 +87,7 @@ class LoRALinear(nn.Module):
     output column ranges ``segments`` (``(name, start, width)`` each); ``swiglu`` applies the SwiGLU
     to the packed [gate; up] output (the base was a ``LinearSwiGLU``)."""
 
-    def __init__(self, base: nn.Module, segments: list[tuple[str, int, int]], cfg: LoRAConfig, swiglu: bool = False):
+    def __init__(self, base: Linear | LinearSwiGLU, segments: list[tuple[str, int, int]], cfg: LoRAConfig, swiglu: bool = False):
         super().__init__()
         self.weight = base.weight
         self.bias = getattr(base, "bias", None)
@@ -139,7 +144,7 @@ def _slots(cfg_model) -> list[tuple[str, list[tuple[str, int, int]], bool]]:
             ("mlp.w2", [("down", 0, cfg_model.d_model)], False)]
 
 
-def apply_lora(model: nn.Module, cfg) -> nn.Module:
+def apply_lora(model: Transformer, cfg) -> Transformer:
     """Freeze ``model`` (a dense Transformer) and put LoRA adapters on ``cfg.targets`` (a
     :class:`LoRAConfig`, dict or DictConfig); returns the model, changed in place."""
     if not isinstance(cfg, LoRAConfig):
@@ -162,7 +167,7 @@ def apply_lora(model: nn.Module, cfg) -> nn.Module:
     return model
 
 
-def lora_layers(model: nn.Module):
+def lora_layers(model: Transformer):
     """``(layer index, LoRALinear)`` of every adapted linear of ``model``."""
     for i, block in enumerate(model.blocks):
         for m in block.modules():
@@ -185,7 +190,7 @@ def _peft_name(layer: int, target: str, which: str) -> str:
     return f"base_model.model.model.layers.{layer}.{HF_MODULES[target]}.lora_{which}.weight"
 
 
-def save_adapter(model: nn.Module, path: str, base_model: str | None = None) -> str:
+def save_adapter(model: Transformer, path: str, base_model: str | None = None) -> str:
     """Write the adapters as a PEFT LoRA adapter folder ``path`` (for the Hugging Face export of
     the base model, ``base_model`` its name or folder)."""
     from safetensors.torch import save_file
@@ -211,7 +216,7 @@ def save_adapter(model: nn.Module, path: str, base_model: str | None = None) -> 
 
 
 @torch.no_grad()
-def load_adapter(model: nn.Module, path: str) -> nn.Module:
+def load_adapter(model: Transformer, path: str) -> Transformer:
     """Apply the PEFT LoRA adapter in folder ``path`` to ``model`` (plain or already adapted with
     the same settings) and copy its weights in."""
     from safetensors.torch import load_file
@@ -230,9 +235,10 @@ def load_adapter(model: nn.Module, path: str) -> nn.Module:
                               f"({sorted(by_hf)})")
     cfg = LoRAConfig(rank=int(pc["r"]), alpha=float(pc["lora_alpha"]), dropout=float(pc.get("lora_dropout", 0.0)),
                      targets=[by_hf[m] for m in modules])
-    if getattr(model, "lora_config", None) is None:
+    adapted = getattr(model, "lora_config", None)
+    if adapted is None:
         apply_lora(model, cfg)
-    elif (model.lora_config.rank, model.lora_config.scale, sorted(model.lora_config.targets)) != (
+    elif (adapted.rank, adapted.scale, sorted(adapted.targets)) != (
             cfg.rank, cfg.scale, sorted(cfg.targets)):
         raise CheckpointError(f"{path}: adapter rank/alpha/targets {cfg.rank}/{cfg.alpha}/{cfg.targets} differ "
                               f"from the model's")

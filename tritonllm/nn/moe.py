@@ -67,7 +67,8 @@ class MoE(nn.Module):
         nn.init.normal_(self.w2, mean=0.0, std=self.out_std)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
-        shared = (self.shared_w13.weight, self.shared_w2.weight) if self.shared_w13 is not None else (None, None)
+        shared = ((self.shared_w13.weight, self.shared_w2.weight) if self.shared_w13 is not None and self.shared_w2 is not None
+                  else (None, None))
         y, r = moe(x.reshape(-1, x.shape[-1]), self.router.weight, self.w13, self.w2, self.top_k, self.score,
                    self.normalize, *shared)
         aux_loss = self.aux_loss_coef * r.aux_loss + self.z_loss_coef * r.z_loss

@@ -32,6 +32,7 @@ import shlex
 import socket
 import threading
 import time
+from typing import TypeGuard
 
 from tritonllm.checkpoint import MODEL_FILE, STEP_DIR
 from tritonllm.studio.hooks import CONTROL_FILE, LR_SCALE_RANGE, STUDIO_FILE, TOKEN_FILE
@@ -81,7 +82,7 @@ def _no_constant(_name: str) -> None:
     return None
 
 
-def _number(v) -> bool:
+def _number(v) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -90,13 +91,17 @@ class MetricsFile:
 
     def __init__(self, path: str):
         self.path = path
+        self._start()
+
+    def _start(self) -> None:
+        """Nothing read yet (a new file, or one replaced or truncated)."""
         self.records: list[dict] = []
         self.bad_lines: list[tuple[int, str]] = []  # (line number, start of the line)
         self.partial = False  # bytes after the last newline: a line being written (or cut off)
         self.mtime = 0.0
         self._offset = 0
         self._lines = 0
-        self._inode = None
+        self._inode: int | None = None
 
     def refresh(self) -> bool:
         """Read what was appended since the last call; True when anything changed."""
@@ -105,7 +110,7 @@ class MetricsFile:
         except OSError:
             return False
         if st.st_ino != self._inode or st.st_size < self._offset:  # replaced or truncated: start over
-            self.__init__(self.path)
+            self._start()
             self._inode = st.st_ino
         self.mtime = st.st_mtime
         if st.st_size == self._offset:
@@ -220,7 +225,9 @@ class Run:
         problems: list[str] = []
         info = _read_json(self._file("run_info.json"), problems, "run_info.json") or {}
         studio = _read_json(self._file(STUDIO_FILE), problems, STUDIO_FILE) or {}
-        config = info.get("config") if isinstance(info.get("config"), dict) else {}
+        config = info.get("config")
+        if not isinstance(config, dict):
+            config = {}
         records = self.metrics.records
         last = {}
         skipped, lr_scale = 0, 1.0
@@ -289,7 +296,7 @@ class Run:
         ev = read_evolve(self.path, problems)
         done = sum(r.get("status", "ok") in ("ok", "failed") for r in ev["rows"]) if ev else None
         cfg = _read_yaml(self._file(os.path.join(".hydra", "config.yaml")), problems, ".hydra/config.yaml")
-        search = cfg.get("evolve") if isinstance(cfg, dict) else None
+        search = cfg.get("evolve", {}) if isinstance(cfg, dict) else {}
         try:
             total = int(search["population"]) * int(search["generations"])
         except (TypeError, KeyError, ValueError):

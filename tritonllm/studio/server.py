@@ -55,7 +55,7 @@ class StudioServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.socket.getsockname()[:2]  # server_address, typed for any socket family
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         return f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
 

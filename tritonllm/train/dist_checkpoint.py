@@ -128,8 +128,9 @@ def _check_model(path: str, saved: dict, model_sd: dict, saved_config: dict | No
     problems += [f"{k[6:]}: in the checkpoint, not in this model" for k in saved
                  if k.startswith("model.") and k[6:] not in model_sd]
     if problems:
-        fields = [f"{k}={saved_config.get(k)!r} saved vs {config.get(k)!r}" for k in sorted(config or {})
-                  if saved_config and saved_config.get(k) != config.get(k)]
+        saved_fields, fields_now = saved_config or {}, config or {}
+        fields = [f"{k}={saved_fields.get(k)!r} saved vs {fields_now.get(k)!r}" for k in sorted(fields_now)
+                  if saved_config and saved_fields.get(k) != fields_now.get(k)]
         diff = "; model config differences: " + ", ".join(fields) if fields else ""
         raise CheckpointError(f"checkpoint {path} was written for a different model shape ({len(problems)} "
                               f"tensors differ: {'; '.join(problems[:6])}){diff}")

@@ -50,6 +50,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tritonllm.errors import ConfigError
 from tritonllm.runtime import resolve_device
@@ -194,7 +195,7 @@ class Parallel:
     def micro_batch(self, last: bool):
         """Context for one micro-batch's forward and backward: DDP skips the gradient all-reduce
         (``no_sync``) on all but the last micro-batch of a step."""
-        if self.mode == "ddp" and not last:
+        if isinstance(self.wrapped, DDP) and not last:  # mode "ddp"
             return self.wrapped.no_sync()
         return contextlib.nullcontext()
 
@@ -224,18 +225,15 @@ def parallelize(model: torch.nn.Module, mode: str, env: DistEnv, *,
     if mode == "none":
         return Parallel(mode, env, model, model)
     if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        kwargs = dict(gradient_as_bucket_view=True)
         if env.device.type == "cuda":
             # built on a side stream, as a DDP step captured later in a CUDA graph requires
             side = torch.cuda.Stream(env.device)
             side.wait_stream(torch.cuda.current_stream(env.device))
             with torch.cuda.stream(side):
-                wrapped = DDP(model, device_ids=[env.device.index], **kwargs)
+                wrapped = DDP(model, device_ids=[env.device.index], gradient_as_bucket_view=True)
             torch.cuda.current_stream(env.device).wait_stream(side)
         else:
-            wrapped = DDP(model, **kwargs)
+            wrapped = DDP(model, gradient_as_bucket_view=True)
         log.info("DDP over %d ranks (%s)", env.world_size, torch.distributed.get_backend())
         return Parallel(mode, env, model, wrapped)
     if mode == "fsdp":
@@ -248,7 +246,9 @@ def parallelize(model: torch.nn.Module, mode: str, env: DistEnv, *,
         mesh = init_device_mesh(env.device.type, (env.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
-        blocks = list(model.blocks)
+        blocks = model.blocks
+        if not isinstance(blocks, torch.nn.ModuleList):
+            raise TypeError(f"model: FSDP2 shards a Transformer's blocks (a ModuleList), got {type(blocks).__name__}")
         for i, block in enumerate(blocks):
             # the last block's weights are needed again first in the backward: keep them gathered
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)

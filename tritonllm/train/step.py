@@ -116,14 +116,14 @@ class TrainStep:
             self.use_graph = False
         self.warmup = warmup
         self.calls = 0
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.metric_names: list[str] | None = None
         self.lr = torch.zeros((), dtype=torch.float32, device=self.device)
         for group in optimizer.param_groups:
             group["lr"] = self.lr
         self.found_inf = torch.zeros((), dtype=torch.int32, device=self.device)
-        self._static = None
-        self._out = None
+        self._static: list[tuple[torch.Tensor, ...]] = []  # the captured step's input buffers
+        self._out: StepOutput | None = None  # the captured step's outputs
 
     @property
     def graphed(self) -> bool:
@@ -175,7 +175,7 @@ class TrainStep:
         self.calls += 1
         if not self.use_graph:
             return self._run(self._to_device(batches))
-        if self.graph is not None:
+        if self.graph is not None and self._out is not None:
             self._load_static(batches)
             self.graph.replay()
             return self._out
@@ -210,6 +210,7 @@ class TrainStep:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
+        failure: str | None
         try:
             with torch.cuda.graph(graph, capture_error_mode="relaxed"):
                 out = self._run(self._static)
@@ -221,7 +222,7 @@ class TrainStep:
             failure = failure or "the capture failed on another rank"
         if failure is not None:
             self.optimizer.zero_grad(set_to_none=True)
-            self.use_graph, self._static = False, None
+            self.use_graph, self._static = False, []
             del graph  # and its private memory pool, before the eager step allocates
             gc.collect()
             torch.cuda.empty_cache()
