@@ -250,6 +250,7 @@ class Block(nn.Module):
         self.eps, self.dim = cfg.norm_eps, (cfg.d_model,)
         self.attn_norm, self.mlp_norm = _Weight(cfg.d_model), _Weight(cfg.d_model)
         self.attn = Attention(cfg, layer, block_mask)
+        self.mlp: nn.Module
         if cfg.n_experts:
             self.mlp = MoE(cfg, experts)
         else:
@@ -269,6 +270,9 @@ class BaselineTransformer(nn.Module):
     which the sliding-window layers get FlexAttention block masks (built once, on CUDA; other
     lengths and the CPU use SDPA with a boolean mask).
     """
+
+    rope_cos: torch.Tensor  # buffers [max_seq_len, head_dim / 2], registered in __init__
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg, experts: str | None = None, seq_len: int | None = None):
         super().__init__()
@@ -303,8 +307,9 @@ class BaselineTransformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = F.embedding(idx, self.embed.weight)
         aux_loss = None
-        tables = [F.embedding(idx, t.weight) for t in self.value_embeds or ()]
-        n, skips = cfg.n_layers, []
+        tables = [F.embedding(idx, w) for w in self.value_embeds.parameters()] if self.value_embeds is not None else []
+        n = cfg.n_layers
+        skips: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
             t = cfg.layer_value_embedding(i)
             if self.skip_gates is not None and i >= n - n // 2:  # U-net: block j's output, gated, into block n-1-j

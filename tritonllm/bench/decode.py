@@ -43,6 +43,8 @@ import argparse
 import gc
 import sys
 import time
+import typing
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +61,10 @@ class StaticCacheLlama(nn.Module):
     the keys and values of positions ``pos`` into the cache and returns the logits of the last
     position ``[B, V]``. Parameters are named as tritonllm's, so its ``state_dict`` loads."""
 
+    cos: torch.Tensor  # buffers registered in __init__: RoPE tables [max_seq_len, D/2], key positions [max_len]
+    sin: torch.Tensor
+    key_pos: torch.Tensor
+
     def __init__(self, cfg, batch: int, max_len: int, device, dtype=torch.bfloat16):
         super().__init__()
         if cfg.n_experts:
@@ -69,12 +75,12 @@ class StaticCacheLlama(nn.Module):
         self.embed_weight = nn.Parameter(torch.empty(cfg.vocab_size, d, **kw))
         self.w = nn.ModuleList()
         for _ in range(L):
-            layer = {"attn_norm": torch.empty(d, **kw), "qkv": torch.empty((Hq + 2 * Hkv) * D, d, **kw),
+            weights = {"attn_norm": torch.empty(d, **kw), "qkv": torch.empty((Hq + 2 * Hkv) * D, d, **kw),
                      "proj": torch.empty(d, Hq * D, **kw), "mlp_norm": torch.empty(d, **kw),
                      "w13": torch.empty(2 * cfg.d_ff, d, **kw), "w2": torch.empty(d, cfg.d_ff, **kw)}
             if cfg.qk_norm:
-                layer.update(q_norm=torch.empty(D, **kw), k_norm=torch.empty(D, **kw))
-            self.w.append(nn.ParameterDict({k: nn.Parameter(v) for k, v in layer.items()}))
+                weights.update(q_norm=torch.empty(D, **kw), k_norm=torch.empty(D, **kw))
+            self.w.append(nn.ParameterDict({k: nn.Parameter(v) for k, v in weights.items()}))
         self.norm_weight = nn.Parameter(torch.empty(d, **kw))
         tied = cfg.tie_embeddings
         self.head_weight = self.embed_weight if tied else nn.Parameter(torch.empty(cfg.vocab_size, d, **kw))
@@ -93,7 +99,7 @@ class StaticCacheLlama(nn.Module):
     def load_tritonllm(self, model) -> None:
         """Copy the weights of a tritonllm ``Transformer`` of the same config."""
         self.embed_weight.copy_(model.embed.weight)
-        for w, block in zip(self.w, model.blocks):
+        for w, block in zip(self._layer_weights(), model.blocks):
             names = {"attn_norm": block.attn_norm.weight, "qkv": block.attn.qkv.weight, "proj": block.attn.proj.weight,
                      "mlp_norm": block.mlp_norm.weight, "w13": block.mlp.w13.weight, "w2": block.mlp.w2.weight}
             if self.cfg.qk_norm:
@@ -103,6 +109,10 @@ class StaticCacheLlama(nn.Module):
         self.norm_weight.copy_(model.norm.weight)
         if not self.cfg.tie_embeddings:
             self.head_weight.copy_(model.head_weight)
+
+    def _layer_weights(self) -> Iterable[nn.ParameterDict]:
+        """``self.w``: per layer, its ParameterDict (an nn.ModuleList's items are typed as Module)."""
+        return typing.cast("Iterable[nn.ParameterDict]", self.w)
 
     def _rope(self, x, cos, sin):
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -118,7 +128,7 @@ class StaticCacheLlama(nn.Module):
         if cfg.window is not None:
             mask = mask & (lag < cfg.window)
         x = F.embedding(idx, self.embed_weight)
-        for layer, w in enumerate(self.w):
+        for layer, w in enumerate(self._layer_weights()):
             h = F.rms_norm(x, (cfg.d_model,), w["attn_norm"], eps)
             q, k, v = F.linear(h, w["qkv"]).view(B, T, Hq + 2 * Hkv, D).transpose(1, 2).split([Hq, Hkv, Hkv], dim=1)
             if cfg.qk_norm:

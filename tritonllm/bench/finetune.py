@@ -40,13 +40,14 @@ import argparse
 import os
 import sys
 import tempfile
+from typing import Any
 
 import torch
 
 from tritonllm.bench.train import free_gpu
 
 #: model shapes (transformers LlamaConfig fields); tinyllama: TinyLlama-1.1B's dimensions
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
@@ -96,7 +97,7 @@ def _measure(step, args, tokens: int, flops_per_token: int, device: torch.device
     """The side's figures: :func:`tritonllm.bench.train.measure` on CUDA; on the CPU wall time only."""
     from tritonllm.bench.train import measure, wall_ms
 
-    if device.type != "cuda":
+    if device.type != "cuda" or cycles_per_ms is None:  # cycles_per_ms: measured on CUDA only
         for _ in range(args.warmup):
             step()
         wall = wall_ms(step, args.steps, lambda: None)
@@ -147,9 +148,9 @@ def _peft_model(folder: str, side: str, args, device):
 
         apply_liger_kernel_to_llama(model=model)
     elif side == "patch+peft":
-        import tritonllm.patch
+        from tritonllm.patch import patch
 
-        tritonllm.patch(model)
+        patch(model)
     config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS,
                              task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config).train()
@@ -233,7 +234,8 @@ def main(argv: list[str]) -> dict:
     print(HEADER)
     named = _device_named()
     with tempfile.TemporaryDirectory() as folder:
-        model.to(DTYPES[args.dtype]).save_pretrained(folder)
+        # transformers types PreTrainedModel.to through a decorator that leaves self unbound
+        model.to(DTYPES[args.dtype]).save_pretrained(folder)  # type: ignore[arg-type]
         del model
         for side in args.sides:
             try:

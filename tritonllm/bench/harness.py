@@ -304,7 +304,7 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
         # an eager pass built only now: one built earlier would keep its forward's graph alive,
         # and with it the leaves' gradient nodes on this stream, which breaks the baselines' capture
         fn = _pass_fn(case.ours, ours_inputs, kind) if (measure or profile or case.kernel_shares) else None
-        mem = peak_memory_gb(fn) if measure else None
+        mem = peak_memory_gb(fn) if measure and fn is not None else None
         row = {"op": case.op, "shape": case.shape, "dtype": _dtype_name(case.dtype), "pass": kind,
                "ms": round(ms, 4)}
         if kind in case.bytes:
@@ -317,7 +317,7 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
         if eager:
             row["eager_timed"] = eager
         row.update(host.get(kind, {}))
-        if profile or case.kernel_shares:
+        if fn is not None and (profile or case.kernel_shares):
             kernels = kernel_times_us(fn)
             total = sum(kernels.values())
             if profile:

@@ -23,6 +23,8 @@ with ``S = min(m, n)``, ``L = max(m, n)``, per iteration ``2 S^2 L`` (X X^T, cou
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,7 @@ CE_HOST_SHAPE = (8, 32000)
 _GPT2_BLOCK = [(768,), (768,), (2304, 768), (2304,), (768, 768), (768,), (768,), (768,), (3072, 768), (3072,),
                (768, 3072), (768,)]
 GPT2_SHAPES = [(50257, 768), (1024, 768)] + _GPT2_BLOCK * 12 + [(768,), (768,)]
-ADAMW_HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW_HPARAMS: dict[str, Any] = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def _ce_torch(logits, target):
@@ -108,7 +110,7 @@ def _adamw_case() -> Case:
 
 #: void125m's block matrices: qkv, attention proj, fused SwiGLU w13, w2; 12 layers
 VOID125M_MATRICES = [(2304, 768), (768, 768), (4096, 768), (768, 2048)] * 12
-MUON_HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+MUON_HPARAMS: dict[str, Any] = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 MUON_NS_STEPS = 5
 
 
@@ -135,7 +137,7 @@ class StackedMuon:
     """The strong plain-PyTorch Muon: per shape, gradients stacked, one compiled batched update,
     the weights copied back (``torch._foreach_copy_``)."""
 
-    def __init__(self, params, lr, weight_decay, momentum, nesterov):
+    def __init__(self, params, lr, weight_decay, momentum, nesterov) -> None:
         if not nesterov:
             raise ValueError("StackedMuon implements the Nesterov update only")
         self.hp = dict(lr=lr, weight_decay=weight_decay, momentum=momentum)

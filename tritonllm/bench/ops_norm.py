@@ -8,6 +8,8 @@ read once and each output written once.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -73,7 +75,7 @@ def _swiglu_case(m: int, f: int, dtype: torch.dtype) -> Case:
         up = torch.randn(m, f, device="cuda", dtype=dtype, requires_grad=True)
         return gate, up
 
-    baselines = {"torch": ref.swiglu, "torch.compile": compiled(ref.swiglu)}
+    baselines: dict[str, Callable] = {"torch": ref.swiglu, "torch.compile": compiled(ref.swiglu)}
     if liger_available():
         baselines["liger"] = _swiglu_liger
     es = torch.finfo(dtype).bits // 8

@@ -68,7 +68,7 @@ def _rope_qk_liger(q, k, cos, sin, cos_full, sin_full):
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
-def _rope_case(b: int, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> Case:
+def _rope_case(b: int, t: int, hq: int, hkv: int, d: int, *, dtype: torch.dtype) -> Case:
     def make_inputs():
         q = torch.randn(b, t, hq, d, device="cuda", dtype=dtype, requires_grad=True)
         k = torch.randn(b, t, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -97,7 +97,7 @@ def _embedding_ours(ids, weight):
     return embedding(ids, weight, validate=False)
 
 
-def _embedding_case(n: int, v: int, d: int, dtype: torch.dtype) -> Case:
+def _embedding_case(n: int, v: int, d: int, *, dtype: torch.dtype) -> Case:
     def make_inputs():
         ids = torch.randint(0, v, (n,), device="cuda")
         weight = torch.randn(v, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -113,10 +113,10 @@ def _embedding_case(n: int, v: int, d: int, dtype: torch.dtype) -> Case:
 
 
 def cases(size: str, dtype: torch.dtype):
-    rope_case = _rope_case(*SHAPES[size]["rope"], dtype)
-    emb = _embedding_case(*SHAPES[size]["embedding"], dtype)
+    rope_case = _rope_case(*SHAPES[size]["rope"], dtype=dtype)
+    emb = _embedding_case(*SHAPES[size]["embedding"], dtype=dtype)
     if size == "default":
-        with_host(rope_case, _rope_case(*HOST_SHAPES["rope"], dtype), "torch")
-        with_host(emb, _embedding_case(*HOST_SHAPES["embedding"], dtype), "torch")
+        with_host(rope_case, _rope_case(*HOST_SHAPES["rope"], dtype=dtype), "torch")
+        with_host(emb, _embedding_case(*HOST_SHAPES["embedding"], dtype=dtype), "torch")
     yield rope_case
     yield emb

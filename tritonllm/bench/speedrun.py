@@ -43,7 +43,7 @@ import dataclasses
 import math
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -167,10 +167,11 @@ def torch_optimizers(model, optim_cfg) -> list:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     matrices = [p for n, p in named if is_muon_param(n, p)]
     rest = [p for n, p in named if not is_muon_param(n, p)]
-    muon_kw = dict(lr=float(mu.lr), weight_decay=float(mu.weight_decay), momentum=float(mu.momentum),
+    muon_kw: dict[str, Any] = dict(lr=float(mu.lr), weight_decay=float(mu.weight_decay), momentum=float(mu.momentum),
                    nesterov=bool(mu.nesterov), ns_steps=int(mu.ns_steps))
     if str(mu.adjust_lr) not in TORCH_ADJUST_LR:
         raise ConfigError(f"optim.muon.adjust_lr={mu.adjust_lr!r}: the torch side has {', '.join(TORCH_ADJUST_LR)}")
+    muon: torch.optim.Optimizer
     if hasattr(torch.optim, "Muon"):
         muon = torch.optim.Muon(matrices, adjust_lr_fn=TORCH_ADJUST_LR[str(mu.adjust_lr)], **muon_kw)
     else:
@@ -189,7 +190,7 @@ def torch_optimizers(model, optim_cfg) -> list:
 
 # --- the loop -------------------------------------------------------------------------------------
 
-def run_to_target(step: Callable[[object, float], None], evaluate: Callable[[], float], batches, lr_at,
+def run_to_target(step: Callable[[object, float], object], evaluate: Callable[[], float], batches, lr_at,
                   args, sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter):
     """Train until the validation loss reaches ``args.target`` or the budget ends.
 

@@ -285,7 +285,7 @@ class Transformer(nn.Module):
         x = torch.zeros_like(delta)
         ves = self.layer_value_embeds(tokens)
         skips: list[torch.Tensor] = []
-        for i, block in enumerate(typing.cast(Iterable[Block], self.blocks)):  # nn.ModuleList is untyped
+        for i, block in enumerate(typing.cast("Iterable[Block]", self.blocks)):  # nn.ModuleList is untyped
             delta = self._skip_in(i, delta, skips)
             x, delta = block.decode(x, delta, cos, sin, cache, kv_len, ves[i])
             x, delta = self._skip_out(i, x, delta, skips)
