@@ -208,6 +208,29 @@ def test_train_step_of_a_compiled_model_matches_eager():
     _compare(*results)
 
 
+def test_compiled_lora_model_matches_eager():
+    """A Transformer with LoRA adapters (tritonllm.nn.lora.apply_lora, dropout on) is one graph with the
+    LoRA ops in it, and gives eager's loss and adapter gradients (the same dropout masks: the seeds are
+    drawn from the same generator state)."""
+    from tritonllm.nn.lora import LoRAConfig, apply_lora
+
+    cfg = ModelConfig(name="dense", vocab_size=V, d_model=C, n_layers=1, n_heads=HQ, n_kv_heads=HKV, head_dim=D,
+                      d_ff=F, max_seq_len=T)
+    model = apply_lora(build_model(cfg, device=DEVICE), LoRAConfig(rank=4, alpha=8.0, dropout=0.1))
+    ids, targets = _batch()
+    torch._dynamo.reset()
+    assert "lora_linear_fwd" in _graph_ops(model, ids, targets)
+    results = []
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = run(ids, targets)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    assert results[0][1] and all("lora" in n for n in results[0][1])
+    _compare(*results)
+
+
 def _routing(logits):
     return moe_router(logits, TOP_K, "sigmoid", False), moe_sort(moe_router(logits, TOP_K).indices, E)
 
