@@ -39,11 +39,15 @@ if __name__ != "tritonllm.kernels":
     # `import kernels` finds it, as transformers does when it probes for the Hugging Face `kernels` package.
     # A second copy of the modules would register the tritonllm:: custom ops again, which frees the first
     # copy's operator entries (torch.library allows the overwrite) and crashes dynamo later. The name
-    # stands for tritonllm.kernels instead, and the relative imports below resolve to its modules.
+    # stands for tritonllm.kernels instead (its loaded modules too, so that `import kernels.library` is
+    # tritonllm.kernels.library), and the relative imports below resolve to its modules.
     import importlib as _importlib
     import sys as _sys
 
     _sys.modules[__name__] = _importlib.import_module("tritonllm.kernels")
+    for _name, _module in list(_sys.modules.items()):
+        if _name.startswith("tritonllm.kernels."):
+            _sys.modules[__name__ + _name[len("tritonllm.kernels"):]] = _module
     __package__ = "tritonllm.kernels"
 
 from ._interpreter import choose_interpreter as _choose_interpreter  # noqa: E402
