@@ -1,12 +1,14 @@
 """The kernels under torch.compile: a small model built only of tritonllm.kernels (a dense block, and one
 with a Mixture-of-Experts layer) compiles with
-``fullgraph=True`` (no graph break), keeps every kernel in the graph as a ``torch.ops.tritonllm`` op, and
+``fullgraph=True`` (no graph break; aot_eager, and inductor, the default backend, also on the CPU), keeps every kernel in the graph as a ``torch.ops.tritonllm`` op, and
 gives eager's loss and gradients; so do LoRA linears; an optimizer step (gradient clipping, also with a
 reduce of the norm, AdamW, NorMuon), a decode step (the in-place KV-cache write, attention over the cache)
 and orthogonalize compiled give eager's tensors; each registered op passes
 ``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch); the model works
 inside FSDP2's ``fully_shard``."""
 
+import os
+import shutil
 import socket
 
 import pytest
@@ -113,8 +115,13 @@ def _compare(eager, compiled):
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+#: inductor, torch.compile's default backend, compiles C++ around the ops on the CPU
+CPU_INDUCTOR = pytest.mark.skipif(not ON_GPU and shutil.which(os.environ.get("CXX", "g++")) is None,
+                                  reason="inductor on the CPU needs a C++ compiler")
+
+
 @pytest.mark.parametrize("model_name", list(MODELS))
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=CPU_INDUCTOR)])
 def test_compiled_model_matches_eager(backend, model_name):
     torch._dynamo.reset()
     model = MODELS[model_name]()
