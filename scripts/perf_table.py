@@ -8,8 +8,21 @@ import json
 import sys
 
 
+def commits(doc: dict) -> str:
+    """The commit(s) the rows were measured at: the document's, or each row's with its ops."""
+    ops: dict[str, list[str]] = {}
+    for r in doc["results"]:
+        names = ops.setdefault(r.get("commit", doc["commit"]), [])
+        name = r.get("op") or r.get("model")
+        if name not in names:
+            names.append(name)
+    if len(ops) == 1:
+        return f"commit {next(iter(ops))}"
+    return "commits " + "; ".join(f"{c} ({', '.join(names)})" for c, names in ops.items())
+
+
 def kernel_rows(doc: dict) -> list[str]:
-    out = [f"GPU: {doc['gpu']}, torch {doc['torch']}, triton {doc['triton']}, commit {doc['commit']}, {doc['date']}; "
+    out = [f"GPU: {doc['gpu']}, torch {doc['torch']}, triton {doc['triton']}, {commits(doc)}, {doc['date']}; "
            f"device-to-device copy {doc.get('copy_GB/s', '?')} GB/s.", "",
            "| op | shape | pass | ours ms | rate | baselines ms | x best |", "|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
@@ -30,9 +43,16 @@ def kernel_rows(doc: dict) -> list[str]:
     return out
 
 
+def fastest_baseline(row: dict) -> str:
+    """The name of the row's fastest timed baseline (recorded by the train bench, found for others)."""
+    timed = {k: v["step_ms"] for k, v in row.get("baselines", {}).items() if "step_ms" in v}
+    return row.get("fastest_baseline") or min(timed, key=timed.__getitem__, default="?")
+
+
 def train_rows(doc: dict) -> list[str]:
     """One line per side: tritonllm graphed and eager, then each baseline; wall, GPU kernel and host ms."""
-    out = [f"GPU: {doc['gpu']}, host CPU: {doc.get('host_cpu', '?')}, commit {doc['commit']}.", "",
+    out = [f"GPU: {doc['gpu']}, host CPU: {doc.get('host_cpu', '?')}, {commits(doc)}. Host ms marked * "
+           "outlasted the GPU work queued before the step (the launch queue filled up), so they include waiting.", "",
            "| model | batch x seq | side | tokens/s | MFU | step ms (wall) | GPU ms | host ms | peak GB | speedup |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
@@ -43,7 +63,7 @@ def train_rows(doc: dict) -> list[str]:
             if "step_ms" not in f:
                 out.append(f"| {r['model']} | {r['batch']} x {r['seq_len']} | {name} | failed: {f.get('error', '?')} |")
                 continue
-            speedup = f"{r['speedup']:.3f} vs {r['fastest_baseline']}" if f is r and r.get("speedup") else ""
+            speedup = f"{r['speedup']:.3f} vs {fastest_baseline(r)}" if f is r and r.get("speedup") else ""
             out.append(f"| {r['model']} | {r['batch']} x {r['seq_len']} | {name} | {f['tokens_per_s']:.0f} | "
                        f"{f['mfu']:.1%} | {f['step_ms']:.2f} | {f.get('gpu_ms', float('nan')):.2f} | "
                        f"{f.get('host_ms', float('nan')):.2f}{'*' if f.get('host_waited') else ''} | "

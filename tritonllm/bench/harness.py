@@ -376,7 +376,7 @@ def git_commit() -> str:
 
 def write_results(kind: str, rows: list[dict], out_dir: str, extra: dict | None = None) -> str:
     """Merge ``rows`` into ``<out_dir>/<kind>-<gpu>.json`` (rows with the same op, shape, dtype
-    and pass are replaced) and return the path."""
+    and pass are replaced; each new row records the commit it was measured at) and return the path."""
     import triton
 
     os.makedirs(out_dir, exist_ok=True)
@@ -387,9 +387,10 @@ def write_results(kind: str, rows: list[dict], out_dir: str, extra: dict | None 
             old = json.load(f).get("results", [])
     key = lambda r: (r.get("op"), r.get("shape"), r.get("dtype"), r.get("pass"), r.get("model"))  # noqa: E731
     new_keys = {key(r) for r in rows}
-    merged = [r for r in old if key(r) not in new_keys] + rows
+    commit = git_commit()
+    merged = [r for r in old if key(r) not in new_keys] + [{**r, "commit": r.get("commit", commit)} for r in rows]
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "commit": git_commit(), "date": datetime.date.today().isoformat()}
+           "commit": commit, "date": datetime.date.today().isoformat()}
     doc.update(extra or {})
     doc["results"] = merged
     with open(path, "w") as f:

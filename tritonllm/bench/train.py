@@ -241,9 +241,13 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
         for graph in (False, True):
             train_step = TrainStep(runner, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1, cuda_graph=graph)
             try:
+                started = time.perf_counter()
                 sides[compiled, graph] = measure(lambda: train_step([(x, y)], lr=lr), args, x.numel(), flops_per_token,
                                                  peak_flops, cycles_per_ms)
                 captured[compiled, graph] = train_step.graphed
+                print(f"  measured {'compiled ' if compiled else ''}{'graphed' if graph else 'eager'} in "
+                      f"{time.perf_counter() - started:.0f} s: {sides[compiled, graph][0]['step_ms']:.2f} ms per step",
+                      flush=True)
             except Exception as e:  # the compiled sides are reported when they fail; the uncompiled ones are the row
                 if not compiled:
                     raise
