@@ -5,7 +5,9 @@
 # train: TRAIN_ARGS e.g. "--compiled --baselines compile" (the model under torch.compile beside eager)
 # finetune: python -m tritonllm.bench finetune (FINETUNE_ARGS; default TinyLlama shape, B4 T2048, rank 16)
 # evolve: python -m tritonllm.evolve from MODEL (EVOLVE_ARGS) in evolve-run/ (gitignored, kept on a warm
-#   machine): the same stage again resumes the search; its results, plot and best configs are copied to $OUT
+#   machine): the same stage again resumes the search. The run folder without weights comes back as
+#   $OUT/evolve-run.tar.gz; put it in .evolve-state/ (gitignored) and carry that folder, and a fresh machine
+#   resumes from it (children whose parent's weights are gone start cold)
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -43,11 +45,12 @@ for stage in $stages; do
         finetune)
             timeout ${FINETUNE_TIMEOUT:-500} python3 -m tritonllm.bench finetune ${FINETUNE_ARGS:---config tinyllama --batch 4 --seq-len 2048 --rank 16 --steps 10 --warmup 3} \
                 --out "$OUT" 2>&1 | tee "$OUT/finetune.log" | tail -${TAIL:-40} ;;
-        evolve)
+        evolve)  # a fresh machine resumes from the carried state of the last call (.evolve-state, without weights)
+            [ -d evolve-run ] || [ ! -f .evolve-state/evolve-run.tar.gz ] || tar xzf .evolve-state/evolve-run.tar.gz
             timeout -s INT -k 30 ${EVOLVE_TIMEOUT:-540} python3 -m tritonllm.evolve +model=${MODEL:-void125m} hydra.run.dir=evolve-run \
                 ${EVOLVE_ARGS:-evolve.budget=90s evolve.population=4 evolve.generations=2 evolve.memory_cap_gb=40 evolve.warm_start=true trainer.batch_size=16 trainer.seq_len=1024} \
                 > "$OUT/evolve.log" 2>&1; tail -${TAIL:-40} "$OUT/evolve.log"
-            mkdir -p "$OUT/evolve" && cp -r evolve-run/*.json evolve-run/*.csv evolve-run/*.png evolve-run/model "$OUT/evolve/" 2>/dev/null; ls "$OUT/evolve" ;;
+            tar czf "$OUT/evolve-run.tar.gz" --exclude='*.safetensors' --exclude='*.pt' evolve-run && ls -l "$OUT/evolve-run.tar.gz" ;;
     esac
 done
 # the device tool brings back at most 8 files: drop the recorded results no stage changed, and an empty install log

@@ -291,6 +291,10 @@ def test_search_end_to_end_and_resume(tmp_path, data_overrides):
     assert ModelConfig.from_dict(cfg.model).param_count() == best["params"]
 
 
+#: a warm search's space: layers and the FFN width, each child a growth of the seed
+WARM = ["evolve.space.kv_ratio=null", "evolve.space.lr=null", "evolve.space.ffn_mult=[2.0,4.0]"]
+
+
 def test_warm_start_end_to_end(tmp_path, data_overrides):
     """evolve.warm_start=true: the seed's mutant (one layer inserted) starts from the seed's trained
     weights: its first training loss is the seed's final weights' loss on that batch."""
@@ -301,7 +305,7 @@ def test_warm_start_end_to_end(tmp_path, data_overrides):
     from tritonllm.models import build_model
 
     out = tmp_path / "run"
-    summary = run_search(compose_evolve(*SEARCH, *data_overrides, "evolve.space.kv_ratio=null", "evolve.space.lr=null",
+    summary = run_search(compose_evolve(*SEARCH, *data_overrides, *WARM,
                                         "evolve.generations=1", "evolve.warm_start=true", f"out_dir={out}"))
     seed, child = read_records(out)
     assert seed["origin"] == "seed" and not seed["warm"] and seed["warm_from"] is None
@@ -327,6 +331,15 @@ def test_warm_start_end_to_end(tmp_path, data_overrides):
     with open(out / child["folder"] / "run" / "metrics.jsonl") as f:
         first = next(r for r in map(json.loads, f) if r["kind"] == "train")
     assert first["step"] == 1 and first["loss"] == pytest.approx(expected, rel=1e-5)
+
+    # the run folder moved to a fresh machine without its weights (scripts/gpu_run.sh's evolve stage):
+    # the search resumes, and a child whose source's weights are gone starts cold
+    for r in (seed, child):
+        os.remove(out / r["folder"] / "weights.safetensors")
+    run_search(compose_evolve(*SEARCH, *data_overrides, *WARM,
+                              "evolve.generations=2", "evolve.warm_start=true", f"out_dir={out}"))
+    later = [r for r in read_records(out) if r.get("slot") is not None and r["slot"] >= 2]
+    assert later and all(r["status"] == "ok" and r["warm"] is False for r in later)
 
 
 def compose_train_with_searchpath(out):
