@@ -196,7 +196,10 @@ def test_compiled_moe_transformer_matches_eager():
 
 def test_train_step_of_a_compiled_model_matches_eager():
     """TrainStep (clipping, AdamW) around torch.compile(model, fullgraph=True), as
-    ``python -m tritonllm.bench train --compiled`` times it: eager's losses, norms and weights over three steps."""
+    ``python -m tritonllm.bench train --compiled`` times it: eager's losses, norms and weights over three steps,
+    from one compiled graph (no recompilation after the first step)."""
+    from torch._dynamo.utils import counters
+
     from tritonllm.train.step import TrainStep
 
     cfg = ModelConfig(name="dense", vocab_size=V, d_model=C, n_layers=1, n_heads=HQ, n_kv_heads=HKV, head_dim=D,
@@ -209,7 +212,9 @@ def test_train_step_of_a_compiled_model_matches_eager():
         model = build_model(cfg, device=DEVICE)
         step = TrainStep(torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model,
                          AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), grad_clip=0.5, cuda_graph=False)
+        counters.clear()
         outs = [step([batch], lr=1e-2) for batch in batches]
+        assert counters["stats"]["unique_graphs"] == compiled
         results.append((torch.stack([torch.stack([o.loss, o.grad_norm]) for o in outs]),
                         {n: p.detach() for n, p in model.named_parameters()}))
     _compare(*results)

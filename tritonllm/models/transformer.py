@@ -139,10 +139,15 @@ class Transformer(nn.Module):
 
     def rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 RoPE ``cos, sin [max_seq_len, head_dim / 2]`` on ``device``, built once per device
-        (kept out of the module's buffers so that ``.to(bfloat16)`` leaves them in fp32)."""
+        (kept out of the module's buffers so that ``.to(bfloat16)`` leaves them in fp32). Under
+        torch.compile they are built inside the graph (one small kernel a step) instead: filling the
+        cache while tracing would make the graph's guards fail on the next call and compile it again."""
         device = torch.device(device)
+        cfg = self.cfg
+        if torch.compiler.is_compiling():
+            return rope_cos_sin(cfg.max_seq_len, cfg.head_size, theta=cfg.rope_theta, scaling=cfg.rope_scaling,
+                                device=device)
         if self._rope is None or self._rope[0].device != device:
-            cfg = self.cfg
             self._rope = rope_cos_sin(cfg.max_seq_len, cfg.head_size, theta=cfg.rope_theta,
                                       scaling=cfg.rope_scaling, device=device)
         return self._rope
