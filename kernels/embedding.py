@@ -117,7 +117,7 @@ def _embedding_bwd_kernel(
              mask=(v < V)[:, None] & col_mask[None, :])
 
 
-def _padding_index(padding_idx, num_embeddings: int) -> int:
+def padding_index(padding_idx, num_embeddings: int) -> int:
     """``padding_idx`` as a row index in ``[0, V)`` (negative counts from the end), -1 for None."""
     if padding_idx is None:
         return -1
@@ -215,7 +215,7 @@ def embedding_bwd(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
     check_same_device(dy=dy, ids=ids)
     if tuple(dy.shape) != (*ids.shape, dy.shape[-1]):
         raise ValueError(f"dy must have shape ids.shape + [D] = {tuple(ids.shape)} + [D], got {tuple(dy.shape)}")
-    pad = _padding_index(padding_idx, num_embeddings)
+    pad = padding_index(padding_idx, num_embeddings)
     return _bwd(dy, ids, num_embeddings, pad)
 
 
@@ -226,7 +226,7 @@ class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, padding_idx, validate):
         _check_fwd(ids, weight, validate)
-        ctx.pad = _padding_index(padding_idx, weight.shape[0])
+        ctx.pad = padding_index(padding_idx, weight.shape[0])
         ctx.num_embeddings = weight.shape[0]
         ctx.save_for_backward(ids)
         return _fwd(ids, weight)
@@ -260,5 +260,5 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
     if needs_grad(weight):
         return EmbeddingFunction.apply(ids, weight, padding_idx, validate)
     _check_fwd(ids, weight, validate)  # nothing to differentiate: no autograd node, the same checks
-    _padding_index(padding_idx, weight.shape[0])
+    padding_index(padding_idx, weight.shape[0])
     return _fwd(ids, weight)

@@ -376,7 +376,7 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0, scaling: d
 @_custom_op("tritonllm::embedding_fwd", mutates_args=())
 def embedding_fwd(ids: Tensor, weight: Tensor, padding_idx: Optional[int], validate: bool) -> Tensor:
     """:func:`kernels.embedding.embedding_fwd`, ``padding_idx`` checked as :func:`kernels.embedding.embedding`."""
-    _emb._padding_index(padding_idx, weight.shape[0])
+    _emb.padding_index(padding_idx, weight.shape[0])
     return _emb.embedding_fwd(ids, weight, validate)
 
 
@@ -429,7 +429,7 @@ def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
     ``[M, K]`` (absent without dropout) and the scaled down projection ``[M, S r]`` the backward reads;
     ``segments`` is the flattened list of ``(start, width)`` pairs."""
     x2 = _lora.as_matrix(x, weight.shape[1])
-    y, xd, u = _lora._forward(x2, weight, bias, residual, lora_a, lora_b, _segment_pairs(segments), scale, dropout_p,
+    y, xd, u = _lora.lora_forward(x2, weight, bias, residual, lora_a, lora_b, _segment_pairs(segments), scale, dropout_p,
                               seed, allow_tf32)
     return y.view(*x.shape[:-1], weight.shape[0]), (xd if dropout_p > 0 else _absent(x)), u
 
@@ -448,7 +448,7 @@ def lora_linear_bwd(dy: Tensor, x: Tensor, xd: Optional[Tensor], weight: Tensor,
                     need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias, dlora_a, dlora_b)`` of :func:`kernels.lora.lora_linear`, absent where not needed."""
     x2 = _lora.as_matrix(x, weight.shape[1])
-    dx, *rest = _lora._backward(dy, x2, x2 if xd is None else xd, weight, lora_a, lora_b, u, seed,
+    dx, *rest = _lora.lora_backward(dy, x2, x2 if xd is None else xd, weight, lora_a, lora_b, u, seed,
                                 _segment_pairs(segments), scale, dropout_p, allow_tf32,
                                 (need_x, need_w, need_bias, need_a, need_b))
     grads = (None if dx is None else dx.view(x.shape), *rest)
@@ -489,7 +489,7 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
                 scale: float, *, dropout_p: float = 0.0, seed: Tensor | None = None, residual: Tensor | None = None,
                 allow_tf32: bool = True) -> Tensor:
     pairs = tuple((int(s), int(n)) for s, n in segments)
-    _lora._check_lora_args(x, weight, bias, lora_a, lora_b, pairs, scale, float(dropout_p), seed, residual)
+    _lora.check_lora_args(x, weight, bias, lora_a, lora_b, pairs, scale, float(dropout_p), seed, residual)
     return lora_linear_fwd(x, weight, bias, residual, lora_a, lora_b, [v for pair in pairs for v in pair],
                            float(scale), float(dropout_p), seed, allow_tf32)[0]
 
@@ -651,7 +651,7 @@ class _Fork(_mix.ForkFunction):
 
     @staticmethod
     def backward(ctx, g1, g2):
-        return _mix._sum_grads(g1, g2, weighted_add_fwd)
+        return _mix.sum_grads(g1, g2, weighted_add_fwd)
 
 
 class _AddFork(_mix.AddForkFunction):
@@ -663,7 +663,7 @@ class _AddFork(_mix.AddForkFunction):
 
     @staticmethod
     def backward(ctx, gx, gy, gs):
-        return _mix._sum_grads(gx, gs, weighted_add_fwd), _mix._sum_grads(gy, gs, weighted_add_fwd)
+        return _mix.sum_grads(gx, gs, weighted_add_fwd), _mix.sum_grads(gy, gs, weighted_add_fwd)
 
 
 @_public
@@ -848,7 +848,7 @@ def moe_router_fwd(logits: Tensor, top_k: int, score: str,
 
 @moe_router_fwd.register_fake
 def _(logits, top_k, score, normalize):
-    _router._check_router_args(logits, top_k, score)
+    _router.check_router_args(logits, top_k, score)
     T, E = logits.shape
     i32, f32 = dict(dtype=torch.int32), dict(dtype=torch.float32)
     return (logits.new_empty((T, top_k), **f32), logits.new_empty((), **f32), logits.new_empty((), **f32),
@@ -944,7 +944,7 @@ moe_gather_fwd.register_autograd(_moe_gather_backward, setup_context=_moe_gather
 
 @_public
 def moe_gather(x: Tensor, plan: _perm.MoEPlan) -> Tensor:
-    _perm._check_plan(plan)
+    _perm.check_plan(plan)
     return moe_gather_fwd(x, *plan)
 
 
@@ -989,7 +989,7 @@ moe_combine_fwd.register_autograd(_moe_combine_backward, setup_context=_moe_comb
 
 @_public
 def moe_combine(expert_out: Tensor, weights: Tensor, plan: _perm.MoEPlan) -> Tensor:
-    _perm._check_plan(plan)
+    _perm.check_plan(plan)
     return moe_combine_fwd(expert_out, weights, *plan)
 
 
@@ -1217,7 +1217,7 @@ def orthogonalize_fwd(x: Tensor, coefficients: str, steps: int, eps: float,
 
 @orthogonalize_fwd.register_fake
 def _(x, coefficients, steps, eps, work_dtype):
-    work = _muon._work_dtype(work_dtype)
+    work = _muon.muon_work_dtype(work_dtype)
     m, n = x.shape[-2:]
     if x.numel() == 0:
         return x.new_empty(x.shape, dtype=work)

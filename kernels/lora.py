@@ -132,7 +132,7 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor, out: torch.Tensor | N
     return out
 
 
-def _check_lora_args(x, weight, bias, a, b, segments, scale, p, seed, residual) -> None:
+def check_lora_args(x, weight, bias, a, b, segments, scale, p, seed, residual) -> None:
     check_tensor("x", x, min_ndim=1)
     check_tensor("weight", weight, ndim=2)
     check_tensor("lora_a", a, ndim=3)
@@ -180,7 +180,7 @@ def _b_rows(segments) -> list[int]:
     return offs
 
 
-def _forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
+def lora_forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
     """``(y [M, N], xd, U)`` of the forward for x2 [M, K]: base GEMM, then the adapters' GEMMs
     accumulating into y's column segments."""
     N, K = weight.shape
@@ -194,7 +194,7 @@ def _forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_t
     return y, xd, u
 
 
-def _backward(dy, x2, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, needs):
+def lora_backward(dy, x2, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, needs):
     """``(dx [M, K], dweight, dbias, dlora_a, dlora_b)`` from dy [..., N], None where ``needs``
     (x, weight, bias, lora_a, lora_b) says not needed; ``xd`` is the dropped-out input (``x2`` when p = 0)."""
     need_x, need_w, need_bias, need_a, need_b = needs
@@ -230,7 +230,7 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
         x2 = as_matrix(x, weight.shape[1])
-        y, xd, u = _forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32)
+        y, xd, u = lora_forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32)
         ctx.save_for_backward(x2, xd if p > 0 else None, weight, a, b, u, seed if p > 0 else None)
         ctx.meta = (x.shape, segments, scale, p, allow_tf32)
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -240,7 +240,7 @@ class LoRALinearFunction(torch.autograd.Function):
         x2, xd, weight, a, b, u, seed = ctx.saved_tensors
         x_shape, segments, scale, p, allow_tf32 = ctx.meta
         need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
-        dx, dw, dbias, da, db = _backward(dy, x2, x2 if xd is None else xd, weight, a, b, u, seed, segments, scale,
+        dx, dw, dbias, da, db = lora_backward(dy, x2, x2 if xd is None else xd, weight, a, b, u, seed, segments, scale,
                                           p, allow_tf32, (need_x, need_w, need_bias, need_a, need_b))
         dx = None if dx is None else dx.view(x_shape)
         return dx, dw, dbias, (dy if need_res else None), da, db, None, None, None, None, None
@@ -261,10 +261,10 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ``weight`` gets none and costs no GEMM).
     """
     segments = tuple((int(s), int(n)) for s, n in segments)
-    _check_lora_args(x, weight, bias, lora_a, lora_b, segments, scale, float(dropout_p), seed, residual)
+    check_lora_args(x, weight, bias, lora_a, lora_b, segments, scale, float(dropout_p), seed, residual)
     if needs_grad(x, weight, bias, residual, lora_a, lora_b):
         return LoRALinearFunction.apply(x, weight, bias, residual, lora_a, lora_b, segments, float(scale),
                                         float(dropout_p), seed, allow_tf32)
-    y, _, _ = _forward(as_matrix(x, weight.shape[1]), weight, bias, residual, lora_a, lora_b, segments,
+    y, _, _ = lora_forward(as_matrix(x, weight.shape[1]), weight, bias, residual, lora_a, lora_b, segments,
                        float(scale), float(dropout_p), seed, allow_tf32)
     return y.view(*x.shape[:-1], weight.shape[0])

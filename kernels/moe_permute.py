@@ -243,7 +243,7 @@ def _combine(src, positions, weights=None):
     return out
 
 
-def _check_plan(plan):
+def check_plan(plan):
     if not isinstance(plan, MoEPlan):
         raise TypeError(f"plan must be the MoEPlan returned by moe_sort, got {type(plan).__name__}")
     check_tensor("plan.positions", plan.positions, dtypes=(torch.int32,), ndim=2)
@@ -253,7 +253,7 @@ def _check_plan(plan):
 def moe_gather_fwd(x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
     """Rows of ``x`` ([T, H]) in expert order: ``[T k, H]``."""
     check_tensor("x", x, ndim=2)
-    _check_plan(plan)
+    check_plan(plan)
     check_same_device(x=x, positions=plan.positions)
     if x.shape[0] != plan.positions.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows but the plan routes {plan.positions.shape[0]} tokens")
@@ -270,7 +270,7 @@ def moe_combine_fwd(expert_out: torch.Tensor, weights: torch.Tensor, plan: MoEPl
     """y[t] = sum_j weights[t, j] * expert_out[positions[t, j]]: ``[T, H]`` in expert_out's dtype."""
     check_tensor("expert_out", expert_out, ndim=2)
     check_tensor("weights", weights, ndim=2)
-    _check_plan(plan)
+    check_plan(plan)
     check_same_device(expert_out=expert_out, weights=weights, positions=plan.positions)
     if expert_out.shape[0] != plan.slots.shape[0]:
         raise ValueError(f"expert_out has {expert_out.shape[0]} rows, expected {plan.slots.shape[0]} (T k)")
@@ -320,7 +320,7 @@ def moe_gather(x: torch.Tensor, plan: MoEPlan) -> torch.Tensor:
 
     Backward sums each token's k row gradients: ``dx[t] = sum_j d[positions[t, j]]``.
     """
-    _check_plan(plan)
+    check_plan(plan)
     return MoEGatherFunction.apply(x, *plan)
 
 
@@ -331,5 +331,5 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, plan: MoEPlan) 
     ``expert_out`` is ``[T k, H]`` in expert order, ``weights`` ``[T, k]`` (e.g. fp32 from
     :func:`moe_router`); differentiable in both. The sum is in fp32, in slot order.
     """
-    _check_plan(plan)
+    check_plan(plan)
     return MoECombineFunction.apply(expert_out, weights, *plan)

@@ -223,7 +223,7 @@ def _block_t(T: int, block_e: int) -> int:
     return max(1, min(next_pow2(T), 2048 // block_e))
 
 
-def _check_router_args(logits, top_k, score):
+def check_router_args(logits, top_k, score):
     check_tensor("logits", logits, ndim=2)
     T, E = logits.shape
     if T == 0 or E == 0:
@@ -236,7 +236,7 @@ def _check_router_args(logits, top_k, score):
 
 def moe_router_fwd(logits: torch.Tensor, top_k: int, score: str = "softmax", normalize: bool = True):
     """Launch the router forward; returns (indices, weights, aux_loss, z_loss, counts, max_load)."""
-    _check_router_args(logits, top_k, score)
+    check_router_args(logits, top_k, score)
     l2 = rows_view(logits, logits.shape[-1])
     T, E = l2.shape
     dev = l2.device

@@ -352,7 +352,7 @@ def _muon_apply_kernel(
         tl.store(p_ptrs, w.to(P_DTYPE), mask=mask)
 
 
-def _work_dtype(work_dtype) -> torch.dtype:
+def muon_work_dtype(work_dtype) -> torch.dtype:
     """The dtype of the iterations: bf16 on a GPU, fp32 under the interpreter (no bf16 ``tl.dot``)."""
     if work_dtype is None:
         return torch.float32 if interpreting() else torch.bfloat16
@@ -439,7 +439,7 @@ def orthogonalize(x: torch.Tensor, *, coefficients: str = "polar_express", steps
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     schedule, factor = coefficient_schedule(coefficients, steps)
-    work = _work_dtype(work_dtype)
+    work = muon_work_dtype(work_dtype)
     m, n = x.shape[-2:]
     batch = x.numel() // (m * n) if m * n else 0
     if batch == 0:
@@ -520,7 +520,7 @@ def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, 
         raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
     check_flag("found_inf", found_inf, device)
     schedule, factor = coefficient_schedule(coefficients, steps)
-    work = _work_dtype(work_dtype)
+    work = muon_work_dtype(work_dtype)
     normuon = second_moments is not None
     has_skip = found_inf is not None
 

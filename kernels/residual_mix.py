@@ -201,7 +201,7 @@ def weighted_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torc
     return weighted_add_fwd(x, y, weight)
 
 
-def _sum_grads(a: torch.Tensor | None, b: torch.Tensor | None, add=weighted_add_fwd) -> torch.Tensor | None:
+def sum_grads(a: torch.Tensor | None, b: torch.Tensor | None, add=weighted_add_fwd) -> torch.Tensor | None:
     """a + b in one launch (``add(a, b, None)``: kernels/library.py passes its op); the other when one is
     None (autograd's None: no gradient flowed)."""
     if a is None or b is None:
@@ -216,7 +216,7 @@ class ForkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g1, g2):
-        return _sum_grads(g1, g2)
+        return sum_grads(g1, g2)
 
 
 @compilable
@@ -236,7 +236,7 @@ class AddForkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gx, gy, gs):
-        return _sum_grads(gx, gs), _sum_grads(gy, gs)
+        return sum_grads(gx, gs), sum_grads(gy, gs)
 
 
 @compilable

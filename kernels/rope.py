@@ -311,7 +311,7 @@ def _check_number(name: str, value, *, low: float = 0, inclusive: bool = False, 
     return value
 
 
-def _inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(head_dim: int, theta: float, scaling) -> tuple[torch.Tensor, float]:
     """float64 ``inv_freq`` ``[head_dim // 2]`` on the CPU and the table factor ``mscale``."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
     if scaling is None:
@@ -376,7 +376,7 @@ def rope_turns(seq_len: int, head_dim: int, theta: float, scaling: dict | None, 
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
     _check_number("theta", theta, low=1)
-    inv_freq, mscale = _inv_freq(head_dim, float(theta), scaling)
+    inv_freq, mscale = rope_inv_freq(head_dim, float(theta), scaling)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         raise ValueError(f"device must be a CUDA device (the CPU only with TRITON_INTERPRET=1), got {device}")

@@ -42,8 +42,9 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from tritonllm.bench.ops_attention import _attention_flops  # noqa: E402
+from tritonllm.bench.ops_attention import attention_flops  # noqa: E402
 from tritonllm.kernels import flash_attention  # noqa: E402
+from tritonllm.kernels.flash_attention.backward import AttentionBackward  # noqa: E402
 
 fa = importlib.import_module("tritonllm.kernels.flash_attention")
 
@@ -154,8 +155,8 @@ class Shape:
         B, Hq, Hkv, T, D, W = SHAPES[name]
         self.label = f"B{B} Hq{Hq}/Hkv{Hkv} T{T} D{D}" + (f" W{W}" if W else "")
         self.window, self.kind = W, "causal" if W is None else "window"
-        self.flops = _attention_flops(B, Hq, T, T, D, True, W)
-        self.full_flops = _attention_flops(B, Hq, T, T, D, True)
+        self.flops = attention_flops(B, Hq, T, T, D, True, W)
+        self.full_flops = attention_flops(B, Hq, T, T, D, True)
         self.q, self.k, self.v, self.do = make_inputs(B, Hq, Hkv, T, D)
         if W is None:
             ref_out = sdpa(self.q, self.k, self.v)
@@ -184,10 +185,10 @@ class Shape:
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self.qkv())
         if kernel == "fused":  # preprocess (zeroes the dQ accumulator), fused kernel, dQ finalize
             def fused():
-                fa._Backward(self.do, *self.qkv(), self.o, self.lse, True, self.window, None).run(dq, dk, dv)
+                AttentionBackward(self.do, *self.qkv(), self.o, self.lse, True, self.window, None).run(dq, dk, dv)
                 return dq, dk, dv
             return fused
-        bwd = fa._Backward(self.do, *self.qkv(), self.o, self.lse, True, self.window, None, deterministic=True)
+        bwd = AttentionBackward(self.do, *self.qkv(), self.o, self.lse, True, self.window, None, deterministic=True)
         if kernel == "dkdv":
             return lambda: (bwd.dkdv(dk, dv), (dk, dv))[1]
         return lambda: (bwd.dq(dq), (dq,))[1]

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tritonllm.bench.harness import _pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
+from tritonllm.bench.harness import pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
 from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu, swiglu
 
 L = importlib.import_module("tritonllm.kernels.gemm")
@@ -343,12 +343,12 @@ def section_host(state):
     rows = {}
     for name, impl in [("F.linear", F.linear), ("ours", linear)]:
         for kind in ("fwd", "fwd+bwd"):
-            rows[f"{name} {kind}"] = host_us(_pass_fn(impl, (x, w), kind))
+            rows[f"{name} {kind}"] = host_us(pass_fn(impl, (x, w), kind))
     cache = L._LAUNCH_CONFIGS
     L._LAUNCH_CONFIGS = _NoCache()
     try:
         for kind in ("fwd", "fwd+bwd"):
-            rows[f"ours via autotuner {kind}"] = host_us(_pass_fn(linear, (x, w), kind))
+            rows[f"ours via autotuner {kind}"] = host_us(pass_fn(linear, (x, w), kind))
     finally:
         L._LAUNCH_CONFIGS = cache
     print("\n== host us per call at 64x768x768 (GPU idle; the bench host is slow)")
@@ -365,8 +365,8 @@ def section_linear(state):
         err = rel_err(linear(x, w), F.linear(x, w))
         row = {}
         for kind in ("fwd", "bwd", "fwd+bwd"):
-            row[kind] = (time_ms(_pass_fn(linear, (x, w), kind)), time_ms(_pass_fn(F.linear, (x, w), kind)))
-        busy = sum(kernel_times_us(_pass_fn(linear, (x, w), "fwd+bwd")).values()) / 1e3
+            row[kind] = (time_ms(pass_fn(linear, (x, w), kind)), time_ms(pass_fn(F.linear, (x, w), kind)))
+        busy = sum(kernel_times_us(pass_fn(linear, (x, w), "fwd+bwd")).values()) / 1e3
         s = f"{M}x{K}x{N}"
         print(f"  {s:<18}" + "  ".join(f"{k} {a:.4f} ({b:.4f}) {b / a:.2f}x" for k, (a, b) in row.items())
               + f"  fwd+bwd - fwd - bwd {row['fwd+bwd'][0] - row['fwd'][0] - row['bwd'][0]:+.4f}"
@@ -382,7 +382,7 @@ def section_swiglu(state):
         return swiglu(F.linear(x, w13))
 
     err = rel_err(linear_swiglu(x, w13), unfused(x, w13))
-    row = {k: (time_ms(_pass_fn(linear_swiglu, (x, w13), k)), time_ms(_pass_fn(unfused, (x, w13), k)))
+    row = {k: (time_ms(pass_fn(linear_swiglu, (x, w13), k)), time_ms(pass_fn(unfused, (x, w13), k)))
            for k in ("fwd", "bwd", "fwd+bwd")}
     print("\n== linear_swiglu 16384x768x(2x2048): ms (cuBLAS + Triton swiglu ms), target fwd+bwd >= 1.15x")
     print("  " + "  ".join(f"{k} {a:.4f} ({b:.4f}) {b / a:.2f}x" for k, (a, b) in row.items()) + f"  err {err:.1e}")
@@ -430,7 +430,7 @@ def section_lce(state):
             outs = (loss.float(), *grads)
             ref = ref or outs
             err = max(rel_err(o, r) for o, r in zip(outs, ref))
-            fn = _pass_fn(impl, inputs, "fwd+bwd")
+            fn = pass_fn(impl, inputs, "fwd+bwd")
             rows[name] = {"ms": time_ms(fn), "peak_gb": peak_memory_gb(fn), "err_vs_first": err}
             flag = "  BAD" if err > 3e-2 else ""
             print(f"  {name:<32}{rows[name]['ms']:8.3f} ms  peak {rows[name]['peak_gb']:.4f} GB  err {err:.1e}{flag}")

@@ -159,7 +159,7 @@ def test_rope_tables_are_built_once(monkeypatch):
     def rebuilt(*args):
         raise AssertionError("RoPE tables rebuilt inside forward")
 
-    monkeypatch.setattr(baseline_model, "_inv_freq", rebuilt)
+    monkeypatch.setattr(baseline_model, "rope_inv_freq", rebuilt)
     monkeypatch.setattr(baseline_model, "rope_tables", rebuilt)
     base(torch.randint(0, cfg.vocab_size, (1, 7)), torch.randint(0, cfg.vocab_size, (1, 7))).backward()
 

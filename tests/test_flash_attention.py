@@ -20,6 +20,7 @@ from tritonllm.kernels.split_heads import split_heads
 
 fa = importlib.import_module("tritonllm.kernels.flash_attention")  # the module (the package exports the function)
 fa_config = importlib.import_module("tritonllm.kernels.flash_attention.config")  # the knobs the launchers read
+fa_forward = importlib.import_module("tritonllm.kernels.flash_attention.forward")
 
 
 @pytest.fixture(autouse=True)
@@ -306,7 +307,7 @@ def test_launch_plans_follow_every_argument():
     """Cached launch plans of the training kernels: one shape in turn with another window, no causal
     mask, another scale, a strided batch, another dtype, and again as first (planned, then from the
     plan) gives the right output and gradients every time; under no_grad no autograd node is made."""
-    fa._fwd_kernel.plans.clear()
+    fa_forward._fwd_kernel.plans.clear()
     base = Case("plans", 1, 4, 2, 40, 40, 32)
     variants = [(base, torch.float32, "contiguous"), (Case("window", 1, 4, 2, 40, 40, 32, window=7), torch.float32,
                                                      "contiguous"),
@@ -317,7 +318,7 @@ def test_launch_plans_follow_every_argument():
     for c, dtype, layout in variants:
         _check_fwd_bwd(c, dtype, layout)
     # the scale is a runtime argument, and the last call repeats the first: five plans
-    assert len(fa._fwd_kernel.plans) == 5
+    assert len(fa_forward._fwd_kernel.plans) == 5
     q, k, v = _inputs(base, torch.float32)
     with torch.no_grad():
         out = flash_attention(q, k, v)

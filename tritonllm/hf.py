@@ -369,9 +369,9 @@ RUN_KEYS = {"name", "path", "max_seq_len"}
 
 def run_model_config(node) -> ModelConfig:
     """The ModelConfig of a ``+model=hf model.path=<folder>`` run (keys ``path``, ``max_seq_len``, ``name``)."""
-    from tritonllm.models.config import _plain
+    from tritonllm.models.config import plain_container
 
-    d = _plain(node)
+    d = plain_container(node)
     unknown = sorted(set(d) - RUN_KEYS)
     if unknown:
         raise HFConfigError(f"unknown key(s) {unknown} for a Hugging Face model; valid: {sorted(RUN_KEYS)} "

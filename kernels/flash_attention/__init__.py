@@ -61,14 +61,12 @@ from __future__ import annotations
 import torch
 
 from .._common import compilable, needs_grad
-from .backward import _PREPROCESS_PLANS, _Backward, _dkdv_kernel, _dq_kernel, flash_attention_bwd
+from .backward import flash_attention_bwd
 from .config import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, HEAD_DIMS, ONE_LOOP, TMA
-from .forward import _fwd_kernel, _split_fwd_kernel, flash_attention_decode, flash_attention_fwd
+from .forward import flash_attention_decode, flash_attention_fwd
 
 __all__ = ["flash_attention", "flash_attention_fwd", "flash_attention_bwd", "flash_attention_decode",
            "FlashAttentionFunction", "HEAD_DIMS", "TMA", "ONE_LOOP", "FWD_CONFIGS", "DKDV_CONFIGS", "DQ_CONFIGS"]
-#: the autotuned kernels and the backward's launcher, for scripts/tune_attention.py and the tests
-_TUNED = (_fwd_kernel, _split_fwd_kernel, _dkdv_kernel, _dq_kernel, _Backward, _PREPROCESS_PLANS)
 
 
 # ----------------------------------------------------------------------------- autograd + functional

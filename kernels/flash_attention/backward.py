@@ -306,7 +306,7 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     packed qkv projection (:func:`~tritonllm.kernels.split_heads` then packs them without a copy);
     otherwise each is contiguous.
     """
-    bwd = _Backward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents)
+    bwd = AttentionBackward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents)
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     if packed:
@@ -325,7 +325,7 @@ _PREPROCESS_PLANS = Plans()
 _FINALIZE_PLANS = Plans()
 
 
-class _Backward:
+class AttentionBackward:
     """The backward's inputs, checked, with ``delta = rowsum(dO * O)`` and the base-2 lse from the
     preprocess kernel (which also zeroes the fused backward's dQ accumulator); :meth:`dkdv` and
     :meth:`dq` launch the gradient kernels (separately, so that scripts/tune_attention.py can time

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # the one definition of the RoPE frequencies (NTK / YaRN formulas): CPU float64 torch code, no kernel
-from tritonllm.kernels.rope import _inv_freq
+from tritonllm.kernels.rope import rope_inv_freq
 
 EXPERT_IMPLS = ("grouped_mm", "loop")
 
@@ -73,7 +73,7 @@ def rope_tables(cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
     An invalid ``rope_scaling`` raises a ValueError naming the field."""
     try:
-        inv_freq, mscale = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
+        inv_freq, mscale = rope_inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
     except (TypeError, ValueError) as e:
         raise ValueError(f"rope_scaling={cfg.rope_scaling!r} is not supported by the baseline: {e}") from None
     angles = torch.arange(cfg.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]

@@ -144,7 +144,7 @@ def _as_tuple(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _pass_fn(impl: Callable, inputs: tuple, kind: str, grad_seed: int = 0):
+def pass_fn(impl: Callable, inputs: tuple, kind: str, grad_seed: int = 0):
     """A zero-argument callable running ``kind`` of ``impl`` on ``inputs`` (None if not applicable)."""
     if kind == "step":
         return lambda: impl(*inputs)
@@ -182,7 +182,7 @@ def _capture_stream() -> torch.cuda.Stream:
 def graph_ms(make_fn: Callable[[], Callable]) -> float:
     """Median milliseconds of one replay of a CUDA graph holding one call of ``make_fn()``.
 
-    ``make_fn`` builds the pass (:func:`_pass_fn`) on a side stream, so that a forward it runs
+    ``make_fn`` builds the pass (:func:`pass_fn`) on a side stream, so that a forward it runs
     beforehand (the ``bwd`` pass) records that stream and the backward's kernels follow it into the
     capture; three warm-up calls there compile, autotune and fill the allocator before capture.
     """
@@ -286,24 +286,24 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
     host = _host_rows(case.host, case.host_baseline) if case.host is not None else {}
     for kind in case.passes:
         label = f"{case.op} {case.shape} {kind}"
-        ms, graphed = timed_ms(lambda: _pass_fn(case.ours, ours_inputs, kind), f"{label} ours")
+        ms, graphed = timed_ms(lambda: pass_fn(case.ours, ours_inputs, kind), f"{label} ours")
         eager = [] if graphed else ["ours"]
         measure = case.measure_memory and kind == "fwd+bwd"
         base, base_mem = {}, {}
         for name, impl in case.baselines.items():
             try:
-                base_ms, graphed = timed_ms(lambda: _pass_fn(impl, inputs, kind), f"{label} {name}")
+                base_ms, graphed = timed_ms(lambda: pass_fn(impl, inputs, kind), f"{label} {name}")
                 base[name] = round(base_ms, 4)
                 if not graphed:
                     eager.append(name)
                 if measure:
-                    base_mem[name] = peak_memory_gb(_pass_fn(impl, inputs, kind))
+                    base_mem[name] = peak_memory_gb(pass_fn(impl, inputs, kind))
             except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
                 print(f"  [{label}] baseline {name} failed: {type(e).__name__}: {str(e)[:200]}")
             torch.cuda.empty_cache()
         # an eager pass built only now: one built earlier would keep its forward's graph alive,
         # and with it the leaves' gradient nodes on this stream, which breaks the baselines' capture
-        fn = _pass_fn(case.ours, ours_inputs, kind) if (measure or profile or case.kernel_shares) else None
+        fn = pass_fn(case.ours, ours_inputs, kind) if (measure or profile or case.kernel_shares) else None
         mem = peak_memory_gb(fn) if measure and fn is not None else None
         row = {"op": case.op, "shape": case.shape, "dtype": _dtype_name(case.dtype), "pass": kind,
                "ms": round(ms, 4)}
@@ -346,9 +346,9 @@ def _host_rows(small: Case, baseline: str | None) -> dict[str, dict]:
     ours_inputs = small.ours_inputs(inputs) if small.ours_inputs is not None else inputs
     out = {}
     for kind in small.passes:
-        row = {"host_shape": small.shape, "host_us": host_us(_pass_fn(small.ours, ours_inputs, kind))}
+        row = {"host_shape": small.shape, "host_us": host_us(pass_fn(small.ours, ours_inputs, kind))}
         if baseline is not None:
-            row["baseline_host_us"] = {baseline: host_us(_pass_fn(small.baselines[baseline], inputs, kind))}
+            row["baseline_host_us"] = {baseline: host_us(pass_fn(small.baselines[baseline], inputs, kind))}
         out[kind] = row
     return out
 

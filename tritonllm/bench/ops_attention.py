@@ -55,7 +55,7 @@ def _visible_pairs(T: int, S: int, causal: bool, window: int | None) -> float:
     return float(sum(min(i + S - T + 1, window) for i in range(T) if i + S - T >= 0))
 
 
-def _attention_flops(B, Hq, T, S, D, causal, window=None) -> dict[str, float]:
+def attention_flops(B, Hq, T, S, D, causal, window=None) -> dict[str, float]:
     fwd = 4.0 * B * Hq * D * _visible_pairs(T, S, causal, window)
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}
 
@@ -105,7 +105,7 @@ def _baselines(B, Hq, T, S) -> dict:
 
 def _causal_case(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: torch.dtype) -> Case:
     return Case("flash_attention", _shape(B, Hq, Hkv, T, T, D), dtype, _make_inputs(B, Hq, Hkv, T, T, D, dtype),
-                ours=flash_attention, baselines=_baselines(B, Hq, T, T), flops=_attention_flops(B, Hq, T, T, D, True))
+                ours=flash_attention, baselines=_baselines(B, Hq, T, T), flops=attention_flops(B, Hq, T, T, D, True))
 
 
 def _fused(q, k, v):
@@ -122,7 +122,7 @@ def cases(size: str, dtype: torch.dtype):
         B, Hq, Hkv, T, D = shape
         yield Case("flash_attention_fused", _shape(B, Hq, Hkv, T, T, D), dtype,
                    _make_inputs(B, Hq, Hkv, T, T, D, dtype), ours=_fused, baselines={"sdpa": _sdpa(True)},
-                   flops=_attention_flops(B, Hq, T, T, D, True), passes=("bwd", "fwd+bwd"))
+                   flops=attention_flops(B, Hq, T, T, D, True), passes=("bwd", "fwd+bwd"))
 
     for B, Hq, Hkv, T, D, W in WINDOW.get(size, []):
         def windowed(q, k, v, W=W):
@@ -130,7 +130,7 @@ def cases(size: str, dtype: torch.dtype):
         yield Case("flash_attention_window", _shape(B, Hq, Hkv, T, T, D, W), dtype,
                    _make_inputs(B, Hq, Hkv, T, T, D, dtype), ours=windowed,
                    baselines={"ours full causal": flash_attention, "sdpa full causal": _sdpa(True)},
-                   flops=_attention_flops(B, Hq, T, T, D, True, W))
+                   flops=attention_flops(B, Hq, T, T, D, True, W))
 
     for B, Hq, Hkv, T, S, D in DECODE.get(size, []):
         nbytes = (2 * B * S * Hkv * D + 2 * B * T * Hq * D) * torch.finfo(dtype).bits // 8

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tritonllm.bench.harness import Case, compiled, liger_available
-from tritonllm.bench.ops_linear import SHAPES, _gemm_flops, _lce_liger, _lce_torch, _weight
+from tritonllm.bench.ops_linear import SHAPES, gemm_flops, lce_liger, lce_torch, random_weight
 from tritonllm.kernels import linear_cross_entropy
 
 OPS = ["linear_cross_entropy_fp8"]
@@ -22,15 +22,15 @@ OPS = ["linear_cross_entropy_fp8"]
 def _fp8_head_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> Case:
     def make_inputs():
         x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
-        return x, _weight(vocab, hidden, dtype), torch.randint(0, vocab, (tokens,), device="cuda")
+        return x, random_weight(vocab, hidden, dtype), torch.randint(0, vocab, (tokens,), device="cuda")
 
-    baselines = {"tritonllm bf16": lambda x, w, t: linear_cross_entropy(x, w, t), "torch": _lce_torch,
-                 "torch.compile": compiled(_lce_torch)}
+    baselines = {"tritonllm bf16": lambda x, w, t: linear_cross_entropy(x, w, t), "torch": lce_torch,
+                 "torch.compile": compiled(lce_torch)}
     if liger_available():
-        baselines["liger"] = _lce_liger
+        baselines["liger"] = lce_liger
     return Case("linear_cross_entropy_fp8", f"{tokens}x{hidden}x{vocab}", dtype, make_inputs,
                 ours=lambda x, w, t: linear_cross_entropy(x, w, t, fp8=True), baselines=baselines,
-                flops=_gemm_flops(tokens, vocab, hidden), measure_memory=True)
+                flops=gemm_flops(tokens, vocab, hidden), measure_memory=True)
 
 
 def cases(size: str, dtype: torch.dtype):

@@ -38,22 +38,22 @@ HOST_SHAPES = {"linear": (8, 768, 768), "linear_swiglu": (8, 768, 2048), "linear
 HOST_BASELINES = {"linear": "cuBLAS", "linear_swiglu": "torch", "linear_cross_entropy": "torch"}
 
 
-def _gemm_flops(m: int, n: int, k: int) -> dict[str, float]:
+def gemm_flops(m: int, n: int, k: int) -> dict[str, float]:
     return {"fwd": 2.0 * m * n * k, "bwd": 4.0 * m * n * k, "fwd+bwd": 6.0 * m * n * k}
 
 
-def _weight(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+def random_weight(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.randn(rows, k, device="cuda") * k ** -0.5).to(dtype).requires_grad_()
 
 
 def _linear_case(m: int, k: int, n: int, dtype: torch.dtype) -> Case:
     def make_inputs():
-        return torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True), _weight(n, k, dtype)
+        return torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True), random_weight(n, k, dtype)
 
     # torch eager is F.linear, i.e. the cuBLAS baseline itself
     baselines = {"cuBLAS": F.linear, "torch.compile": compiled(F.linear)}
     return Case("linear", f"{m}x{k}x{n}", dtype, make_inputs, ours=linear, baselines=baselines,
-                flops=_gemm_flops(m, n, k), reference=ref.linear)
+                flops=gemm_flops(m, n, k), reference=ref.linear)
 
 
 def _swiglu_cublas_triton(x, w13):
@@ -71,21 +71,21 @@ def _swiglu_liger(x, w13):
 
 def _linear_swiglu_case(m: int, k: int, f: int, dtype: torch.dtype) -> Case:
     def make_inputs():
-        return torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True), _weight(2 * f, k, dtype)
+        return torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True), random_weight(2 * f, k, dtype)
 
     baselines = {"cuBLAS+swiglu": _swiglu_cublas_triton, "torch": ref.linear_swiglu,
                  "torch.compile": compiled(ref.linear_swiglu)}
     if liger_available():
         baselines["liger"] = _swiglu_liger
     return Case("linear_swiglu", f"{m}x{k}x{2 * f}", dtype, make_inputs, ours=linear_swiglu, baselines=baselines,
-                flops=_gemm_flops(m, 2 * f, k), reference=ref.linear_swiglu)
+                flops=gemm_flops(m, 2 * f, k), reference=ref.linear_swiglu)
 
 
-def _lce_torch(x, w, t):
+def lce_torch(x, w, t):
     return F.cross_entropy(F.linear(x, w).float(), t)
 
 
-def _lce_liger(x, w, t):
+def lce_liger(x, w, t):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     return LigerFusedLinearCrossEntropyLoss()(w, x, t)
@@ -94,14 +94,14 @@ def _lce_liger(x, w, t):
 def _linear_cross_entropy_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> Case:
     def make_inputs():
         x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
-        return x, _weight(vocab, hidden, dtype), torch.randint(0, vocab, (tokens,), device="cuda")
+        return x, random_weight(vocab, hidden, dtype), torch.randint(0, vocab, (tokens,), device="cuda")
 
-    baselines = {"torch": _lce_torch, "torch.compile": compiled(_lce_torch)}
+    baselines = {"torch": lce_torch, "torch.compile": compiled(lce_torch)}
     if liger_available():
-        baselines["liger"] = _lce_liger
+        baselines["liger"] = lce_liger
     return Case("linear_cross_entropy", f"{tokens}x{hidden}x{vocab}", dtype, make_inputs,
                 ours=lambda x, w, t: linear_cross_entropy(x, w, t), baselines=baselines,
-                flops=_gemm_flops(tokens, vocab, hidden), measure_memory=True,
+                flops=gemm_flops(tokens, vocab, hidden), measure_memory=True,
                 reference=ref.linear_cross_entropy)
 
 

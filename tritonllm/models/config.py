@@ -123,10 +123,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d) -> ModelConfig:
         """Build from a mapping or an OmegaConf ``DictConfig``; an unknown key is a ModelConfigError naming it."""
-        d = _plain(d)
+        d = plain_container(d)
         if not isinstance(d, Mapping):
             raise ModelConfigError(f"model config must be a mapping or DictConfig, got {type(d).__name__}")
-        d = {k: _plain(v) for k, v in d.items()}
+        d = {k: plain_container(v) for k, v in d.items()}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -202,7 +202,7 @@ class ModelConfig:
         return total + embed + head
 
 
-def _plain(value):
+def plain_container(value):
     """An OmegaConf container as plain Python (resolved); anything else unchanged."""
     if type(value).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf

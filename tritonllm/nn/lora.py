@@ -73,9 +73,9 @@ class LoRAConfig:
 
     @classmethod
     def from_dict(cls, d) -> LoRAConfig:
-        from tritonllm.models.config import _plain
+        from tritonllm.models.config import plain_container
 
-        d = dict(_plain(d))
+        d = dict(plain_container(d))
         unknown = sorted(set(d) - {"rank", "alpha", "dropout", "targets"})
         if unknown:
             raise ConfigError(f"unknown lora config key(s) {unknown}; valid: rank, alpha, dropout, targets")

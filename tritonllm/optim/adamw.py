@@ -31,7 +31,7 @@ from tritonllm.kernels.adamw import adamw_step_, clip_grads_
 from tritonllm.optim._base import DeviceStateOptimizer
 
 
-def _dtensor_type():
+def dtensor_type():
     """``torch.distributed.tensor.DTensor``, or None when this PyTorch build has no torch.distributed."""
     if not torch.distributed.is_available():
         return None
@@ -118,7 +118,7 @@ class AdamW(DeviceStateOptimizer):
                     self._init_state(p, state, use_master)
                 items.append((p, g, state, use_master))
             if items:
-                dt = _dtensor_type()
+                dt = dtensor_type()
                 adamw_step_([_local(p, dt) for p, _, _, _ in items], [_local(g, dt) for _, g, _, _ in items],
                             [_local(s["exp_avg"], dt) for _, _, s, _ in items],
                             [_local(s["exp_avg_sq"], dt) for _, _, s, _ in items],
@@ -155,7 +155,7 @@ def clip_grad_norm_(params, max_norm: float, eps: float = 1e-6, *, found_inf: to
     if isinstance(params, torch.Tensor):
         params = [params]
     grads = [p.grad for p in params if p.grad is not None]
-    dt = _dtensor_type()
+    dt = dtensor_type()
     sharded = [g for g in grads if dt is not None and isinstance(g, dt)]
     reduce = None
     if sharded:

@@ -46,7 +46,7 @@ import torch
 
 from tritonllm.kernels.muon import ADJUST_LR, COEFFICIENTS, muon_step_
 from tritonllm.optim._base import DeviceStateOptimizer
-from tritonllm.optim.adamw import _dtensor_type
+from tritonllm.optim.adamw import dtensor_type
 
 #: elements of full matrices gathered per kernel call under FSDP2 (three fp32 work buffers -- weight,
 #: gradient, momentum -- of at most 512 MiB each): a bound on the transient memory, not a speed setting
@@ -138,7 +138,7 @@ class Muon(DeviceStateOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         if normuon and "second_moment" not in state:
             shape = (*p.shape[:-2], max(p.shape[-2:]))
-            dtensor = _dtensor_type()
+            dtensor = dtensor_type()
             if dtensor is not None and isinstance(p, dtensor):  # sharded with p's matrices, else replicated
                 from torch.distributed.tensor import Replicate, zeros
 
@@ -189,7 +189,7 @@ class Muon(DeviceStateOptimizer):
         """``muon_step_`` over ``items`` (parameter, state, master or not): plain tensors and whole
         local matrices in one call, matrices cut by the sharding gathered in bounded chunks (see the
         module docstring)."""
-        dtensor = _dtensor_type()
+        dtensor = dtensor_type()
         local = lambda t: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t  # noqa: E731
         whole, cut = [], []
         for p, state, use_master in items:
