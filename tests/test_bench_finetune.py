@@ -11,6 +11,7 @@ from conftest import ON_GPU
 pytest.importorskip("peft")
 
 from tritonllm.bench import finetune  # noqa: E402
+from tritonllm.bench.harness import git_commit  # noqa: E402
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
@@ -20,7 +21,7 @@ def test_smoke_run_writes_a_row(tmp_path, monkeypatch):
                          "--steps", "1", "--warmup", "1", "--sides", "tritonllm,peft,patch+peft",
                          "--out", str(tmp_path)])
     written = json.loads((tmp_path / "train-cpu-smoke.json").read_text())["results"]
-    assert written == [row]
+    assert written == [{**row, "commit": git_commit()}]  # each row records the commit it was measured at
     assert row["op"] == "finetune" and row["model"] == "tiny LoRA r4" and (row["batch"], row["seq_len"]) == (1, 16)
     for figures in (row, row["baselines"]["peft"], row["patch"]):
         assert figures["tokens_per_s"] > 0 and figures["step_ms"] > 0, figures
