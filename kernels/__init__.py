@@ -17,7 +17,7 @@ imported, it changes nothing. ``interpreting()`` tells which mode is on, and a C
 a kernel while the interpreter is off is refused with an error naming the argument and the variable.
 
 Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
-``swiglu``, ``relu2``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``split_heads``,
+``swiglu``, ``relu2``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``rope_flash_attention``, ``split_heads``,
 ``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``, ``moe_router``,
 ``moe_sort``, ``moe_gather``, ``moe_combine``, ``grouped_linear``, ``grouped_linear_swiglu``) is also
 registered as ``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta)
@@ -71,7 +71,7 @@ from .muon import muon_step_, orthogonalize  # noqa: E402
 from .linear import linear, linear_swiglu  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 # attention
-from .flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd  # noqa: E402
+from .flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd, rope_flash_attention  # noqa: E402
 from .split_heads import split_heads  # noqa: E402
 # mixture of experts
 from .moe_router import MoERouting, moe_router  # noqa: E402
@@ -85,7 +85,7 @@ __all__ = [
     "clip_grads_", "weighted_add", "fork", "add_fork",
     "muon_step_", "orthogonalize",
     "linear", "linear_swiglu", "linear_cross_entropy",
-    "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "split_heads",
+    "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "rope_flash_attention", "split_heads",
     "MoERouting", "moe_router", "MoEPlan", "moe_sort", "moe_gather", "moe_combine",
     "grouped_linear", "grouped_linear_swiglu", "moe",
 ]

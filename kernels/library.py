@@ -25,6 +25,8 @@ Differences from eager, all memory rather than results (an op may neither mutate
 holds nor return aliases): ``cross_entropy(inplace_backward=True)`` and ``rope(in_place_backward=True)``
 write their gradients into new tensors, ``linear_cross_entropy`` scales the gradients it computed in the
 forward into new tensors, and flash_attention's dq, dk, dv are three tensors, not one packed buffer.
+``rope_flash_attention`` (RoPE + attention over a packed qkv) is one op pair whose backward returns the
+packed qkv gradient, rotated in place inside the op, so that path keeps eager's memory and copies nothing.
 """
 
 from __future__ import annotations
@@ -545,6 +547,69 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window
                     softmax_scale: float | None = None, deterministic: bool = True,
                     documents: Tensor | None = None) -> Tensor:
     return flash_attention_fwd(q, k, v, causal, window, softmax_scale, deterministic, documents)[0]
+
+
+@_custom_op("tritonllm::rope_flash_attention_fwd", mutates_args=())
+def rope_flash_attention_fwd(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int, causal: bool,
+                             window: Optional[int], softmax_scale: Optional[float], deterministic: bool,
+                             documents: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(o, lse, qk)`` of :func:`kernels.flash_attention.rope_flash_attention`: ``qk`` the rotated query
+    and key heads ``[B, T, n_heads + n_kv_heads, D]``, kept for the backward."""
+    qk = _rope.rope_fwd(qkv[:, :, :n_heads + n_kv_heads], cos, sin)
+    q, k = qk.split((n_heads, n_kv_heads), dim=2)
+    o, lse = _fa.flash_attention_fwd(q, k, qkv[:, :, n_heads + n_kv_heads:], causal, window, softmax_scale,
+                                     documents=documents)
+    return o, lse, qk
+
+
+@rope_flash_attention_fwd.register_fake
+def _(qkv, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic, documents):
+    B, T, _, D = qkv.shape
+    return (qkv.new_empty((B, T, n_heads, D)), qkv.new_empty((B, n_heads, T), dtype=torch.float32),
+            qkv.new_empty((B, T, n_heads + n_kv_heads, D)))
+
+
+@_custom_op("tritonllm::rope_flash_attention_bwd", mutates_args=())
+def rope_flash_attention_bwd(do: Tensor, qk: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, cos: Tensor, sin: Tensor,
+                             n_heads: int, n_kv_heads: int, causal: bool, window: Optional[int],
+                             softmax_scale: Optional[float], deterministic: bool,
+                             documents: Optional[Tensor]) -> Tensor:
+    """The gradient of ``qkv``: the attention backward into one packed buffer, its query and key heads
+    then rotated back in place (:func:`kernels.flash_attention.flash_attention_bwd_packed`,
+    :func:`kernels.rope.rope_bwd`)."""
+    q, k = qk.split((n_heads, n_kv_heads), dim=2)
+    dqkv = _fa.flash_attention_bwd_packed(do, q, k, qkv[:, :, n_heads + n_kv_heads:], o, lse, causal, window,
+                                          softmax_scale, deterministic, documents)
+    _rope.rope_bwd(dqkv[:, :, :n_heads + n_kv_heads], cos, sin, in_place=True)
+    return dqkv
+
+
+@rope_flash_attention_bwd.register_fake
+def _(do, qk, qkv, o, lse, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic, documents):
+    return qkv.new_empty(qkv.shape)
+
+
+def _rope_flash_attention_setup(ctx, inputs, output):
+    qkv, cos, sin, *ctx.options, documents = inputs
+    o, lse, qk = output
+    ctx.save_for_backward(qk, qkv, o, lse, cos, sin, documents)
+
+
+def _rope_flash_attention_backward(ctx, do, _dlse, _dqk):
+    *saved, documents = ctx.saved_tensors
+    return (rope_flash_attention_bwd(do, *saved, *ctx.options, documents),) + (None,) * 9
+
+
+rope_flash_attention_fwd.register_autograd(_rope_flash_attention_backward, setup_context=_rope_flash_attention_setup)
+
+
+@_public
+def rope_flash_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int, causal: bool = True,
+                         window: int | None = None, softmax_scale: float | None = None, deterministic: bool = True,
+                         documents: Tensor | None = None) -> Tensor:
+    _fa.check_packed_heads(qkv, n_heads, n_kv_heads)
+    return rope_flash_attention_fwd(qkv, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic,
+                                    documents)[0]
 
 
 @_custom_op("tritonllm::flash_attention_decode", mutates_args=())

@@ -235,12 +235,16 @@ def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             position_offset: int | torch.Tensor = 0) -> torch.Tensor:
-    """Gradient of :func:`rope_fwd` with respect to ``x``: ``dy`` rotated by the opposite angle."""
+             position_offset: int | torch.Tensor = 0, in_place: bool = False) -> torch.Tensor:
+    """Gradient of :func:`rope_fwd` with respect to ``x``: ``dy`` rotated by the opposite angle.
+    ``in_place``: ``dy`` itself is rotated and returned (it needs a unit last stride and must own its
+    elements: no zero strides)."""
     check_tensor("dy", dy, ndim=4)
+    if in_place and (dy.stride(-1) != 1 or 0 in dy.stride()):
+        raise ValueError(f"dy: in_place needs a unit last stride and no zero strides, got strides {dy.stride()}")
     dy = _unit_last(dy)  # a gradient may arrive in any layout (x itself is never copied)
     _check_rope_args("dy", dy, cos, sin, position_offset)
-    return _rope_launch(dy, _unit_last(cos), _unit_last(sin), position_offset, inverse=True)
+    return _rope_launch(dy, _unit_last(cos), _unit_last(sin), position_offset, inverse=True, in_place=in_place)
 
 
 class RopeFunction(torch.autograd.Function):

@@ -220,6 +220,31 @@ def test_train_step_of_a_compiled_model_matches_eager():
     _compare(*results)
 
 
+def test_compiled_transformer_attention_is_one_op_each_way():
+    """The model's attention under torch.compile is one ``rope_flash_attention`` op forward and one
+    backward per layer, whose backward writes the packed qkv gradient: no ``pack_heads`` copy and no
+    separate RoPE or attention op in the forward or the backward graph."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def record(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    cfg = ModelConfig(name="dense", vocab_size=V, d_model=C, n_layers=2, n_heads=HQ, n_kv_heads=HKV, head_dim=D,
+                      d_ff=F, max_seq_len=T)
+    model = build_model(cfg, device=DEVICE)
+    torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))(
+        *_batch()).backward()
+    ops = [node.target._opname for gm in graphs for node in gm.graph.nodes
+           if node.op == "call_function" and getattr(node.target, "namespace", None) == "tritonllm"]
+    assert ops.count("rope_flash_attention_fwd") == 2 and ops.count("rope_flash_attention_bwd") == 2, ops
+    assert not {"pack_heads", "rope_fwd", "rope_bwd", "flash_attention_fwd", "flash_attention_bwd"} & set(ops), ops
+
+
 def test_compiled_lora_model_matches_eager():
     """A Transformer with LoRA adapters (tritonllm.nn.lora.apply_lora, dropout on) is one graph with the
     LoRA ops in it, and gives eager's loss and adapter gradients (the same dropout masks: the seeds are
@@ -474,6 +499,9 @@ def _op_cases():
     gate, up, packed = randn(5, 12, **g), randn(5, 12, **g), randn(5, 24, **g)
     q, k, v = randn(2, 8, 2, 32, **g), randn(2, 8, 1, 32, **g), randn(2, 8, 1, 32, **g)
     o, lse = lib.flash_attention_fwd(q, k, v, True, None, None, False, None)
+    qkv = randn(2, 8, 4, 32, **g)  # 2 query heads, 1 KV head
+    rfa = (2, 1, True, None, None, True)
+    ro, rlse, rqk = lib.rope_flash_attention_fwd(qkv, *rope_cos_sin(12, 32, device=DEVICE), *rfa, None)
     docs = torch.tensor([[[0, 3]] * 3 + [[3, 8]] * 5] * 2, dtype=torch.int32, device=DEVICE)
     cos, sin = rope_cos_sin(12, 32, device=DEVICE)
     ids, table = torch.randint(0, 10, (3, 4), device=DEVICE), randn(10, 32, **g)
@@ -510,6 +538,11 @@ def _op_cases():
         "flash_attention_fwd_documents": (lib.flash_attention_fwd, (q, k, v, True, None, None, True, docs)),
         "flash_attention_bwd": (lib.flash_attention_bwd, (d4, q.detach(), k.detach(), v.detach(), o.detach(),
                                                           lse.detach(), True, None, None, False, None)),
+        "rope_flash_attention_fwd": (lib.rope_flash_attention_fwd, (qkv, cos, sin, *rfa, None)),
+        "rope_flash_attention_fwd_window_documents": (lib.rope_flash_attention_fwd,
+                                                      (qkv, cos, sin, 2, 1, True, 3, 0.2, False, docs)),
+        "rope_flash_attention_bwd": (lib.rope_flash_attention_bwd, (randn(2, 8, 2, 32), rqk.detach(), qkv.detach(),
+                                                                    ro.detach(), rlse.detach(), cos, sin, *rfa, None)),
         "pack_heads": (lib.pack_heads, ([randn(2, 8, 2, 32), None], [2, 1], randn(2, 8, 3, 32))),
         "weighted_add_fwd": (lib.weighted_add_fwd, (x, randn(5, 32, **g), randn(2, **g))),
         "weighted_add_bwd": (lib.weighted_add_bwd, (dy, x.detach(), randn(5, 32), randn(1), True, True, True)),

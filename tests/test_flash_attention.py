@@ -227,6 +227,57 @@ def test_flash_attention_packed_gradient():
     assert_close("dqkv", dqkv, ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("B, T, Hq, Hkv, D, window, lengths", [
+    (2, 19, 4, 2, 32, None, None), (1, 33, 2, 2, 64, 7, None), (1, 1, 4, 1, 32, None, None),
+    (2, 24, 4, 2, 32, None, [5, 1, 18])], ids=["gqa", "mha-window7", "one-token", "documents"])
+def test_rope_flash_attention(B, T, Hq, Hkv, D, window, lengths, dtype):
+    """RoPE + attention over a packed qkv against the float64 reference, eagerly (split_heads, RoPE with
+    its in-place backward, flash_attention) and as the op pair torch.compile calls (one buffer for the
+    qkv gradient, rotated back in place): both the reference's values, and bitwise equal to each other."""
+    from tritonllm.data.sft import document_bounds
+    from tritonllm.kernels import library
+    from tritonllm.kernels.flash_attention import rope_flash_attention
+    from tritonllm.kernels.rope import rope_cos_sin
+
+    cos, sin = rope_cos_sin(T + 3, D)
+    qkv = randn(B, T, Hq + 2 * Hkv, D, dtype=dtype, requires_grad=True)
+    do = randn(B, T, Hq, D, dtype=dtype)
+    documents = doc_ids = None
+    if lengths is not None:
+        doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).expand(B, T).contiguous()
+        documents = torch.from_numpy(document_bounds(doc_ids.numpy()))
+    results = []
+    for fn in (rope_flash_attention, library.rope_flash_attention):
+        out = fn(qkv, cos, sin, Hq, Hkv, window=window, documents=documents)
+        results.append((out, *torch.autograd.grad(out, qkv, do)))
+    for got, eager in zip(results[1], results[0]):
+        assert torch.equal(got, eager)
+    expected = {}
+    for ref_dtype in (torch.float64, dtype):
+        x = qkv.detach().to(ref_dtype).requires_grad_()
+        qk = ref_ops.rope(x[:, :, :Hq + Hkv], cos.to(ref_dtype), sin.to(ref_dtype))
+        out, _ = reference(qk[:, :, :Hq], qk[:, :, Hq:], x[:, :, Hq + Hkv:], True, window, doc_ids=doc_ids)
+        expected[ref_dtype] = (out, *torch.autograd.grad(out, x, do.to(ref_dtype)))
+    for name, got, ref, own in zip(("out", "dqkv"), results[0], expected[torch.float64], expected[dtype]):
+        assert_close(name, got, ref, same=own)
+
+
+@pytest.mark.parametrize("heads, n_heads, n_kv_heads, match", [
+    (8, 4, 1, r"qkv: 8 heads, expected n_heads \+ 2 n_kv_heads = 6"),
+    (8, 3, 2, r"n_heads: 3 must be a positive multiple of n_kv_heads \(2\)"),
+    (8, 4, 0, r"n_heads: 4 must be a positive multiple of n_kv_heads \(0\)")])
+def test_rope_flash_attention_bad_heads(heads, n_heads, n_kv_heads, match):
+    from tritonllm.kernels import library
+    from tritonllm.kernels.flash_attention import rope_flash_attention
+    from tritonllm.kernels.rope import rope_cos_sin
+
+    cos, sin = rope_cos_sin(8, 32)
+    for fn in (rope_flash_attention, library.rope_flash_attention):
+        with pytest.raises(ValueError, match=match):
+            fn(randn(1, 8, heads, 32), cos, sin, n_heads, n_kv_heads)
+
+
 def _qkv(B=1, T=8, Hq=4, Hkv=2, D=32, S=None, dtype=torch.float32):
     S = T if S is None else S
     return randn(B, T, Hq, D, dtype=dtype), randn(B, S, Hkv, D, dtype=dtype), randn(B, S, Hkv, D, dtype=dtype)

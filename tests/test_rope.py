@@ -118,6 +118,25 @@ def test_rope_strided_gradient(poisoned_empty):
     assert_close("dx", dx, g64)
 
 
+def test_rope_bwd_in_place(poisoned_empty):
+    """rope_bwd(in_place=True) rotates a slice of a bigger buffer where it lies (the packed qkv gradient
+    of rope_flash_attention), leaves the rest of the buffer alone, and refuses memory it cannot own."""
+    from tritonllm.kernels.rope import rope_bwd
+
+    cos, sin = tables(5, 8)
+    buf = randn(2, 5, 4, 16)
+    before = buf.clone()
+    x64 = leaf(randn(2, 5, 3, 16), torch.float64)
+    (g64,) = torch.autograd.grad(reference(x64, cos, sin), [x64], before[:, :, :3].double())
+    out = rope_bwd(buf[:, :, :3], cos, sin, in_place=True)
+    assert out.data_ptr() == buf.data_ptr() and out.stride() == buf.stride()
+    assert_close("dx", buf[:, :, :3], g64)
+    assert torch.equal(buf[:, :, 3], before[:, :, 3])
+    for dy in (randn(2, 5, 3, 32)[..., ::2], randn(1, 5, 3, 16).expand(2, 5, 3, 16)):
+        with pytest.raises(ValueError, match="dy: in_place needs a unit last stride and no zero strides"):
+            rope_bwd(dy, cos, sin, in_place=True)
+
+
 # ---- rope_cos_sin -------------------------------------------------------------------------------
 
 def inv_freq_reference(D, theta, scaling):

@@ -279,13 +279,13 @@ def test_lora_finetune_run_lowers_loss(model_folder, tmp_path, pack, monkeypatch
     import tritonllm.nn.attention
     from tritonllm.train import train
 
-    attention, seen = tritonllm.nn.attention.flash_attention, set()
+    attention, seen = tritonllm.nn.attention.rope_flash_attention, set()
 
     def spy(*args, documents=None, **kw):  # (training or validation, documents given)
         seen.add((torch.is_grad_enabled(), documents is not None))
         return attention(*args, documents=documents, **kw)
 
-    monkeypatch.setattr(tritonllm.nn.attention, "flash_attention", spy)
+    monkeypatch.setattr(tritonllm.nn.attention, "rope_flash_attention", spy)  # the attention of training
 
     data = write_jsonl(tmp_path / "train.jsonl")
     out = tmp_path / "run"

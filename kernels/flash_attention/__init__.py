@@ -60,12 +60,15 @@ from __future__ import annotations
 
 import torch
 
-from .._common import compilable, needs_grad
-from .backward import flash_attention_bwd
+from .._common import check_tensor, compilable, needs_grad
+from ..rope import rope
+from ..split_heads import split_heads
+from .backward import flash_attention_bwd, flash_attention_bwd_packed
 from .config import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, HEAD_DIMS, ONE_LOOP, TMA
 from .forward import flash_attention_decode, flash_attention_fwd
 
-__all__ = ["flash_attention", "flash_attention_fwd", "flash_attention_bwd", "flash_attention_decode",
+__all__ = ["flash_attention", "rope_flash_attention", "flash_attention_fwd", "flash_attention_bwd",
+           "flash_attention_bwd_packed", "flash_attention_decode",
            "FlashAttentionFunction", "HEAD_DIMS", "TMA", "ONE_LOOP", "FWD_CONFIGS", "DKDV_CONFIGS", "DQ_CONFIGS"]
 
 
@@ -128,3 +131,37 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if needs_grad(q, k, v):
         return FlashAttentionFunction.apply(q, k, v, causal, window, softmax_scale, deterministic, documents)
     return flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)[0]  # nothing to differentiate
+
+
+def check_packed_heads(qkv: torch.Tensor, n_heads: int, n_kv_heads: int) -> None:
+    """``qkv`` is ``[B, T, n_heads + 2 n_kv_heads, D]`` with ``n_heads`` a multiple of ``n_kv_heads``."""
+    check_tensor("qkv", qkv, ndim=4)
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"n_heads: {n_heads} must be a positive multiple of n_kv_heads ({n_kv_heads})")
+    if qkv.shape[2] != n_heads + 2 * n_kv_heads:
+        raise ValueError(f"qkv: {qkv.shape[2]} heads, expected n_heads + 2 n_kv_heads = {n_heads + 2 * n_kv_heads}")
+
+
+@compilable
+def rope_flash_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+                         causal: bool = True, window: int | None = None, softmax_scale: float | None = None,
+                         deterministic: bool = True, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Self-attention over a packed projection: RoPE on its query and key heads, then :func:`flash_attention`.
+
+    Args:
+        qkv: ``[B, T, n_heads + 2 n_kv_heads, D]``, the query, key and value heads in that order (a
+            packed qkv projection viewed by heads); unit last stride.
+        cos, sin: RoPE tables as for :func:`~tritonllm.kernels.rope`, position 0 at row 0.
+        causal, window, softmax_scale, deterministic, documents: as for :func:`flash_attention`.
+
+    Returns:
+        ``[B, T, n_heads, D]``, the same as ``flash_attention(rope(q), rope(k), v, ...)``. The gradient
+        of ``qkv`` is one buffer: the attention backward writes dq, dk and dv into its head slices and
+        the RoPE backward rotates dq and dk there in place, so nothing is copied, eagerly (through
+        ``split_heads`` views and ``rope(in_place_backward=True)``) and under ``torch.compile`` (one op
+        each way, where the separate ops would return three gradients to be packed by a copy).
+    """
+    check_packed_heads(qkv, n_heads, n_kv_heads)
+    qk, v = split_heads(qkv, (n_heads + n_kv_heads, n_kv_heads))
+    q, k = split_heads(rope(qk, cos, sin, in_place_backward=True), (n_heads, n_kv_heads))
+    return flash_attention(q, k, v, causal, window, softmax_scale, deterministic, documents)

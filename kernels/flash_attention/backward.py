@@ -306,18 +306,30 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     packed qkv projection (:func:`~tritonllm.kernels.split_heads` then packs them without a copy);
     otherwise each is contiguous.
     """
+    if packed:
+        dqkv = flash_attention_bwd_packed(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents)
+        dq, dk, dv = dqkv.split((q.shape[2], k.shape[2], v.shape[2]), dim=2)
+        return dq, dk, dv
+    bwd = AttentionBackward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    bwd.run(dq, dk, dv)
+    return dq, dk, dv
+
+
+def flash_attention_bwd_packed(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                               lse: torch.Tensor, causal: bool = True, window: int | None = None,
+                               softmax_scale: float | None = None, deterministic: bool = True,
+                               documents: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`flash_attention_bwd` into one ``[B, T, Hq + 2 Hkv, D]`` buffer, returned whole: dq, dk and dv
+    are its head slices in that order, the gradient of a packed qkv projection. Needs ``S == T``."""
     bwd = AttentionBackward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents)
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    if packed:
-        if S != T:
-            raise ValueError(f"packed=True needs as many keys as queries, got T={T} and S={S}")
-        buf = torch.empty((B, T, Hq + 2 * Hkv, D), dtype=q.dtype, device=q.device)
-        dq, dk, dv = buf.split((Hq, Hkv, Hkv), dim=2)
-    else:
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    bwd.run(dq, dk, dv)
-    return dq, dk, dv
+    if S != T:
+        raise ValueError(f"packed=True needs as many keys as queries, got T={T} and S={S}")
+    dqkv = torch.empty((B, T, Hq + 2 * Hkv, D), dtype=q.dtype, device=q.device)
+    bwd.run(*dqkv.split((Hq, Hkv, Hkv), dim=2))
+    return dqkv
 
 
 #: launch plans of the backward's preprocess and dQ finalize kernels per problem

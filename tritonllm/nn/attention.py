@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tritonllm.kernels.flash_attention import flash_attention, flash_attention_decode
+from tritonllm.kernels.flash_attention import flash_attention, flash_attention_decode, rope_flash_attention
 from tritonllm.kernels.kv_cache import kv_cache_write_
 from tritonllm.kernels.residual_mix import weighted_add
 from tritonllm.kernels.rope import rope
@@ -135,10 +135,15 @@ class Attention(nn.Module):
         attend to every filled position (the caller advances the cache after the last layer); with
         ``documents``, a query attends only to its own packed document."""
         B, T, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin, 0 if cache is None else cache.pos, ve)
-        if cache is not None:
-            k, v = cache.append(self.layer_idx, k, v)
-        y = flash_attention(q, k, v, causal=self.causal, window=self.window, documents=documents)
+        if cache is None and ve is None and (self.q_norm is None or self.k_norm is None):  # training: one call
+            qkv = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+            y = rope_flash_attention(qkv, cos, sin, self.n_heads, self.n_kv_heads, causal=self.causal,
+                                     window=self.window, documents=documents)
+        else:
+            q, k, v = self._qkv(x, cos, sin, 0 if cache is None else cache.pos, ve)
+            if cache is not None:
+                k, v = cache.append(self.layer_idx, k, v)
+            y = flash_attention(q, k, v, causal=self.causal, window=self.window, documents=documents)
         return self.proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, kv_len: torch.Tensor,
