@@ -67,7 +67,7 @@ from .backward import flash_attention_bwd, flash_attention_bwd_packed
 from .config import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, HEAD_DIMS, ONE_LOOP, TMA
 from .forward import flash_attention_decode, flash_attention_fwd
 
-__all__ = ["flash_attention", "rope_flash_attention", "flash_attention_fwd", "flash_attention_bwd",
+__all__ = ["flash_attention", "rope_flash_attention", "rope_qkv", "flash_attention_fwd", "flash_attention_bwd",
            "flash_attention_bwd_packed", "flash_attention_decode",
            "FlashAttentionFunction", "HEAD_DIMS", "TMA", "ONE_LOOP", "FWD_CONFIGS", "DKDV_CONFIGS", "DQ_CONFIGS"]
 
@@ -162,6 +162,17 @@ def rope_flash_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         each way, where the separate ops would return three gradients to be packed by a copy).
     """
     check_packed_heads(qkv, n_heads, n_kv_heads)
-    qk, v = split_heads(qkv, (n_heads + n_kv_heads, n_kv_heads))
-    q, k = split_heads(rope(qk, cos, sin, in_place_backward=True), (n_heads, n_kv_heads))
+    q, k, v = rope_qkv(qkv, cos, sin, n_heads, n_kv_heads)
     return flash_attention(q, k, v, causal, window, softmax_scale, deterministic, documents)
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+             position_offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rope(q), rope(k), v)`` of a packed ``qkv [B, T, n_heads + 2 n_kv_heads, D]`` for attention: the
+    query and key heads rotated in one launch, v a view. RoPE's backward rotates in place, so it is only
+    for outputs that feed attention alone; :func:`flash_attention`'s backward then writes dq, dk, dv as
+    slices of one buffer that reaches ``qkv`` as its gradient without a copy."""
+    qk, v = split_heads(qkv, (n_heads + n_kv_heads, n_kv_heads))
+    q, k = split_heads(rope(qk, cos, sin, position_offset=position_offset, in_place_backward=True),
+                       (n_heads, n_kv_heads))
+    return q, k, v

@@ -143,13 +143,14 @@ class Transformer(nn.Module):
         torch.compile they are built inside the graph (one small kernel a step) instead: filling the
         cache while tracing would make the graph's guards fail on the next call and compile it again."""
         device = torch.device(device)
-        cfg = self.cfg
-        if torch.compiler.is_compiling():
-            return rope_cos_sin(cfg.max_seq_len, cfg.head_size, theta=cfg.rope_theta, scaling=cfg.rope_scaling,
-                                device=device)
-        if self._rope is None or self._rope[0].device != device:
-            self._rope = rope_cos_sin(cfg.max_seq_len, cfg.head_size, theta=cfg.rope_theta,
-                                      scaling=cfg.rope_scaling, device=device)
+        compiling = torch.compiler.is_compiling()
+        if compiling or self._rope is None or self._rope[0].device != device:
+            cfg = self.cfg
+            tables = rope_cos_sin(cfg.max_seq_len, cfg.head_size, theta=cfg.rope_theta, scaling=cfg.rope_scaling,
+                                  device=device)
+            if compiling:
+                return tables
+            self._rope = tables
         return self._rope
 
     def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tritonllm.kernels.flash_attention import flash_attention, flash_attention_decode, rope_flash_attention
+from tritonllm.kernels.flash_attention import flash_attention, flash_attention_decode, rope_flash_attention, rope_qkv
 from tritonllm.kernels.kv_cache import kv_cache_write_
 from tritonllm.kernels.residual_mix import weighted_add
 from tritonllm.kernels.rope import rope
@@ -116,12 +116,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
-        # RoPE's outputs feed only the attention, whose backward writes dq, dk, dv as slices of one packed
-        # buffer: rotated back in place there, they reach the qkv projection as its gradient without a copy
-        if self.q_norm is None or self.k_norm is None:  # q and k are adjacent heads: one RoPE launch rotates both
-            qk, v = split_heads(qkv, (Hq + Hkv, Hkv))
-            q, k = split_heads(rope(qk, cos, sin, position_offset=pos, in_place_backward=True), (Hq, Hkv))
-        else:
+        if self.q_norm is None or self.k_norm is None:
+            q, k, v = rope_qkv(qkv, cos, sin, Hq, Hkv, pos)
+        else:  # RoPE's outputs feed only the attention: its backward rotates the attention's gradient in place
             q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
             q = rope(self.q_norm(q), cos, sin, position_offset=pos, in_place_backward=True)
             k = rope(self.k_norm(k), cos, sin, position_offset=pos, in_place_backward=True)
