@@ -146,8 +146,9 @@ def evaluate_candidate(payload: dict, folder: str) -> dict:
     cfg = OmegaConf.create(payload["config"])
     device = resolve_device(cfg.device)
     if device.type == "cuda" and payload.get("gpu_memory_gb"):
-        total = torch.cuda.get_device_properties(device).total_memory / 1e9
-        torch.cuda.set_per_process_memory_fraction(min(1.0, payload["gpu_memory_gb"] / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory / 1e9
+        torch.cuda.set_per_process_memory_fraction(min(1.0, payload["gpu_memory_gb"] / total), index)
     run_dir = str(cfg.out_dir)
     os.makedirs(run_dir, exist_ok=True)
     warm = payload.get("warm_start")
