@@ -150,6 +150,7 @@ class SftData(_DataFiles):
 @dataclass
 class StdlibData:
     kind: str = _f("stdlib", choices=("stdlib",))
+    packages: bool = False
     max_bytes: Optional[int] = _f(20000000, ge=1)
     vocab_size: int = _f(8192, ge=2)
     tokenizer_bytes: Optional[int] = _f(None, ge=1)

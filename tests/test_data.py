@@ -1,7 +1,9 @@
 """Data pipeline: llm.c token shards (valid and malformed), the text and standard-library corpora with
 their cached tokenizer, the train/validation split and the deterministic, resumable batch loader."""
 
+import logging
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -91,7 +93,7 @@ def _loader(n_tokens=1000, seed=0, batch=4, seq=16, shuffle=True, vocab=None):
     return TokenLoader(TokenStream([np.arange(n_tokens) % 997]), batch, seq, seed, shuffle, vocab)
 
 
-def test_batches_are_shifted_windows_and_cover_an_epoch_once():
+def test_batches_are_shifted_windows_and_cover_an_epoch_once(caplog):
     loader = _loader(n_tokens=16 * 20 + 1, batch=5)
     firsts = []
     for _ in range(4):  # 20 windows = 4 batches of 5: one epoch
@@ -100,9 +102,11 @@ def test_batches_are_shifted_windows_and_cover_an_epoch_once():
         assert torch.equal(x[:, 1:], y[:, :-1])
         firsts += (x[:, 0] // 16).tolist()
     assert sorted(firsts) == list(range(20))
-    assert loader.state_dict()["epoch"] == 0
-    loader.next_batch()
+    assert loader.state_dict()["epoch"] == 0 and loader.epoch_tokens == 20 * 16
+    with caplog.at_level(logging.INFO, logger="tritonllm.data.loader"):
+        loader.next_batch()
     assert loader.state_dict()["epoch"] == 1
+    assert "train split's 20 windows are used up: epoch 2 begins" in caplog.text
 
 
 def test_loader_deterministic_given_seed_and_resumable():
@@ -218,6 +222,37 @@ def test_stdlib_corpus(tmp_path):
     x, _ = train.next_batch()
     assert x.max().item() < corpus.vocab_size
     assert len(os.listdir(tmp_path / "cache")) == 1
+
+
+def test_python_corpus_with_the_installed_packages(monkeypatch, tmp_path):
+    """``packages``: the standard library's files first, then every installed package's ``*.py`` once
+    (sysconfig's purelib, a site-packages folder on sys.path, the same folder twice or through a link
+    adds nothing), files that are not text left out."""
+    import sysconfig
+
+    lib = tmp_path / "lib" / "python3"
+    site, other = lib / "site-packages", tmp_path / "venv" / "site-packages"
+    for folder, name, text in [(lib, "os.py", "import sys\n"), (lib / "json", "__init__.py", "def dumps(x):\n"),
+                               (site / "pkg", "a.py", "x = 1\n"), (site / "pkg", "b.py", "y = 2\n"),
+                               (other / "extra", "c.py", "z = 3\n")]:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text * 50)
+    (site / "pkg" / "koi8.py").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "alias").mkdir()
+    os.symlink(other, tmp_path / "alias" / "site-packages", target_is_directory=True)
+    paths = {**sysconfig.get_paths(), "stdlib": str(lib), "purelib": str(site), "platlib": str(site)}
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
+    monkeypatch.setattr(sys, "path", [str(other), str(other), str(tmp_path / "alias" / "site-packages"), str(site)])
+    stdlib = [str(lib / "json" / "__init__.py"), str(lib / "os.py")]
+    assert stdlib_files() == stdlib
+    assert stdlib_files(packages=True) == stdlib + [str(site / "pkg" / "a.py"), str(site / "pkg" / "b.py"),
+                                                    str(other / "extra" / "c.py")]
+    cfg = data_cfg(kind="stdlib", packages=True, max_bytes=None, vocab_size=300, tokenizer_bytes=None,
+                   val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
+    tok = load_corpus(cfg).tokenizer
+    documents = [(np.asarray(load_corpus(data_cfg(**{**OmegaConf.to_container(cfg), "packages": p})).train_shards[0])
+                  == tok.eos_id).sum() for p in (True, False)]
+    assert documents == [5, 2]
 
 
 def test_stdlib_corpus_leaves_out_files_that_are_not_text():

@@ -5,6 +5,7 @@ search (2 generations x 2 candidates of a shrunken void_tiny) with its outputs, 
 start (a child with an inserted layer starts from its parent's trained weights)."""
 
 import json
+import logging
 import os
 import random
 import re
@@ -21,7 +22,7 @@ from test_train import TINY
 from tritonllm.errors import ConfigError
 from tritonllm.evolve.results import best_under_cap, pareto_front
 from tritonllm.evolve.sandbox import run_sandboxed
-from tritonllm.evolve.search import Journal, parse_budget, run_search
+from tritonllm.evolve.search import Journal, Search, parse_budget, run_search
 from tritonllm.evolve.evaluate import evaluate_candidate
 from tritonllm.evolve.space import STATE_BYTES_PER_PARAM, Limits, Rejection, SearchSpace, violations
 from tritonllm.kernels.flash_attention import HEAD_DIMS
@@ -270,8 +271,11 @@ def test_search_end_to_end_and_resume(tmp_path, data_overrides):
     seed = evaluated[0]
     assert seed["origin"] == "seed" and seed["model"]["n_layers"] == 1 and seed["lr"] == 2e-2
     assert evaluated[1]["origin"] == "mutant" and evaluated[1]["parent"] == "seed"
+    epoch_tokens = Search(compose_evolve(*SEARCH, *data_overrides, f"out_dir={tmp_path / 'other'}"),
+                          str(tmp_path / "other")).epoch_tokens
     for r in evaluated:
         assert r["tokens"] == 64 and r["steps"] == 1 and r["val_loss"] > 0 and r["tokens_per_s"] > 0
+        assert r["epochs"] == pytest.approx(64 / epoch_tokens)
         assert r["peak_mem_kind"] in ("host_rss", "cuda_allocated") and r["params"] == ModelConfig.from_dict(
             r["model"]).param_count()
     assert len({r["key"] for r in evaluated}) == 4  # no model trained twice
@@ -289,6 +293,18 @@ def test_search_end_to_end_and_resume(tmp_path, data_overrides):
     cfg = compose_train_with_searchpath(out)
     assert OmegaConf.to_container(cfg.model) == {**best["model"]}
     assert ModelConfig.from_dict(cfg.model).param_count() == best["params"]
+
+
+def test_a_budget_past_one_pass_over_the_data_is_warned_about(tmp_path, data_overrides, caplog):
+    """A token budget larger than the training split: the candidates' validation losses would measure
+    memorisation (the first GPU search on the 3M-token stdlib corpus did), and the search says so."""
+    cfg = compose_evolve(*SEARCH, *data_overrides, f"out_dir={tmp_path}")
+    epoch = Search(cfg, str(tmp_path)).epoch_tokens
+    assert epoch > 0 and "passes over" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="tritonllm.evolve"):
+        Search(compose_evolve(*SEARCH, *data_overrides, f"evolve.budget={3 * epoch}", f"out_dir={tmp_path}"),
+               str(tmp_path))
+    assert "is 3.0 passes over the" in caplog.text and "memorisation" in caplog.text
 
 
 #: a warm search's space: layers and the FFN width, each child a growth of the seed

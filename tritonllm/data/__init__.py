@@ -79,7 +79,7 @@ def load_corpus(cfg) -> Corpus | SFTCorpus:
     val_fraction = float(cfg.get("val_fraction", 0.05))
     if kind in ("stdlib", "text"):
         if kind == "stdlib":
-            files = within_budget(stdlib_files(), cfg.get("max_bytes"))
+            files = within_budget(stdlib_files(bool(cfg.get("packages", False))), cfg.get("max_bytes"))
             if not files:
                 raise DataError("no *.py files found in the Python standard library (sysconfig stdlib path)")
         else:

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import sysconfig
 
 from tritonllm.data.shards import ShardWriter
@@ -27,20 +28,47 @@ log = logging.getLogger(__name__)
 
 #: bump when the cached layout or the tokenization changes
 CACHE_VERSION = 1
+#: files read and encoded together (one multi-threaded SentencePiece call)
+ENCODE_FILES = 256
 
 
-def stdlib_files() -> list[str]:
+def stdlib_files(packages: bool = False) -> list[str]:
     """The standard library's own ``*.py`` files, sorted (installed third-party packages excluded, and
-    the few that are not UTF-8 text: the encoding tests' fixtures, e.g. ``test/encoded_modules/module_koi8_r.py``)."""
+    the few that are not UTF-8 text: the encoding tests' fixtures, e.g. ``test/encoded_modules/module_koi8_r.py``).
+
+    ``packages``: then also the ``*.py`` files of the installed packages (every site-packages folder
+    on ``sys.path`` and sysconfig's purelib/platlib, each file once), sorted after the standard
+    library's: torch alone adds tens of millions of tokens, for runs that must not repeat their data.
+    """
     root = sysconfig.get_paths()["stdlib"]
     files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
     skip = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
     files = sorted(f for f in files if not any(s in f for s in skip))
+    if packages:
+        seen = {os.path.realpath(f) for f in files}
+        for site in package_roots():
+            for f in sorted(glob.glob(os.path.join(site, "**", "*.py"), recursive=True)):
+                real = os.path.realpath(f)
+                if real not in seen and os.path.isfile(real):
+                    seen.add(real)
+                    files.append(f)
     binary = set(not_text(files))
     if binary:
-        log.info("stdlib corpus: left out %d file(s) that are not UTF-8 text: %s", len(binary),
-                 ", ".join(os.path.relpath(f, root) for f in sorted(binary)))
+        log.info("python corpus: left out %d file(s) that are not UTF-8 text: %s", len(binary),
+                 ", ".join(os.path.relpath(f, root) for f in sorted(binary)[:20]))
     return [f for f in files if f not in binary]
+
+
+def package_roots() -> list[str]:
+    """The folders installed packages live in: the site-packages and dist-packages folders on
+    ``sys.path`` and sysconfig's purelib and platlib,
+    sorted, each once, nested ones left out (their files are found from the outer folder)."""
+    paths = sysconfig.get_paths()
+    found = {os.path.realpath(p) for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p)}
+    found |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)
+              and os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")}
+    roots = sorted(found)
+    return [r for r in roots if not any(r != o and r.startswith(o + os.sep) for o in roots)]
 
 
 def glob_files(pattern: str, key: str) -> list[str]:
@@ -140,9 +168,10 @@ def tokenized_corpus(kind: str, files: list[str], vocab_size: int, tokenizer: st
             shutil.copyfile(tokenizer, tmp_model)
             tok = Tokenizer(tmp_model)
         with ShardWriter(os.path.join(tmp, "tokens.bin"), tok.vocab_size) as w:
-            for f in files:
-                w.write(tok.encode(read_text(f)))
-                w.write([tok.eos_id])
+            for i in range(0, len(files), ENCODE_FILES):
+                for ids in tok.encode_batch([read_text(f) for f in files[i:i + ENCODE_FILES]]):
+                    w.write(ids)
+                    w.write([tok.eos_id])
         meta = {"files": len(files), "bytes": sum(os.path.getsize(f) for f in files), "tokens": w.count,
                 "vocab_size": tok.vocab_size, "settings": settings}
         with open(os.path.join(tmp, "meta.json"), "w") as out:

@@ -16,10 +16,14 @@ rank, so a saved position resumes on any world size.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from tritonllm.errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 class TokenStream:
@@ -79,6 +83,11 @@ class TokenLoader:
         self._order_epoch: int | None = None
         self._order: np.ndarray | None = None
 
+    @property
+    def epoch_tokens(self) -> int:
+        """Training tokens in one pass over the split (``n_windows * seq_len``)."""
+        return self.n_windows * self.seq_len
+
     def _window_id(self, epoch: int, index: int) -> int:
         if not self.shuffle:
             return index
@@ -103,6 +112,9 @@ class TokenLoader:
         for j in range(self.world_size * self.batch_size):
             if self.index == self.n_windows:
                 self.epoch, self.index = self.epoch + 1, 0
+                if self.shuffle and self.rank == 0:
+                    log.info("the %s split's %d windows are used up: epoch %d begins, the data repeats",
+                             self.name, self.n_windows, self.epoch + 1)
             if first <= j < first + self.batch_size:
                 ids.append(self._window_id(self.epoch, self.index))
             self.index += 1

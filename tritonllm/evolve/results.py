@@ -35,8 +35,8 @@ log = logging.getLogger("tritonllm.evolve")
 MAXIMIZE = {"tokens_per_s"}
 COLUMNS = ("trial", "generation", "origin", "parent", "warm", "warm_from", "status", "reason", "n_layers", "d_model",
            "n_heads", "n_kv_heads", "head_dim", "d_ff", "window", "qk_norm", "n_experts", "moe_top_k", "lr", "params",
-           "active_params", "val_loss", "tokens_per_s", "peak_mem_gb", "peak_mem_kind", "device", "tokens", "wall_s",
-           "pareto")
+           "active_params", "val_loss", "tokens_per_s", "peak_mem_gb", "peak_mem_kind", "device", "tokens", "epochs",
+           "wall_s", "pareto")
 
 
 def _dominates(a: dict, b: dict, objectives) -> bool:

@@ -24,6 +24,12 @@ validation loss it grows from. Its record has ``warm: true``, ``warm_from`` (tha
 (its parent's tokens and its own): its loss says what growing buys, not what the architecture
 reaches from scratch.
 
+Data: every record has ``epochs``, the passes its training made over the training split. Past one
+pass the validation loss rewards the slowest candidates (the fewest repeats, the least memorised)
+rather than the best architecture; the search warns at start (token budget) and after each such
+trial. The standard-library corpus holds about 3M tokens: ``data.packages=true`` adds the
+installed packages' sources.
+
 Every candidate runs in its own process (:func:`tritonllm.evolve.sandbox.run_sandboxed`) with a
 wall-clock limit; one that fails (raises, diverges, runs out of memory, crashes, times out) is
 recorded with its reason, its checkpoints are removed, and the search goes on.
@@ -173,6 +179,14 @@ class Search:
             seed.vocab_size = corpus.vocab_size
         self.seed = seed
         tr = cfg.trainer
+        train_loader, _ = corpus.loaders(int(tr.batch_size), int(tr.seq_len), int(cfg.seed), None)
+        #: tokens of one pass over the training split (None: not known in advance, e.g. SFT data)
+        self.epoch_tokens = getattr(train_loader, "epoch_tokens", None)
+        if self.budget_kind == "tokens" and self.epoch_tokens and self.budget > self.epoch_tokens:
+            log.warning("the budget of %.4g tokens is %.1f passes over the %.4g training tokens: the validation "
+                        "loss will measure memorisation as much as the architecture. Use more data "
+                        "(data.packages=true data.max_bytes=null, data=text or data=bin) or a smaller budget",
+                        self.budget, self.budget / self.epoch_tokens, self.epoch_tokens)
         self.limits = Limits(multiple_of=int(self.ev.multiple_of), max_params=self.ev.max_params,
                              memory_cap_gb=self.ev.memory_cap_gb, seq_len=int(tr.seq_len))
         self.space = SearchSpace(seed, float(cfg.optim.lr), config_dict(self.ev.space), self.limits)
@@ -364,6 +378,8 @@ class Search:
             else:
                 values = [float(metrics[o]) for o in self.ev.objectives]
                 record.update(metrics)
+                if self.epoch_tokens and metrics.get("tokens"):
+                    record["epochs"] = metrics["tokens"] / self.epoch_tokens
         if values is None:
             record.update(status="failed", reason=out.reason)
             shutil.rmtree(os.path.join(folder, "run", "checkpoints"), ignore_errors=True)  # rollback
@@ -377,6 +393,10 @@ class Search:
                 shutil.rmtree(os.path.join(folder, "run", "checkpoints"), ignore_errors=True)
             log.info("trial %d: %s (%.0f s)", trial.number,
                      ", ".join(f"{o} {v:.4g}" for o, v in zip(self.ev.objectives, values)), out.wall_s)
+            if record.get("epochs", 0) > 1:
+                log.warning("trial %d trained %.1f passes over the training split: its validation loss measures "
+                            "memorisation as much as the architecture (more data or a smaller evolve.budget)",
+                            trial.number, record["epochs"])
         return self._tell(trial, record, values)
 
     def run(self) -> dict:
