@@ -8,6 +8,8 @@
 #   machine): the same stage again resumes the search. The run folder without weights comes back as
 #   $OUT/evolve-run.tar.gz; put it in .evolve-state/ (gitignored) and carry that folder, and a fresh machine
 #   resumes from it (children whose parent's weights are gone start cold)
+# STACKS_EVERY=s: every s seconds each running stage's tritonllm process prints its Python stacks into
+#   the stage's log (kill -USR1, tritonllm.runtime.stacks_on_signal): where a slow warm-up spends its time.
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -23,6 +25,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 stages=${*:-tests bench}
+if [ "${STACKS_EVERY:-0}" -gt 0 ]; then
+    ( while sleep "$STACKS_EVERY"; do pkill -USR1 -f "^python3 -m tritonllm\.(bench|train|evolve) "; done ) &
+    stacks_pid=$!
+fi
 for stage in $stages; do
     case $stage in
         tests)
@@ -53,6 +59,7 @@ for stage in $stages; do
             tar czf "$OUT/evolve-run.tar.gz" --exclude='*.safetensors' --exclude='*.pt' evolve-run && ls -l "$OUT/evolve-run.tar.gz" ;;
     esac
 done
+[ -z "${stacks_pid:-}" ] || kill "$stacks_pid"
 # the device tool brings back at most 8 files: drop the recorded results no stage changed, and an empty install log
 for f in docs/perf/*-*.json; do cmp -s "$f" "$OUT/$(basename "$f")" && rm "$OUT/$(basename "$f")"; done
 [ -s "$OUT/install.log" ] || rm -f "$OUT/install.log"

@@ -420,3 +420,26 @@ def test_generate_falls_back_past_a_corrupt_newest_checkpoint(straight, tmp_path
     assert "step_00000004 is corrupt: model.safetensors" in printed.err and \
         printed.err.rstrip().endswith("falling back to the previous checkpoint, " +
                                       os.path.join(out, "checkpoints", "step_00000003")), printed.err
+
+
+def test_usr1_prints_every_stack_and_the_app_goes_on(tmp_path):
+    """``kill -USR1`` on a command-line app prints where each thread is (a run that seems stuck in
+    compilation or autotuning) and does not stop it."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, threading\n"
+            "from tritonllm.runtime import exit_on_user_error\n"
+            "def busy_worker(ready):\n    ready.wait()\n"
+            "@exit_on_user_error\n"
+            "def app():\n"
+            "    ready = threading.Event()\n"
+            "    worker = threading.Thread(target=busy_worker, args=(ready,))\n"
+            "    worker.start()\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "    ready.set(); worker.join()\n"
+            "    print('went on')\n"
+            "app()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0 and r.stdout == "went on\n", r.stderr
+    assert "most recent call first" in r.stderr and "in busy_worker" in r.stderr and "in app" in r.stderr

@@ -1,14 +1,18 @@
-"""Helpers shared by the command-line apps (train, generate, bench train, evolve): device and dtype
-choice, and printing a :class:`~tritonllm.errors.TritonLLMError` or a config that does not compose
-(wrong type, unknown key, missing value) as one clear line."""
+"""Helpers shared by the command-line apps (train, generate, bench, evolve): device and dtype
+choice, printing a :class:`~tritonllm.errors.TritonLLMError` or a config that does not compose
+(wrong type, unknown key, missing value) as one clear line, and ``kill -USR1 <pid>`` printing where
+a running app is (:func:`stacks_on_signal`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import functools
 import os
 import re
+import signal
 import sys
+import threading
 
 import torch
 
@@ -45,11 +49,21 @@ def resolve_dtype(spec: str, device: torch.device, key: str = "trainer.dtype") -
     return DTYPES[spec]
 
 
+def stacks_on_signal() -> None:
+    """From now on ``kill -USR1 <pid>`` prints every thread's Python stack to the process's standard
+    error (:mod:`faulthandler`) and the process goes on: where a run that seems stuck is (compiling,
+    autotuning, waiting on a collective or a data loader). Registered by every command-line app."""
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None and threading.current_thread() is threading.main_thread():
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+
+
 def exit_on_user_error(fn):
     """Run ``fn``; a TritonLLMError is printed as ``tritonllm: error: <message>`` (``tritonllm: error on
-    rank <r>: ...`` in a multi-process torchrun run) and exits with status 1."""
+    rank <r>: ...`` in a multi-process torchrun run) and exits with status 1. ``kill -USR1`` prints the
+    stacks meanwhile (:func:`stacks_on_signal`)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        stacks_on_signal()
         try:
             return fn(*args, **kwargs)
         except TritonLLMError as e:

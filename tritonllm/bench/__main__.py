@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from tritonllm.runtime import stacks_on_signal
+
 #: benchmark modules, one per op family; each has OPS (names) and cases(size, dtype).
 FAMILIES = [
     "tritonllm.bench.ops_norm",
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in ("kernels", "train", "decode", "speedrun", "finetune"):
         sys.exit(__doc__)
+    stacks_on_signal()
     if argv[0] == "kernels":
         bench_kernels(argv[1:])
     elif argv[0] == "speedrun":

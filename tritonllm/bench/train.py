@@ -31,6 +31,9 @@ Sides, each timed alone (GPU memory freed between them):
 
 Per side, after ``--warmup`` untimed steps (>= 3, so that tritonllm's graph is captured):
 
+- ``first_step_s``: the first warm-up step, synchronised: compilation (torch.compile sides),
+  first-use autotuning of kernels at new shapes, and everything else a first call pays.
+
 - ``step_ms`` (wall): ``--steps`` steps issued back to back, host clock from before the first call
   to after a ``torch.cuda.synchronize()`` behind the last, divided by the steps.
   ``tokens_per_s = B T / step``; ``mfu = flops_per_token * tokens_per_s / trainer.peak_flops``
@@ -195,7 +198,12 @@ def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int,
     kernel times per step (ours, others)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.warmup):
+    started = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - started
+    print(f"    first step (compilation, autotuning) {first_s:.1f} s", flush=True)
+    for _ in range(args.warmup - 1):
         step()
     wall = wall_ms(step, args.steps, torch.cuda.synchronize)
     peak_mem = torch.cuda.max_memory_allocated() / 1e9
@@ -205,6 +213,7 @@ def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int,
     figures = {"tokens_per_s": round(tokens_per_s), "mfu": round(flops_per_token * tokens_per_s / peak_flops, 4),
                "peak_mem_gb": round(peak_mem, 2), "step_ms": round(wall, 3),
                "gpu_ms": round(sum(ours.values()) + sum(others.values()), 3), "host_ms": round(host, 3)}
+    figures["first_step_s"] = round(first_s, 1)
     if waited:
         figures["host_waited"] = waited
     return figures, ours, others
