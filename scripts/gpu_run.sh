@@ -4,7 +4,8 @@
 # trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
 # train: TRAIN_ARGS e.g. "--compiled --baselines compile" (the model under torch.compile beside eager)
 # finetune: python -m tritonllm.bench finetune (FINETUNE_ARGS; default TinyLlama shape, B4 T2048, rank 16)
-# evolve: python -m tritonllm.evolve from MODEL (EVOLVE_ARGS) in evolve-run/ (gitignored, kept on a warm
+# evolve: python -m tritonllm.evolve from MODEL (EVOLVE_ARGS; default: 60 s a candidate on the Python corpus with the
+#   installed packages, so that no candidate repeats its data) in evolve-run/ (gitignored, kept on a warm
 #   machine): the same stage again resumes the search. The run folder without weights comes back as
 #   $OUT/evolve-run.tar.gz; put it in .evolve-state/ (gitignored) and carry that folder, and a fresh machine
 #   resumes from it (children whose parent's weights are gone start cold)
@@ -54,7 +55,7 @@ for stage in $stages; do
         evolve)  # a fresh machine resumes from the carried state of the last call (.evolve-state, without weights)
             [ -d evolve-run ] || [ ! -f .evolve-state/evolve-run.tar.gz ] || tar xzf .evolve-state/evolve-run.tar.gz
             timeout -s INT -k 30 ${EVOLVE_TIMEOUT:-540} python3 -m tritonllm.evolve +model=${MODEL:-void125m} hydra.run.dir=evolve-run \
-                ${EVOLVE_ARGS:-evolve.budget=90s evolve.population=4 evolve.generations=2 evolve.memory_cap_gb=40 evolve.warm_start=true trainer.batch_size=16 trainer.seq_len=1024} \
+                ${EVOLVE_ARGS:-evolve.budget=60s evolve.population=5 evolve.generations=2 evolve.memory_cap_gb=40 evolve.warm_start=true trainer.batch_size=16 trainer.seq_len=1024 data.packages=true data.max_bytes=null data.tokenizer_bytes=20000000} \
                 > "$OUT/evolve.log" 2>&1; tail -${TAIL:-40} "$OUT/evolve.log"
             tar czf "$OUT/evolve-run.tar.gz" --exclude='*.safetensors' --exclude='*.pt' evolve-run && ls -l "$OUT/evolve-run.tar.gz" ;;
     esac

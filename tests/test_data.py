@@ -226,10 +226,11 @@ def test_stdlib_corpus(tmp_path):
 
 def test_python_corpus_with_the_installed_packages(monkeypatch, tmp_path):
     """``packages``: the standard library's files first, then every installed package's ``*.py`` once
-    (sysconfig's purelib, a site-packages folder on sys.path, the same folder twice or through a link
-    adds nothing), files that are not text left out."""
+    (sysconfig's purelib, a site-packages folder or a --target folder on sys.path; the same folder
+    twice or through a link adds nothing), files that are not text left out."""
     import sysconfig
 
+    pytest.importorskip("sentencepiece")  # imported now: sys.path is replaced below
     lib = tmp_path / "lib" / "python3"
     site, other = lib / "site-packages", tmp_path / "venv" / "site-packages"
     for folder, name, text in [(lib, "os.py", "import sys\n"), (lib / "json", "__init__.py", "def dumps(x):\n"),
@@ -238,21 +239,28 @@ def test_python_corpus_with_the_installed_packages(monkeypatch, tmp_path):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text * 50)
     (site / "pkg" / "koi8.py").write_bytes(bytes(range(256)) * 4)
+    target = tmp_path / "target"  # pip install --target: known by its .dist-info records
+    (target / "tpkg-1.0.dist-info").mkdir(parents=True)
+    (target / "tpkg").mkdir()
+    (target / "tpkg" / "t.py").write_text("t = 4\n" * 50)
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "script.py").write_text("r = 5\n")  # a folder on sys.path without records: not a package folder
     (tmp_path / "alias").mkdir()
     os.symlink(other, tmp_path / "alias" / "site-packages", target_is_directory=True)
     paths = {**sysconfig.get_paths(), "stdlib": str(lib), "purelib": str(site), "platlib": str(site)}
     monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
-    monkeypatch.setattr(sys, "path", [str(other), str(other), str(tmp_path / "alias" / "site-packages"), str(site)])
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "repo"), str(other), str(other),
+                                      str(tmp_path / "alias" / "site-packages"), str(site), str(target)])
     stdlib = [str(lib / "json" / "__init__.py"), str(lib / "os.py")]
     assert stdlib_files() == stdlib
     assert stdlib_files(packages=True) == stdlib + [str(site / "pkg" / "a.py"), str(site / "pkg" / "b.py"),
-                                                    str(other / "extra" / "c.py")]
+                                                    str(target / "tpkg" / "t.py"), str(other / "extra" / "c.py")]
     cfg = data_cfg(kind="stdlib", packages=True, max_bytes=None, vocab_size=300, tokenizer_bytes=None,
                    val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
     tok = load_corpus(cfg).tokenizer
     documents = [(np.asarray(load_corpus(data_cfg(**{**OmegaConf.to_container(cfg), "packages": p})).train_shards[0])
                   == tok.eos_id).sum() for p in (True, False)]
-    assert documents == [5, 2]
+    assert documents == [6, 2]
 
 
 def test_stdlib_corpus_leaves_out_files_that_are_not_text():

@@ -60,13 +60,15 @@ def stdlib_files(packages: bool = False) -> list[str]:
 
 
 def package_roots() -> list[str]:
-    """The folders installed packages live in: the site-packages and dist-packages folders on
-    ``sys.path`` and sysconfig's purelib and platlib,
-    sorted, each once, nested ones left out (their files are found from the outer folder)."""
+    """The folders installed packages live in: sysconfig's purelib and platlib, and the folders on
+    ``sys.path`` named site-packages or dist-packages or holding ``*.dist-info`` records (a
+    ``pip install --target`` folder on PYTHONPATH), sorted, each once, nested ones left out (their
+    files are found from the outer folder)."""
     paths = sysconfig.get_paths()
     found = {os.path.realpath(p) for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p)}
-    found |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)
-              and os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")}
+    found |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p) and (
+        os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")
+        or glob.glob(os.path.join(glob.escape(p), "*.dist-info")))}
     roots = sorted(found)
     return [r for r in roots if not any(r != o and r.startswith(o + os.sep) for o in roots)]
 
