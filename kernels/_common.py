@@ -383,6 +383,30 @@ def num_sms(device_index: int | None = None) -> int:
     return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def smem_per_block(device_index: int | None = None) -> int:
+    """Bytes of shared memory one program may use on a CUDA device (the current one by default):
+    its opt-in maximum per block (227 KiB on an H100 or H200, 163 KiB on an A100, 99 KiB on most
+    consumer GPUs). ``SMEM_PER_BLOCK`` under the interpreter, and, said in a log line, where torch
+    does not report it."""
+    if interpreting() or not torch.cuda.is_available():
+        return SMEM_PER_BLOCK
+    idx = torch.cuda.current_device() if device_index is None else device_index
+    size = getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", None)
+    if not size:
+        _log.info("torch does not report device %d's shared memory per block: configs are planned for %d KiB",
+                  idx, SMEM_PER_BLOCK // 1024)
+        return SMEM_PER_BLOCK
+    return int(size)
+
+
+def smem_budget(reserve: int) -> int:
+    """The shared memory every kernel's config pruning plans against: :func:`smem_per_block` of the
+    current device less ``reserve`` bytes, what the kernel's own estimate leaves out (layout
+    conversions, barriers, staging)."""
+    return smem_per_block() - reserve
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (at least 1)."""
     return triton.next_power_of_2(max(int(n), 1))
@@ -400,8 +424,8 @@ def check_lr(lr, device: torch.device) -> bool:
     return False
 
 
-#: shared memory one program may use on sm90 (H100/H200: 227 KiB per block, opt-in), the budget every
-#: kernel's config pruning plans against (each subtracts what its estimate leaves out)
+#: shared memory one program may use on sm90 (H100/H200: 227 KiB per block, opt-in): what
+#: :func:`smem_per_block` assumes under the interpreter or where the device does not report it
 SMEM_PER_BLOCK = 227 * 1024
 #: how many launch tables :func:`cached` keeps (one per bucket and parameter set).
 _CACHE_SIZE = 64

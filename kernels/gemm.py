@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, Plans, interpreting, next_pow2, num_sms, tma_scratch
+from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budget, tma_scratch
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
 PLAIN, SWIGLU_FWD = 0, 1
@@ -66,9 +66,9 @@ FP8_GPU_CONFIGS = [
 ]
 #: fp8 operand dtypes the GEMM takes (``a_scale`` / ``b_scale`` dequantize them)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-#: shared memory a config may use for its pipelined operand tiles and store staging (H100/H200:
-#: 227 KiB per block)
-SMEM_LIMIT = 220 * 1024
+#: shared memory :func:`_config_smem` leaves out (barriers, layout conversions): a config's pipelined
+#: operand tiles and store staging fit ``smem_budget(SMEM_RESERVE)`` (220 KiB on an H100 or H200)
+SMEM_RESERVE = 7 * 1024
 #: split-K: each split keeps at least this much of K (its fp32 partial tile, 4 BLOCK_M BLOCK_N
 #: bytes written and read once, stays small next to its 2 BLOCK_M BLOCK_N K_split FLOPs) ...
 SPLIT_K_MIN_K = 2048
@@ -320,10 +320,10 @@ def _config_smem(cfg: triton.Config, args: dict) -> int:
 
 def _shrink_to_fit(cfg: triton.Config, args: dict) -> triton.Config:
     """``cfg`` with fewer pipeline stages, then a shorter BLOCK_K, then smaller output tiles, until
-    :func:`_config_smem` fits SMEM_LIMIT (float32 operands with two gated B tiles outgrow every
+    :func:`_config_smem` fits the shared-memory budget (float32 operands with two gated B tiles outgrow every
     tuned config)."""
-    kw, stages = dict(cfg.kwargs), cfg.num_stages
-    while _config_smem(triton.Config(kw, num_stages=stages), args) > SMEM_LIMIT:
+    kw, stages, budget = dict(cfg.kwargs), cfg.num_stages, smem_budget(SMEM_RESERVE)
+    while _config_smem(triton.Config(kw, num_stages=stages), args) > budget:
         if stages > 2:
             stages -= 1
         elif kw["BLOCK_K"] > 16:
@@ -338,13 +338,13 @@ def _shrink_to_fit(cfg: triton.Config, args: dict) -> triton.Config:
 
 
 def prune_configs(configs, named_args, **kwargs):
-    """Drop configs that overflow shared memory (:func:`_config_smem` over SMEM_LIMIT) or (gated
+    """Drop configs that overflow shared memory (:func:`_config_smem` over ``smem_budget(SMEM_RESERVE)``) or (gated
     epilogues, two accumulators) whose accumulators would spill registers; when none is left, the
     smallest one shrunk until it fits (:func:`_shrink_to_fit`). Also used by
     kernels.grouped_linear (no TMA_STORE / STORE_GU arguments there)."""
     args = {**named_args, **kwargs}
-    gated = args["EPILOGUE"] != PLAIN
-    keep = [c for c in configs if _config_smem(c, args) <= SMEM_LIMIT and not (gated and c.kwargs["BLOCK_N"] > 128)]
+    gated, budget = args["EPILOGUE"] != PLAIN, smem_budget(SMEM_RESERVE)
+    keep = [c for c in configs if _config_smem(c, args) <= budget and not (gated and c.kwargs["BLOCK_N"] > 128)]
     return keep or [_shrink_to_fit(min(configs, key=lambda c: _config_smem(c, args)), args)]
 
 

@@ -44,6 +44,7 @@ import triton
 
 from tritonllm.bench.harness import pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
 from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu, swiglu
+from tritonllm.kernels._common import smem_budget
 
 L = importlib.import_module("tritonllm.kernels.gemm")
 LCE = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
@@ -150,7 +151,7 @@ def valid(prob, cfg, knob):
     config, tma_store = variant(cfg, knob)
     args, _ = plan(prob, config, tma_store)
     gated_too_wide = prob.kw.get("epilogue") and config.kwargs["BLOCK_N"] > 128
-    return L._config_smem(config, args) <= L.SMEM_LIMIT and not gated_too_wide
+    return L._config_smem(config, args) <= smem_budget(L.SMEM_RESERVE) and not gated_too_wide
 
 
 def _msg(e: BaseException) -> str:

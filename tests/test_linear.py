@@ -11,6 +11,7 @@ from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, gemm_atol, n
 from tritonllm.bench.reference_ops import linear as ref_linear
 from tritonllm.bench.reference_ops import linear_swiglu as ref_swiglu
 from tritonllm.kernels import linear, linear_swiglu
+from tritonllm.kernels._common import smem_budget
 
 gemm_module = importlib.import_module("tritonllm.kernels.gemm")
 
@@ -242,10 +243,27 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
     assert_close("pointer", ptr, ref, same, atol=gemm_atol(dtype))
 
 
+def test_configs_follow_the_devices_shared_memory(monkeypatch):
+    """On a GPU with less shared memory per block (99 KiB: most consumer cards), the pruning keeps
+    only configs that fit it, and shrinks one when none does."""
+    a = torch.empty(8, 8, dtype=torch.bfloat16)
+    configs = [gemm_module._config(*cfg) for cfg in gemm_module.GPU_CONFIGS]
+    args = {"a_ptr": a, "c_ptr": a, "EPILOGUE": gemm_module.PLAIN, "TMA_STORE": True, "HAS_RESIDUAL": False,
+            "ACCUMULATE": False}
+    h100 = gemm_module.prune_configs(configs, args)
+    monkeypatch.setattr(gemm_module, "smem_budget", lambda reserve: 99 * 1024 - reserve)
+    small = gemm_module.prune_configs(configs, args)
+    assert small and len(small) < len(h100)
+    assert all(gemm_module._config_smem(c, args) <= 99 * 1024 - gemm_module.SMEM_RESERVE for c in small)
+    monkeypatch.setattr(gemm_module, "smem_budget", lambda reserve: 24 * 1024 - reserve)
+    (shrunk,) = gemm_module.prune_configs(configs, args)
+    assert gemm_module._config_smem(shrunk, args) <= 24 * 1024 - gemm_module.SMEM_RESERVE
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("epilogue", [gemm_module.PLAIN, gemm_module.SWIGLU_FWD], ids=["plain", "swiglu"])
 def test_configs_fit_shared_memory(epilogue, dtype):
-    """Every config the autotuner may launch fits SMEM_LIMIT, float32 with two gated B tiles and a
+    """Every config the autotuner may launch fits the shared-memory budget (an H100's here), float32 with two gated B tiles and a
     TMA-store staging tile included (there every tuned config overflows and one is shrunk)."""
     a = torch.empty(8, 8, dtype=dtype)
     configs = [gemm_module._config(*cfg) for cfg in gemm_module.GPU_CONFIGS]
@@ -254,7 +272,8 @@ def test_configs_fit_shared_memory(epilogue, dtype):
         args = {"a_ptr": a, "c_ptr": a, "EPILOGUE": epilogue, "TMA_STORE": tma_store, "HAS_RESIDUAL": residual,
                 "ACCUMULATE": accumulate}
         kept = gemm_module.prune_configs(configs, args)
-        assert kept and all(gemm_module._config_smem(c, args) <= gemm_module.SMEM_LIMIT for c in kept), args
+        budget = smem_budget(gemm_module.SMEM_RESERVE)
+        assert kept and all(gemm_module._config_smem(c, args) <= budget for c in kept), args
         if dtype == torch.bfloat16:
             assert len(kept) > 1, args
 

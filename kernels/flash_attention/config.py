@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import (SMEM_PER_BLOCK, autotune, check_dot_dtype, check_same_device, check_same_dtype, check_tensor,
-                       interpreting, next_pow2, num_sms, tma_scratch)
+from .._common import (autotune, check_dot_dtype, check_same_device, check_same_dtype, check_tensor,
+                       interpreting, next_pow2, num_sms, smem_budget, tma_scratch)
 
 #: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -29,9 +29,9 @@ SPLIT_MAX_ROWS = 64       # largest M tile of (query head, query row) pairs in t
 COMBINE_ROWS = 16         # (b, h, t) rows per program of the split-combine kernel
 INTERP_COMBINE_ROWS = 64  # the same under the interpreter (fewer programs)
 PREPROCESS_BLOCK_M = 64   # rows per program of the delta = rowsum(dO * O) kernel
-#: bytes of shared memory a config may plan for: the estimate counts operand tiles only, so 27 KiB stay
-#: for layout conversions and barriers
-SMEM_BUDGET = SMEM_PER_BLOCK - 27 * 1024
+#: shared memory the estimate leaves out: it counts operand tiles only, so 27 KiB of the device's
+#: budget (:func:`smem_budget`) stay for layout conversions and barriers
+SMEM_RESERVE = 27 * 1024
 TUNE_MIN_PAIRS = 1 << 20  # autotune prefill/backward only from next_pow2(T) * next_pow2(S) >= this
 
 # Prefill/backward knobs, timed side by side by scripts/tune_attention.py on the GPU (not yet measured):
@@ -84,8 +84,8 @@ def tuned(kernel, interp: dict, gpu: list[tuple[dict, int, int]], key: list[str]
     """
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        bd, esize = args["BLOCK_D"], args["Q"].element_size()
-        kept = [c for c in configs if smem_elems(c.kwargs, bd, c.num_stages) * esize <= SMEM_BUDGET
+        bd, esize, budget = args["BLOCK_D"], args["Q"].element_size(), smem_budget(SMEM_RESERVE)
+        kept = [c for c in configs if smem_elems(c.kwargs, bd, c.num_stages) * esize <= budget
                 and reg_elems(c.kwargs, bd) <= 192 * 32 * c.num_warps] or configs[-1:]
         small = "T_BUCKET" in args and args["T_BUCKET"] * args["S_BUCKET"] < TUNE_MIN_PAIRS
         return kept[-1:] if esize == 4 or small else kept
