@@ -383,15 +383,17 @@ def num_sms(device_index: int | None = None) -> int:
     return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def smem_per_block(device_index: int | None = None) -> int:
-    """Bytes of shared memory one program may use on a CUDA device (the current one by default):
-    its opt-in maximum per block (227 KiB on an H100 or H200, 163 KiB on an A100, 99 KiB on most
-    consumer GPUs). ``SMEM_PER_BLOCK`` under the interpreter, and, said in a log line, where torch
-    does not report it."""
+def smem_per_block() -> int:
+    """Bytes of shared memory one program may use on the current CUDA device: its opt-in maximum per
+    block (227 KiB on an H100 or H200, 163 KiB on an A100, 99 KiB on most consumer GPUs).
+    ``SMEM_PER_BLOCK`` under the interpreter, and, said in a log line, where torch does not report it."""
     if interpreting() or not torch.cuda.is_available():
         return SMEM_PER_BLOCK
-    idx = torch.cuda.current_device() if device_index is None else device_index
+    return _device_smem(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem(idx: int) -> int:
     size = getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", None)
     if not size:
         _log.info("torch does not report device %d's shared memory per block: configs are planned for %d KiB",

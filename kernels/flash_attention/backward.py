@@ -322,11 +322,9 @@ def flash_attention_bwd_packed(do: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                documents: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`flash_attention_bwd` into one ``[B, T, Hq + 2 Hkv, D]`` buffer, returned whole: dq, dk and dv
     are its head slices in that order, the gradient of a packed qkv projection. Needs ``S == T``."""
-    bwd = AttentionBackward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents)
+    bwd = AttentionBackward(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents, packed=True)
     B, T, Hq, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    if S != T:
-        raise ValueError(f"packed=True needs as many keys as queries, got T={T} and S={S}")
+    Hkv = k.shape[2]
     dqkv = torch.empty((B, T, Hq + 2 * Hkv, D), dtype=q.dtype, device=q.device)
     bwd.run(*dqkv.split((Hq, Hkv, Hkv), dim=2))
     return dqkv
@@ -341,9 +339,11 @@ class AttentionBackward:
     """The backward's inputs, checked, with ``delta = rowsum(dO * O)`` and the base-2 lse from the
     preprocess kernel (which also zeroes the fused backward's dQ accumulator); :meth:`dkdv` and
     :meth:`dq` launch the gradient kernels (separately, so that scripts/tune_attention.py can time
-    each), :meth:`run` all of them."""
+    each), :meth:`run` all of them. ``packed``: the gradients will be slices of one packed qkv
+    gradient, which needs as many keys as queries (checked before any launch)."""
 
-    def __init__(self, do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=True, documents=None):
+    def __init__(self, do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=True, documents=None,
+                 packed=False):
         scale = check_attention_inputs(q, k, v, causal, window, softmax_scale)
         check_documents(documents, q, k)
         if not isinstance(deterministic, bool):
@@ -358,6 +358,8 @@ class AttentionBackward:
                              f"and o {tuple(o.shape)}")
         B, T, Hq, D = q.shape
         S, Hkv = k.shape[1], k.shape[2]
+        if packed and S != T:
+            raise ValueError(f"packed=True needs as many keys as queries, got T={T} and S={S}")
         if lse.shape != (B, Hq, T):
             raise ValueError(f"lse must have shape {(B, Hq, T)} [B, Hq, T], got {tuple(lse.shape)}")
         q, k, v, do = (last_dim_contiguous(t) for t in (q, k, v, do))

@@ -111,11 +111,15 @@ class Attention(nn.Module):
         self.proj = Linear(n_heads * head_dim, d_model, init_std=init_std if out_std is None else out_std, **kw)
         self.value_mix = nn.Parameter(torch.full((2,), 0.5, **kw)) if value_mix else None  # [a, b]: v = a v + b ve
 
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        """The qkv projection of ``x [B, T, d_model]`` viewed by heads: ``[B, T, Hq + 2 Hkv, D]``."""
+        B, T, _ = x.shape
+        return self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+
     def _qkv(self, x: torch.Tensor, cos, sin, pos, ve: torch.Tensor | None):
         """q ``[B, T, Hq, D]``, k and v ``[B, T, Hkv, D]`` of ``x [B, T, d_model]`` at RoPE offset ``pos``."""
-        B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
-        qkv = self.qkv(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
+        qkv = self._packed(x)
         if self.q_norm is None or self.k_norm is None:
             q, k, v = rope_qkv(qkv, cos, sin, Hq, Hkv, pos)
         else:  # RoPE's outputs feed only the attention: its backward rotates the attention's gradient in place
@@ -133,8 +137,7 @@ class Attention(nn.Module):
         ``documents``, a query attends only to its own packed document."""
         B, T, _ = x.shape
         if cache is None and ve is None and (self.q_norm is None or self.k_norm is None):  # training: one call
-            qkv = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-            y = rope_flash_attention(qkv, cos, sin, self.n_heads, self.n_kv_heads, causal=self.causal,
+            y = rope_flash_attention(self._packed(x), cos, sin, self.n_heads, self.n_kv_heads, causal=self.causal,
                                      window=self.window, documents=documents)
         else:
             q, k, v = self._qkv(x, cos, sin, 0 if cache is None else cache.pos, ve)
