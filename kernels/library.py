@@ -31,7 +31,10 @@ packed qkv gradient, rotated in place inside the op, so that path keeps eager's 
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -43,7 +46,53 @@ from . import (adamw as _adamw, cross_entropy as _ce, embedding as _emb, flash_a
                split_heads as _split, swiglu as _swiglu)
 from ._common import COMPILED
 
-_custom_op = torch.library.custom_op
+log = logging.getLogger(__name__)
+
+#: names (``tritonllm::<op>``) of every op defined below, for :func:`_inductor_fallbacks`
+_OP_NAMES: list[str] = []
+_fallbacks_registered = False
+
+
+def _custom_op(name: str, **kwargs):
+    """``torch.library.custom_op``, recording the op's name."""
+    _OP_NAMES.append(name)
+    return torch.library.custom_op(name, **kwargs)
+
+
+def _inductor_fallbacks() -> None:
+    """Register every op as an inductor fallback (an extern kernel call), once, as soon as a fake runs
+    while inductor is loaded (inside its compile, before it lowers the graph): the same registration,
+    with the same layout constraint from the op's tags, that inductor makes itself at an op's first
+    lowering ("implicit fallback"). Done ahead because torch 2.11's implicit path formats the op's IR
+    arguments eagerly for an INFO log line, recursively through every producer in the graph: exponential
+    in the depth, 200+ s of a void125m compile (docs/perf/NOTES.md). Later versions format lazily."""
+    global _fallbacks_registered
+    lowering = sys.modules.get("torch._inductor.lowering")
+    if _fallbacks_registered or lowering is None:
+        return
+    _fallbacks_registered = True
+    from torch._library.utils import get_layout_constraint_tag
+
+    to_constraint = getattr(lowering, "tag_to_layout_constraint", None)
+    if to_constraint is None:
+        log.warning("torch %s: no torch._inductor.lowering.tag_to_layout_constraint; the tritonllm ops take "
+                    "inductor's implicit-fallback path", torch.__version__)
+        return
+    for name in _OP_NAMES:
+        op = getattr(getattr(torch.ops.tritonllm, name.split("::")[1]), "default")
+        if op not in lowering.lowerings:
+            lowering.make_fallback(op, layout_constraint=to_constraint(get_layout_constraint_tag(op, with_default=True)))
+
+
+def _fake(op):
+    """``@op.register_fake`` whose fake first runs :func:`_inductor_fallbacks`."""
+    def register(fn):
+        @functools.wraps(fn)
+        def fake(*args, **kwargs):
+            _inductor_fallbacks()
+            return fn(*args, **kwargs)
+        return op.register_fake(fake)
+    return register
 
 
 def _absent(like: Tensor) -> Tensor:
@@ -76,7 +125,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tenso
     return y, (h if h is not None else _absent(x)), rstd
 
 
-@rms_norm_fwd.register_fake
+@_fake(rms_norm_fwd)
 def _(x, weight, eps, residual):
     h = x.new_empty(x.shape) if residual is not None else _absent(x)
     return x.new_empty(x.shape), h, x.new_empty(_rows(x), dtype=torch.float32)
@@ -88,7 +137,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Option
     return _rms.rms_norm_bwd(dy, x, weight, rstd, dh)
 
 
-@rms_norm_bwd.register_fake
+@_fake(rms_norm_bwd)
 def _(dy, x, weight, rstd, dh):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
@@ -124,7 +173,7 @@ def linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Opti
     return _lin.linear_fwd(x, weight, bias, residual, allow_tf32)
 
 
-@linear_fwd.register_fake
+@_fake(linear_fwd)
 def _(x, weight, bias, residual, allow_tf32):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -138,7 +187,7 @@ def linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bo
     return dx, dw, db
 
 
-@linear_bwd.register_fake
+@_fake(linear_bwd)
 def _(dy, x, weight, need_dx, need_dw, need_db, allow_tf32):
     return (x.new_empty(x.shape) if need_dx else _absent(x), weight.new_empty(weight.shape) if need_dw else _absent(x),
             weight.new_empty(weight.shape[0]) if need_db else _absent(x))
@@ -172,7 +221,7 @@ def linear_swiglu_fwd(x: Tensor, w13: Tensor, allow_tf32: bool) -> tuple[Tensor,
     return _lin.linear_swiglu_fwd(x, w13, allow_tf32, store_gu=True)
 
 
-@linear_swiglu_fwd.register_fake
+@_fake(linear_swiglu_fwd)
 def _(x, w13, allow_tf32):
     two_f = w13.shape[0]
     return x.new_empty((*x.shape[:-1], two_f // 2)), x.new_empty((_rows(x), two_f))
@@ -186,7 +235,7 @@ def linear_swiglu_bwd(dh: Tensor, x: Tensor, w13: Tensor, gu: Tensor, need_dx: b
     return (dx if dx is not None else _absent(x)), (dw if dw is not None else _absent(x))
 
 
-@linear_swiglu_bwd.register_fake
+@_fake(linear_swiglu_bwd)
 def _(dh, x, w13, gu, need_dx, need_dw, allow_tf32):
     return x.new_empty(x.shape) if need_dx else _absent(x), w13.new_empty(w13.shape) if need_dw else _absent(x)
 
@@ -220,7 +269,7 @@ def swiglu_fwd(gate: Tensor, up: Optional[Tensor]) -> Tensor:
     return _swiglu.swiglu_fwd(gate, up)
 
 
-@swiglu_fwd.register_fake
+@_fake(swiglu_fwd)
 def _(gate, up):
     f = gate.shape[-1] // 2 if up is None else gate.shape[-1]
     return gate.new_empty((*gate.shape[:-1], f))
@@ -234,7 +283,7 @@ def swiglu_bwd(dy: Tensor, gate: Tensor, up: Optional[Tensor]) -> tuple[Tensor, 
     return _swiglu.swiglu_bwd(dy, gate, up)
 
 
-@swiglu_bwd.register_fake
+@_fake(swiglu_bwd)
 def _(dy, gate, up):
     return gate.new_empty(gate.shape), (_absent(gate) if up is None else gate.new_empty(gate.shape))
 
@@ -282,7 +331,7 @@ def softcap_bwd(y: Tensor, dy: Tensor, cap: float) -> Tensor:
 
 
 for _op in (relu2_fwd, relu2_bwd, softcap_fwd, softcap_bwd):
-    _op.register_fake(lambda x, *args: x.new_empty(x.shape))
+    _fake(_op)(lambda x, *args: x.new_empty(x.shape))
 
 
 def _relu2_setup(ctx, inputs, output):
@@ -332,7 +381,7 @@ def rope_bwd(dy: Tensor, cos: Tensor, sin: Tensor, position_offset: int, offset:
 
 
 for _op in (rope_fwd, rope_bwd):
-    _op.register_fake(lambda x, cos, sin, position_offset, offset: x.new_empty(x.shape))
+    _fake(_op)(lambda x, cos, sin, position_offset, offset: x.new_empty(x.shape))
 
 
 def _rope_setup(ctx, inputs, output):
@@ -363,7 +412,7 @@ def rope_cos_sin_fwd(turns: Tensor, seq_len: int, mscale: float) -> tuple[Tensor
     return _rope.rope_cos_sin_fwd(turns, seq_len, mscale)
 
 
-@rope_cos_sin_fwd.register_fake
+@_fake(rope_cos_sin_fwd)
 def _(turns, seq_len, mscale):
     return tuple(turns.new_empty((seq_len, turns.shape[0]), dtype=torch.float32) for _ in range(2))
 
@@ -382,7 +431,7 @@ def embedding_fwd(ids: Tensor, weight: Tensor, padding_idx: Optional[int], valid
     return _emb.embedding_fwd(ids, weight, validate)
 
 
-@embedding_fwd.register_fake
+@_fake(embedding_fwd)
 def _(ids, weight, padding_idx, validate):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
@@ -393,7 +442,7 @@ def embedding_bwd(dy: Tensor, ids: Tensor, num_embeddings: int, padding_idx: Opt
     return _emb.embedding_bwd(dy, ids, num_embeddings, padding_idx)
 
 
-@embedding_bwd.register_fake
+@_fake(embedding_bwd)
 def _(dy, ids, num_embeddings, padding_idx):
     return dy.new_empty((num_embeddings, dy.shape[-1]))
 
@@ -436,7 +485,7 @@ def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
     return y.view(*x.shape[:-1], weight.shape[0]), (xd if dropout_p > 0 else _absent(x)), u
 
 
-@lora_linear_fwd.register_fake
+@_fake(lora_linear_fwd)
 def _(x, weight, bias, residual, lora_a, lora_b, segments, scale, dropout_p, seed, allow_tf32):
     (S, r, K), M = lora_a.shape, _rows(x)
     return (x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((M, K)) if dropout_p > 0 else _absent(x),
@@ -458,7 +507,7 @@ def lora_linear_bwd(dy: Tensor, x: Tensor, xd: Optional[Tensor], weight: Tensor,
     return dx, dw, db, da, dlb
 
 
-@lora_linear_bwd.register_fake
+@_fake(lora_linear_bwd)
 def _(dy, x, xd, weight, lora_a, lora_b, u, seed, segments, scale, dropout_p, allow_tf32, need_x, need_w, need_bias,
       need_a, need_b):
     like = ((x, x.shape, need_x), (weight, weight.shape, need_w), (weight, weight.shape[:1], need_bias),
@@ -507,7 +556,7 @@ def flash_attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: O
     return _fa.flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)
 
 
-@flash_attention_fwd.register_fake
+@_fake(flash_attention_fwd)
 def _(q, k, v, causal, window, softmax_scale, deterministic, documents):
     B, T, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, T), dtype=torch.float32)
@@ -523,7 +572,7 @@ def flash_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, 
                                    documents=documents)
 
 
-@flash_attention_bwd.register_fake
+@_fake(flash_attention_bwd)
 def _(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -562,7 +611,7 @@ def rope_flash_attention_fwd(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int
     return o, lse, qk
 
 
-@rope_flash_attention_fwd.register_fake
+@_fake(rope_flash_attention_fwd)
 def _(qkv, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic, documents):
     B, T, _, D = qkv.shape
     return (qkv.new_empty((B, T, n_heads, D)), qkv.new_empty((B, n_heads, T), dtype=torch.float32),
@@ -584,7 +633,7 @@ def rope_flash_attention_bwd(do: Tensor, qk: Tensor, qkv: Tensor, o: Tensor, lse
     return dqkv
 
 
-@rope_flash_attention_bwd.register_fake
+@_fake(rope_flash_attention_bwd)
 def _(do, qk, qkv, o, lse, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic, documents):
     return qkv.new_empty(qkv.shape)
 
@@ -619,7 +668,7 @@ def flash_attention_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_le
     return _eager(_fa.flash_attention_decode)(q, k_cache, v_cache, kv_len, causal, window, softmax_scale, split_kv)
 
 
-@flash_attention_decode_op.register_fake
+@_fake(flash_attention_decode_op)
 def _(q, k_cache, v_cache, kv_len, causal, window, softmax_scale, split_kv):
     return q.new_empty(q.shape)
 
@@ -637,7 +686,7 @@ def pack_heads(grads: list[Optional[Tensor]], sizes: list[int], like: Tensor) ->
     return _split.pack_heads(grads, sizes, like.shape, like.dtype, like.device)
 
 
-@pack_heads.register_fake
+@_fake(pack_heads)
 def _(grads, sizes, like):
     return like.new_empty(like.shape)
 
@@ -669,7 +718,7 @@ def weighted_add_fwd(x: Tensor, y: Tensor, weight: Optional[Tensor]) -> Tensor:
     return _mix.weighted_add_fwd(x, y, weight)
 
 
-@weighted_add_fwd.register_fake
+@_fake(weighted_add_fwd)
 def _(x, y, weight):
     return x.new_empty(x.shape)
 
@@ -684,7 +733,7 @@ def weighted_add_bwd(dout: Tensor, x: Tensor, y: Tensor, weight: Tensor, need_dx
     return dx, dy, dw
 
 
-@weighted_add_bwd.register_fake
+@_fake(weighted_add_bwd)
 def _(dout, x, y, weight, need_dx, need_dy, need_dw):
     return (x.new_empty(x.shape) if need_dx and weight.numel() == 2 else _absent(x),
             y.new_empty(y.shape) if need_dy else _absent(x), weight.new_empty(weight.shape) if need_dw else _absent(x))
@@ -752,7 +801,7 @@ def cross_entropy_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_s
     return loss, (z if z is not None else _absent(lse)), lse, (count if count is not None else _absent(lse))
 
 
-@cross_entropy_fwd.register_fake
+@_fake(cross_entropy_fwd)
 def _(logits, target, ignore_index, label_smoothing, z_loss, reduction, return_z_loss, validate):
     f32 = dict(dtype=torch.float32)
     shape = target.shape if reduction == "none" else ()
@@ -770,7 +819,7 @@ def cross_entropy_bwd(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor
     return dx.view(logits.shape)
 
 
-@cross_entropy_bwd.register_fake
+@_fake(cross_entropy_bwd)
 def _(dloss, logits, target, lse, count, ignore_index, label_smoothing, z_loss):
     return logits.new_empty(logits.shape)
 
@@ -811,7 +860,7 @@ def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, target: Tensor, ignore_i
     return loss, z, dx, dw, scale
 
 
-@linear_cross_entropy_fwd.register_fake
+@_fake(linear_cross_entropy_fwd)
 def _(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, need_dx, need_dw,
       allow_tf32, softcap):
     f32 = dict(dtype=torch.float32)
@@ -833,7 +882,7 @@ def linear_cross_entropy_scale(dloss: Tensor, dx: Optional[Tensor], dw: Optional
     return (dx if dx is not None else _absent(scale)), (dw if dw is not None else _absent(scale))
 
 
-@linear_cross_entropy_scale.register_fake
+@_fake(linear_cross_entropy_scale)
 def _(dloss, dx, dw, scale, weight_dtype):
     return (_absent(scale) if dx is None else dx.new_empty(dx.shape),
             _absent(scale) if dw is None else dw.new_empty(dw.shape, dtype=weight_dtype))
@@ -849,7 +898,7 @@ def linear_cross_entropy_bwd(dloss: Tensor, x: Tensor, weight: Tensor, target: T
     return (dx if dx is not None else _absent(x)), (dw if dw is not None else _absent(x))
 
 
-@linear_cross_entropy_bwd.register_fake
+@_fake(linear_cross_entropy_bwd)
 def _(dloss, x, weight, target, ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32,
       softcap):
     return x.new_empty(x.shape) if need_dx else _absent(x), weight.new_empty(weight.shape) if need_dw else _absent(x)
@@ -911,7 +960,7 @@ def moe_router_fwd(logits: Tensor, top_k: int, score: str,
     return weights, aux, z, max_load, indices, counts
 
 
-@moe_router_fwd.register_fake
+@_fake(moe_router_fwd)
 def _(logits, top_k, score, normalize):
     _router.check_router_args(logits, top_k, score)
     T, E = logits.shape
@@ -927,7 +976,7 @@ def moe_router_bwd(logits: Tensor, indices: Tensor, counts: Tensor, d_weights: O
     return _router.moe_router_bwd(logits, indices, counts, d_weights, d_aux, d_z, score, normalize)
 
 
-@moe_router_bwd.register_fake
+@_fake(moe_router_bwd)
 def _(logits, indices, counts, d_weights, d_aux, d_z, score, normalize):
     return logits.new_empty(logits.shape)
 
@@ -962,7 +1011,7 @@ def moe_sort_fwd(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Ten
     return tuple(_eager(_perm.moe_sort)(indices, num_experts))
 
 
-@moe_sort_fwd.register_fake
+@_fake(moe_sort_fwd)
 def _(indices, num_experts):
     T, k = indices.shape
     i32 = dict(dtype=torch.int32)
@@ -980,7 +1029,7 @@ def moe_gather_fwd(x: Tensor, expert_offsets: Tensor, positions: Tensor, slots: 
     return _perm.moe_gather_fwd(x, _perm.MoEPlan(expert_offsets, positions, slots))
 
 
-@moe_gather_fwd.register_fake
+@_fake(moe_gather_fwd)
 def _(x, expert_offsets, positions, slots):
     return x.new_empty((slots.shape[0], x.shape[1]))
 
@@ -991,7 +1040,7 @@ def moe_gather_bwd(d_sorted: Tensor, positions: Tensor) -> Tensor:
     return _perm.moe_gather_bwd(d_sorted, positions)
 
 
-@moe_gather_bwd.register_fake
+@_fake(moe_gather_bwd)
 def _(d_sorted, positions):
     return d_sorted.new_empty((positions.shape[0], d_sorted.shape[1]))
 
@@ -1020,7 +1069,7 @@ def moe_combine_fwd(expert_out: Tensor, weights: Tensor, expert_offsets: Tensor,
     return _perm.moe_combine_fwd(expert_out, weights, _perm.MoEPlan(expert_offsets, positions, slots))
 
 
-@moe_combine_fwd.register_fake
+@_fake(moe_combine_fwd)
 def _(expert_out, weights, expert_offsets, positions, slots):
     return expert_out.new_empty((positions.shape[0], expert_out.shape[1]))
 
@@ -1033,7 +1082,7 @@ def moe_combine_bwd(dy: Tensor, expert_out: Tensor, weights: Tensor, slots: Tens
     return d_out, (dw if dw is not None else _absent(dy))
 
 
-@moe_combine_bwd.register_fake
+@_fake(moe_combine_bwd)
 def _(dy, expert_out, weights, slots, need_dw):
     return dy.new_empty((slots.shape[0], dy.shape[1])), (weights.new_empty(weights.shape) if need_dw else _absent(dy))
 
@@ -1064,7 +1113,7 @@ def grouped_linear_fwd(x: Tensor, weight: Tensor, expert_offsets: Tensor) -> Ten
     return _gl.grouped_linear_fwd(x, weight, expert_offsets)
 
 
-@grouped_linear_fwd.register_fake
+@_fake(grouped_linear_fwd)
 def _(x, weight, expert_offsets):
     return x.new_empty((x.shape[0], weight.shape[1]))
 
@@ -1077,7 +1126,7 @@ def grouped_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, expert_offsets: Te
     return (dx if dx is not None else _absent(x)), (dw if dw is not None else _absent(x))
 
 
-@grouped_linear_bwd.register_fake
+@_fake(grouped_linear_bwd)
 def _(dy, x, weight, expert_offsets, need_dx, need_dw):
     return (dy.new_empty((dy.shape[0], weight.shape[2])) if need_dx else _absent(x),
             weight.new_empty(weight.shape) if need_dw else _absent(x))
@@ -1113,7 +1162,7 @@ def grouped_linear_swiglu_fwd(x: Tensor, w13: Tensor, expert_offsets: Tensor) ->
     return _gl.grouped_linear_swiglu_fwd(x, w13, expert_offsets)
 
 
-@grouped_linear_swiglu_fwd.register_fake
+@_fake(grouped_linear_swiglu_fwd)
 def _(x, w13, expert_offsets):
     M, two_f = x.shape[0], w13.shape[1]
     return x.new_empty((M, two_f // 2)), x.new_empty((M, two_f))
@@ -1173,7 +1222,7 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
                                weight_decay=weight_decay, found_inf=found_inf)
 
 
-@adamw_step.register_fake
+@_fake(adamw_step)
 def _(*args):
     return None
 
@@ -1194,7 +1243,7 @@ def clip_grads(grads: list[Tensor], max_norm: float, eps: float, found_inf: Opti
     return _eager(_adamw.clip_grads_)(grads, max_norm, eps, found_inf=found_inf, check=check)
 
 
-@clip_grads.register_fake
+@_fake(clip_grads)
 def _(grads, max_norm, eps, found_inf, check):
     return grads[0].new_empty((), dtype=torch.float32)
 
@@ -1205,7 +1254,7 @@ def grad_sq_norm(grads: list[Tensor]) -> Tensor:
     return _adamw.grad_sq_norm(grads)
 
 
-@grad_sq_norm.register_fake
+@_fake(grad_sq_norm)
 def _(grads):
     return grads[0].new_empty((), dtype=torch.float32)
 
@@ -1217,7 +1266,7 @@ def clip_grads_by_sq_norm(grads: list[Tensor], sq_norm: Tensor, max_norm: float,
     return _adamw.clip_grads_by_sq_norm_(grads, sq_norm, max_norm, eps, found_inf=found_inf, check=check)
 
 
-@clip_grads_by_sq_norm.register_fake
+@_fake(clip_grads_by_sq_norm)
 def _(grads, sq_norm, max_norm, eps, found_inf, check):
     return sq_norm.new_empty(())
 
@@ -1255,7 +1304,7 @@ def muon_step(params: list[Tensor], grads: list[Tensor], momentum_bufs: list[Ten
                              found_inf=found_inf, work_dtype=work_dtype)
 
 
-@muon_step.register_fake
+@_fake(muon_step)
 def _(*args):
     return None
 
@@ -1280,7 +1329,7 @@ def orthogonalize_fwd(x: Tensor, coefficients: str, steps: int, eps: float,
     return _eager(_muon.orthogonalize)(x, coefficients=coefficients, steps=steps, eps=eps, work_dtype=work_dtype)
 
 
-@orthogonalize_fwd.register_fake
+@_fake(orthogonalize_fwd)
 def _(x, coefficients, steps, eps, work_dtype):
     work = _muon.muon_work_dtype(work_dtype)
     m, n = x.shape[-2:]
@@ -1302,7 +1351,7 @@ def kv_cache_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: 
     _eager(_kv.kv_cache_write_)(k, v, k_cache, v_cache, pos)
 
 
-@kv_cache_write.register_fake
+@_fake(kv_cache_write)
 def _(k, v, k_cache, v_cache, pos):
     return None
 

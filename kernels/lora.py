@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      needs_grad, next_pow2)
-from .gemm import as_matrix, gemm
+                      needs_grad, next_pow2, smem_budget)
+from .gemm import SMEM_RESERVE, as_matrix, gemm
 from .linear import linear_bwd, linear_fwd
 
 
@@ -109,11 +109,20 @@ def lora_down(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor 
     block_m = 64 if (block_r > 128 or interpreting()) else 128
     block_k = 32 if interpreting() else 64
     precision = "ieee" if (a.dtype == torch.float32 and not allow_tf32) else "tf32"
+    launch = {} if interpreting() else {"num_warps": 4 if block_m == 64 else 8,
+                                        "num_stages": lora_down_stages(block_m, block_k, block_r, a.element_size())}
     _lora_down_kernel[(triton.cdiv(M, block_m),)](
         a, b, out, M, K, R, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        float(alpha), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, PRECISION=precision,
-        **({} if interpreting() else {"num_warps": 4 if block_m == 64 else 8, "num_stages": 3}))
+        float(alpha), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, PRECISION=precision, **launch)
     return out
+
+
+def lora_down_stages(block_m: int, block_k: int, block_r: int, element_size: int) -> int:
+    """Software-pipeline stages of :func:`lora_down`'s K loop: 3, or as many as the A [block_m, block_k]
+    and B [block_k, block_r] tiles of one stage fit in :func:`smem_budget` (fp32 at R = 256 needs 80 KiB
+    a stage: two on an H100, one on a GPU with 99 KiB per block)."""
+    per_stage = (block_m + block_r) * block_k * element_size
+    return max(1, min(3, smem_budget(SMEM_RESERVE) // per_stage))
 
 
 def dropout(x: torch.Tensor, p: float, seed: torch.Tensor, out: torch.Tensor | None = None,

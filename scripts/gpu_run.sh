@@ -9,8 +9,8 @@
 #   machine): the same stage again resumes the search. The run folder without weights comes back as
 #   $OUT/evolve-run.tar.gz; put it in .evolve-state/ (gitignored) and carry that folder, and a fresh machine
 #   resumes from it (children whose parent's weights are gone start cold)
-# STACKS_EVERY=s: every s seconds each running stage's tritonllm process prints its Python stacks into
-#   the stage's log (kill -USR1, tritonllm.runtime.stacks_on_signal): where a slow warm-up spends its time.
+# STACKS_EVERY=s: every s seconds each tritonllm process prints its Python stacks into the stage's log
+#   (TRITONLLM_STACKS_EVERY, tritonllm.runtime.stacks_on_signal): where a slow warm-up spends its time.
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -19,17 +19,20 @@ mkdir -p "$OUT"
 # the recorded results, so that new rows merge into them (write_results replaces same-key rows)
 for f in docs/perf/*-*.json; do [ -e "$OUT/$(basename "$f")" ] || cp "$f" "$OUT/"; done
 if [ -d .whl ]; then  # wheels carried (scripts/gpu_wheels.sh): hydra, omegaconf, antlr4, liger-kernel; .whl/extra: test deps
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null) \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    # installed once per machine: a reinstall would renew the files' mtimes, and with them the cache key of
+    # the packages corpus (data.packages=true), so a warm machine's next evolve call would tokenize again
+    wheels=$(md5sum .whl/*.whl .whl/extra/*.whl 2>/dev/null | md5sum)
+    if [ "$(cat /tmp/site/.wheels 2>/dev/null)" = "$wheels" ] || \
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null); then
+        echo "$wheels" > /tmp/site/.wheels
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 stages=${*:-tests bench}
-if [ "${STACKS_EVERY:-0}" -gt 0 ]; then
-    ( while sleep "$STACKS_EVERY"; do pkill -USR1 -f "^python3 -m tritonllm\.(bench|train|evolve) "; done ) &
-    stacks_pid=$!
-fi
+[ "${STACKS_EVERY:-0}" -gt 0 ] && export TRITONLLM_STACKS_EVERY=$STACKS_EVERY
 for stage in $stages; do
     case $stage in
         tests)
@@ -55,12 +58,11 @@ for stage in $stages; do
         evolve)  # a fresh machine resumes from the carried state of the last call (.evolve-state, without weights)
             [ -d evolve-run ] || [ ! -f .evolve-state/evolve-run.tar.gz ] || tar xzf .evolve-state/evolve-run.tar.gz
             timeout -s INT -k 30 ${EVOLVE_TIMEOUT:-540} python3 -m tritonllm.evolve +model=${MODEL:-void125m} hydra.run.dir=evolve-run \
-                ${EVOLVE_ARGS:-evolve.budget=60s evolve.population=5 evolve.generations=2 evolve.memory_cap_gb=40 evolve.warm_start=true trainer.batch_size=16 trainer.seq_len=1024 data.packages=true data.max_bytes=null data.tokenizer_bytes=20000000} \
+                ${EVOLVE_ARGS:-evolve.budget=60s evolve.population=4 evolve.generations=2 evolve.memory_cap_gb=40 evolve.warm_start=true trainer.batch_size=16 trainer.seq_len=1024 data.packages=true data.max_bytes=null data.tokenizer_bytes=20000000} \
                 > "$OUT/evolve.log" 2>&1; tail -${TAIL:-40} "$OUT/evolve.log"
             tar czf "$OUT/evolve-run.tar.gz" --exclude='*.safetensors' --exclude='*.pt' evolve-run && ls -l "$OUT/evolve-run.tar.gz" ;;
     esac
 done
-[ -z "${stacks_pid:-}" ] || kill "$stacks_pid"
 # the device tool brings back at most 8 files: drop the recorded results no stage changed, and an empty install log
 for f in docs/perf/*-*.json; do cmp -s "$f" "$OUT/$(basename "$f")" && rm "$OUT/$(basename "$f")"; done
 [ -s "$OUT/install.log" ] || rm -f "$OUT/install.log"

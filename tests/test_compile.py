@@ -172,6 +172,20 @@ def test_compiled_functionals_match_eager():
     _compare(*results)
 
 
+def test_ops_are_inductor_fallbacks_before_inductor_lowers_them():
+    """With inductor loaded, the first fake a compile runs registers every tritonllm op as an inductor
+    fallback (inductor's own "implicit fallback", made ahead: torch 2.11 reaches that path through an eager
+    formatting of the op's IR arguments, exponential in the graph's depth)."""
+    lowering = pytest.importorskip("torch._inductor.lowering")
+    torch._dynamo.reset()
+    params = [randn(4, 16), randn(4, 16), randn(2), randn(1), 1 + randn(8, scale=0.1)]
+    torch.compile(_functionals, fullgraph=True, backend="aot_eager")(*params, torch.randint(0, 8, (4,), device=DEVICE))
+    assert len(lib._OP_NAMES) == len(set(lib._OP_NAMES)) > 40
+    missing = [name for name in lib._OP_NAMES
+               if getattr(torch.ops.tritonllm, name.split("::")[1]).default not in lowering.lowerings]
+    assert not missing, missing
+
+
 def test_compiled_moe_transformer_matches_eager():
     """tritonllm's Transformer with MoE layers (two blocks, top-2 of 4 experts and a shared one; its RoPE
     tables built inside the first, compiled, call) is one graph, and gives eager's loss, router losses

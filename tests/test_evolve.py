@@ -190,6 +190,9 @@ def test_pareto_front_and_best_under_cap():
     assert best_under_cap(records, None)["trial"] == 3
     assert best_under_cap(records, 25)["trial"] == 1
     assert best_under_cap(records, 5) is None
+    grown = {**r(6, 0.5, 200, 5), "warm": True, "warm_from": 0}  # dominates all, but trained its parent's budget too
+    assert [x["trial"] for x in pareto_front(records + [grown], objectives)] == [0, 1, 3, 5]
+    assert best_under_cap(records + [grown], None)["trial"] == 3 and best_under_cap(records + [grown], 5) is None
 
 
 # ----------------------------------------------------------------------------- sandbox

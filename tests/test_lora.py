@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from _checks import DEVICE, DTYPES, assert_close, dtype_id, gemm_atol, randn
+from tritonllm.kernels import lora as lora_module
 from tritonllm.kernels.lora import dropout, lora_linear
 
 # (M, K, N, segments, rank): odd widths, one row, one adapter or three, a segment in the middle
@@ -102,6 +103,20 @@ def test_dropout_mask_reproducible_and_gradients():
     assert_close("y", y, ref)
     for name, got, want in zip(("dx", "dA", "dB"), grads, refs):
         assert_close(name, got, want)
+
+
+@pytest.mark.parametrize("budget_kib", [227, 99])
+def test_lora_down_pipeline_fits_shared_memory(monkeypatch, budget_kib):
+    """lora_down's fixed tiles pipeline as many K stages as fit the device's shared memory: fp32 at the
+    widest output (R = 256) overflowed an H100 with the fixed 3 stages (opcheck on the GPU)."""
+    monkeypatch.setattr(lora_module, "smem_budget", lambda reserve: budget_kib * 1024 - reserve)
+    budget = budget_kib * 1024 - lora_module.SMEM_RESERVE
+    for block_m, block_r in ((128, 16), (128, 128), (64, 256)):
+        for element_size in (2, 4):
+            stages = lora_module.lora_down_stages(block_m, 64, block_r, element_size)
+            assert 1 <= stages <= 3 and stages * (block_m + block_r) * 64 * element_size <= budget
+    assert lora_module.lora_down_stages(128, 64, 128, 2) == (3 if budget_kib == 227 else 2)
+    assert lora_module.lora_down_stages(64, 64, 256, 4) == (2 if budget_kib == 227 else 1)
 
 
 @pytest.mark.parametrize("change,match", [

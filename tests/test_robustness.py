@@ -443,3 +443,23 @@ def test_usr1_prints_every_stack_and_the_app_goes_on(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert r.returncode == 0 and r.stdout == "went on\n", r.stderr
     assert "most recent call first" in r.stderr and "in busy_worker" in r.stderr and "in app" in r.stderr
+
+
+def test_stacks_every_prints_the_stacks_periodically(tmp_path):
+    """``TRITONLLM_STACKS_EVERY=s`` prints every thread's stack every s seconds, also while the main thread
+    is blocked (here in a sleep); a value that is not a number is a one-line error."""
+    import subprocess
+    import sys
+
+    code = ("import time\n"
+            "from tritonllm.runtime import exit_on_user_error\n"
+            "@exit_on_user_error\n"
+            "def app():\n    time.sleep(1.2)\n    print('done')\n"
+            "app()\n")
+    env = {**os.environ, "TRITONLLM_STACKS_EVERY": "0.25"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout == "done\n", r.stderr
+    assert r.stderr.count("most recent call first") >= 2 and "in app" in r.stderr, r.stderr
+    env["TRITONLLM_STACKS_EVERY"] = "soon"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)
+    assert r.returncode == 1 and "tritonllm: error: TRITONLLM_STACKS_EVERY='soon'" in r.stderr, r.stderr

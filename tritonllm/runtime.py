@@ -1,7 +1,7 @@
 """Helpers shared by the command-line apps (train, generate, bench, evolve): device and dtype
 choice, printing a :class:`~tritonllm.errors.TritonLLMError` or a config that does not compose
 (wrong type, unknown key, missing value) as one clear line, and ``kill -USR1 <pid>`` printing where
-a running app is (:func:`stacks_on_signal`)."""
+a running app is (:func:`stacks_on_signal`; ``TRITONLLM_STACKS_EVERY=<s>``: every s seconds)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,23 @@ def resolve_dtype(spec: str, device: torch.device, key: str = "trainer.dtype") -
 def stacks_on_signal() -> None:
     """From now on ``kill -USR1 <pid>`` prints every thread's Python stack to the process's standard
     error (:mod:`faulthandler`) and the process goes on: where a run that seems stuck is (compiling,
-    autotuning, waiting on a collective or a data loader). Registered by every command-line app."""
-    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None and threading.current_thread() is threading.main_thread():
+    autotuning, waiting on a collective or a data loader). Registered by every command-line app.
+
+    With ``TRITONLLM_STACKS_EVERY=<seconds>`` in the environment the stacks are also printed every that
+    many seconds (faulthandler's own timer thread, so a main thread blocked in C code is still shown;
+    child processes inherit the variable): the same view where no one can send the signal."""
+    if sys.__stderr__ is None or threading.current_thread() is not threading.main_thread():
+        return
+    if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    every = os.environ.get("TRITONLLM_STACKS_EVERY", "").strip()
+    if every:
+        try:
+            seconds = float(every)
+        except ValueError:
+            raise TritonLLMError(f"TRITONLLM_STACKS_EVERY={every!r}: give the seconds between stack dumps") from None
+        if seconds > 0:
+            faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.__stderr__)
 
 
 def exit_on_user_error(fn):
@@ -63,8 +77,8 @@ def exit_on_user_error(fn):
     stacks meanwhile (:func:`stacks_on_signal`)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        stacks_on_signal()
         try:
+            stacks_on_signal()
             return fn(*args, **kwargs)
         except TritonLLMError as e:
             where = f" on rank {os.environ['RANK']}" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""

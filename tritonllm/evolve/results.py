@@ -6,6 +6,8 @@
 - ``best.json``: the scalarised choice: the lowest validation loss among the candidates whose peak
   memory is within ``evolve.memory_cap_gb`` (every candidate when the cap is null), ties broken by
   tokens/s; null while none qualifies;
+- the front and the best rank only candidates trained from scratch (:func:`ranked`): all of them
+  trained for the same budget, while a warm child's loss includes its parents' training;
 - ``pareto.png``: validation loss against training tokens/s, colour = peak memory, the front
   joined, the seed, the best and the warm-started children marked;
 - ``model/<name>.yaml``: the front's and the best's models as ``conf/model`` files
@@ -50,15 +52,22 @@ def _dominates(a: dict, b: dict, objectives) -> bool:
     return better
 
 
+def ranked(records: list[dict]) -> list[dict]:
+    """The records the front and the best are chosen from: evaluated (``status: ok``) and trained from
+    scratch. A warm child's validation loss includes its parents' training, so it is not at the equal
+    budget the ranking compares; :func:`warm_comparison` sets warm children against cold ones instead."""
+    return [r for r in records if r.get("status") == "ok" and not r.get("warm")]
+
+
 def pareto_front(records: list[dict], objectives) -> list[dict]:
-    """The evaluated (``status: ok``) records no other evaluated record dominates, in trial order."""
-    ok = [r for r in records if r.get("status") == "ok"]
+    """The :func:`ranked` records no other ranked record dominates, in trial order."""
+    ok = ranked(records)
     return [r for r in ok if not any(_dominates(o, r, objectives) for o in ok if o is not r)]
 
 
 def best_under_cap(records: list[dict], cap_gb: float | None) -> dict | None:
-    """Lowest ``val_loss`` among the evaluated records with ``peak_mem_gb <= cap_gb`` (ties: higher tokens/s)."""
-    ok = [r for r in records if r.get("status") == "ok" and (cap_gb is None or r["peak_mem_gb"] <= cap_gb)]
+    """Lowest ``val_loss`` among the :func:`ranked` records with ``peak_mem_gb <= cap_gb`` (ties: higher tokens/s)."""
+    ok = [r for r in ranked(records) if cap_gb is None or r["peak_mem_gb"] <= cap_gb]
     return min(ok, key=lambda r: (r["val_loss"], -r["tokens_per_s"]), default=None)
 
 

@@ -22,7 +22,8 @@ validation loss it grows from. Its record has ``warm: true``, ``warm_from`` (tha
 ``growth``; ``results.csv`` has the ``warm`` column and the summary compares warm and cold children
 (:func:`tritonllm.evolve.results.warm_comparison`). A warm child has trained longer than its budget
 (its parent's tokens and its own): its loss says what growing buys, not what the architecture
-reaches from scratch.
+reaches from scratch, so the Pareto front (from which mutants pick their parents) and the best under
+the cap rank only the candidates trained from scratch (:func:`tritonllm.evolve.results.ranked`).
 
 Data: every record has ``epochs``, the passes its training made over the training split. Past one
 pass the validation loss rewards the slowest candidates (the fewest repeats, the least memorised)
