@@ -358,8 +358,10 @@ def _config(bm, bn, bk, stages, warps, flatten=None, warp_specialize=None, subti
                          num_stages=stages, num_warps=4 if ws else warps)
 
 
-_AUTOTUNE_KEY = ["M", "N", "K", "EPILOGUE", "ACCUMULATE", "STORE_GU", "USE_TMA", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS",
-                 "TMA_STORE", "PRECISION", "SPLIT_K", "SCALED"]
+#: every flag of the problem, those :func:`prune_configs` reads included: a config tuned without a
+#: residual (one output tile less of shared memory) must not be reused for the same shape with one
+_AUTOTUNE_KEY = ["M", "N", "K", "EPILOGUE", "HAS_BIAS", "HAS_RESIDUAL", "ACCUMULATE", "STORE_GU", "USE_TMA",
+                 "A_K_CONTIGUOUS", "B_N_CONTIGUOUS", "TMA_STORE", "PRECISION", "SPLIT_K", "SCALED"]
 _matmul_kernel_tuned, _matmul_kernel_fp8_tuned = (triton.autotune(
     configs=[_config(*cfg) for cfg in configs],
     key=_AUTOTUNE_KEY,

@@ -260,6 +260,14 @@ def test_configs_follow_the_devices_shared_memory(monkeypatch):
     assert gemm_module._config_smem(shrunk, args) <= 24 * 1024 - gemm_module.SMEM_RESERVE
 
 
+def test_autotune_key_holds_every_flag():
+    """The autotuner reuses a config for every launch of the same key, so the key holds each flag of
+    the problem, every one the shared-memory pruning reads included (HAS_RESIDUAL was missing: a
+    config tuned without a residual was reused with one)."""
+    flags = set(gemm_module._FLAG_ARGS) - {"FP8"}  # FP8: a kernel of its own (_matmul_kernel_fp8_tuned)
+    assert flags <= set(gemm_module._AUTOTUNE_KEY) and {"M", "N", "K"} <= set(gemm_module._AUTOTUNE_KEY)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("epilogue", [gemm_module.PLAIN, gemm_module.SWIGLU_FWD], ids=["plain", "swiglu"])
 def test_configs_fit_shared_memory(epilogue, dtype):
