@@ -286,6 +286,11 @@ def test_search_end_to_end_and_resume(tmp_path, data_overrides):
     best = summary["best"]
     lowest = min(r["val_loss"] for r in evaluated)
     assert best["val_loss"] == lowest and best["status"] == "ok"  # no memory cap: the lowest loss wins
+    with open(out / "best.json") as f:
+        vs_seed = json.load(f)["vs_seed"]
+    assert vs_seed == summary["vs_seed"] and vs_seed["seed_trial"] == seed["trial"] == 0
+    assert vs_seed["delta"]["val_loss"] == pytest.approx(best["val_loss"] - seed["val_loss"])
+    assert vs_seed["delta"]["val_loss"] <= 0  # the seed is a candidate too
     with open(out / "results.csv") as f:
         rows = f.read().splitlines()
     assert rows[0].startswith("trial,generation,origin") and len(rows) == len(records) + 1

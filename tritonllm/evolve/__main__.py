@@ -26,6 +26,12 @@ def main(cfg) -> float | None:
              "python -m tritonllm.train hydra.searchpath=[file://%s] +model=best optim.lr=%.4g",
              best["trial"], best["name"], best["val_loss"], best["tokens_per_s"], best["peak_mem_gb"], cfg.out_dir,
              best["lr"])
+    vs = summary["vs_seed"]
+    if vs is not None:
+        log.info("against the seed at the same budget: val_loss %.4f vs %.4f (%+.4f), %.0f vs %.0f tokens/s, "
+                 "%.2f vs %.2f GB", vs["best"]["val_loss"], vs["seed"]["val_loss"], vs["delta"]["val_loss"],
+                 vs["best"]["tokens_per_s"], vs["seed"]["tokens_per_s"], vs["best"]["peak_mem_gb"],
+                 vs["seed"]["peak_mem_gb"])
     return best["val_loss"]
 
 

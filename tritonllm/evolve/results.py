@@ -5,7 +5,8 @@
 - ``pareto.json``: the non-dominated candidates over ``evolve.objectives``;
 - ``best.json``: the scalarised choice: the lowest validation loss among the candidates whose peak
   memory is within ``evolve.memory_cap_gb`` (every candidate when the cap is null), ties broken by
-  tokens/s; null while none qualifies;
+  tokens/s; null while none qualifies; ``vs_seed``: the best against the seed model at the same
+  budget (:func:`seed_comparison`);
 - the front and the best rank only candidates trained from scratch (:func:`ranked`): all of them
   trained for the same budget, while a warm child's loss includes its parents' training;
 - ``pareto.png``: validation loss against training tokens/s, colour = peak memory, the front
@@ -92,6 +93,18 @@ def warm_comparison(records: list[dict]) -> dict:
     return out
 
 
+def seed_comparison(records: list[dict], best: dict | None) -> dict | None:
+    """The best against the seed, both trained from scratch on the same budget: their ``val_loss``,
+    ``tokens_per_s`` and ``peak_mem_gb``, and the best's minus the seed's (``delta``); None until both
+    were evaluated."""
+    seed = next((r for r in records if r.get("origin") == "seed" and r.get("status") == "ok"), None)
+    if seed is None or best is None:
+        return None
+    keys = ("val_loss", "tokens_per_s", "peak_mem_gb")
+    return {"seed_trial": seed["trial"], "best_trial": best["trial"], "seed": {k: seed[k] for k in keys},
+            "best": {k: best[k] for k in keys}, "delta": {k: best[k] - seed[k] for k in keys}}
+
+
 def describe_warm(comparison: dict) -> str:
     """One line of :func:`warm_comparison`."""
     parts = []
@@ -173,7 +186,8 @@ def _dump(path: str, obj) -> None:
 
 
 def write_all(out_dir: str, records: list[dict], ev, seed) -> dict:
-    """Write every output file; returns ``{"best", "front", "counts", "warm"}`` (``warm``: :func:`warm_comparison`)."""
+    """Write every output file; returns ``{"best", "front", "counts", "warm", "vs_seed"}`` (``warm``:
+    :func:`warm_comparison`, ``vs_seed``: :func:`seed_comparison`)."""
     objectives = list(ev.objectives)
     front = pareto_front(records, objectives)
     best = best_under_cap(records, ev.memory_cap_gb)
@@ -186,8 +200,9 @@ def write_all(out_dir: str, records: list[dict], ev, seed) -> dict:
         writer.writeheader()
         writer.writerows(_row(r, on_front) for r in records)
     _dump(os.path.join(out_dir, "pareto.json"), {"objectives": objectives, "front": front})
+    vs_seed = seed_comparison(records, best)
     _dump(os.path.join(out_dir, "best.json"), {"memory_cap_gb": ev.memory_cap_gb, "seed_model": seed.name,
-                                               "best": best, "counts": counts, "warm_start": warm})
+                                               "best": best, "vs_seed": vs_seed, "counts": counts, "warm_start": warm})
     model_dir = os.path.join(out_dir, "model")
     os.makedirs(model_dir, exist_ok=True)
     for old in os.listdir(model_dir):  # a model that left the front
@@ -203,4 +218,4 @@ def write_all(out_dir: str, records: list[dict], ev, seed) -> dict:
         plot(os.path.join(out_dir, "pareto.png"), records, front, best, ev.memory_cap_gb)
     except MissingExtraError as e:
         log.info("pareto.png not written: %s", e)
-    return {"best": best, "front": front, "counts": counts, "warm": warm}
+    return {"best": best, "front": front, "counts": counts, "warm": warm, "vs_seed": vs_seed}
