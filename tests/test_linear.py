@@ -262,8 +262,9 @@ def test_configs_follow_the_devices_shared_memory(monkeypatch):
 
 def test_autotune_key_holds_every_flag():
     """The autotuner reuses a config for every launch of the same key, so the key holds each flag of
-    the problem, every one the shared-memory pruning reads included (HAS_RESIDUAL was missing: a
-    config tuned without a residual was reused with one)."""
+    the problem, every one the shared-memory pruning reads included. HAS_RESIDUAL was missing: a
+    config tuned for a 5x24x32 fp32 GEMM without a residual was reused with one and overflowed an
+    H100's shared memory (262,176 bytes; opcheck of lora_linear_fwd)."""
     flags = set(gemm_module._FLAG_ARGS) - {"FP8"}  # FP8: a kernel of its own (_matmul_kernel_fp8_tuned)
     assert flags <= set(gemm_module._AUTOTUNE_KEY) and {"M", "N", "K"} <= set(gemm_module._AUTOTUNE_KEY)
 
