@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from tritonllm.runtime import stacks_on_signal
+from tritonllm.runtime import exit_on_user_error
 
 #: benchmark modules, one per op family; each has OPS (names) and cases(size, dtype).
 FAMILIES = [
@@ -73,11 +73,11 @@ def bench_kernels(argv: list[str]) -> None:
     print(f"wrote {path}")
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in ("kernels", "train", "decode", "speedrun", "finetune"):
         sys.exit(__doc__)
-    stacks_on_signal()
     if argv[0] == "kernels":
         bench_kernels(argv[1:])
     elif argv[0] == "speedrun":
