@@ -585,7 +585,13 @@ def op_cases():
 def test_every_registered_op_is_checked(op_cases):
     namespace = torch.ops.tritonllm
     registered = {n for n in dir(namespace) if isinstance(getattr(namespace, n), torch._ops.OpOverloadPacket)}
-    assert {op._name for op, _ in op_cases.values()} == registered
+    assert {_overload(op)._opname for op, _ in op_cases.values()} == registered
+
+
+def _overload(op) -> torch._ops.OpOverload:
+    """The ``torch.ops`` overload of a library op: a lean ``library.Op`` or, for the in-place ops,
+    torch's ``CustomOpDef``."""
+    return op.overload if isinstance(op, lib.Op) else op._opoverload
 
 
 def test_opcheck(op_cases):
@@ -594,7 +600,7 @@ def test_opcheck(op_cases):
     failures = {}
     for name, (op, args) in op_cases.items():
         try:
-            torch.library.opcheck(op, args)
+            torch.library.opcheck(_overload(op), args)
         except Exception as e:  # noqa: BLE001 (collected, reported below with the case name)
             failures[name] = f"{type(e).__name__}: {str(e)[:2000]}"
     assert not failures, "\n".join(f"{n}: {m}" for n, m in failures.items())
@@ -643,3 +649,61 @@ def test_fsdp2_compiled_model_matches_eager(monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks share the cores
     torch.multiprocessing.spawn(_fsdp_rank, args=(2, port, "inductor" if ON_GPU else "aot_eager"), nprocs=2)
+
+
+# ----------------------------------------------------------------------------- the lean op kernels
+
+def _probe_op():
+    """A ``library.Op`` ``y = scale x + w`` whose implementation records its calls, registered once in a
+    namespace of its own (``tritonllm_test``)."""
+    if not hasattr(_probe_op, "op"):
+        calls = []
+
+        def probe_op(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+            calls.append(x.device.type)
+            return x * scale + w
+
+        _probe_op.library = torch.library.Library("tritonllm_test", "FRAGMENT")
+        op = lib.Op("tritonllm_test::probe", probe_op, _probe_op.library)
+        op.register_fake(lambda x, w, scale: torch.empty_like(x))
+
+        def setup(ctx, inputs, output):
+            ctx.needs = ctx.needs_input_grad
+            ctx.scale = inputs[2]
+
+        def backward(ctx, dy):
+            return dy * ctx.scale if ctx.needs[0] else None, dy if ctx.needs[1] else None, None
+
+        op.register_autograd(backward, setup_context=setup)
+        _probe_op.op, _probe_op.calls = op, calls
+    _probe_op.calls.clear()
+    return _probe_op.op, _probe_op.calls
+
+
+def test_op_runs_its_implementation_directly_without_grad_and_through_fakes_under_a_mode():
+    op, calls = _probe_op()
+    x, w = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(op(x, w, 2.0), 2 * x + w)
+    with torch.no_grad():
+        op(x.requires_grad_(), w, 2.0)
+    assert calls == ["cpu", "cpu"]
+    with torch._subclasses.FakeTensorMode() as mode:
+        y = op(mode.from_tensor(x), mode.from_tensor(w), 2.0)
+    assert isinstance(y, torch._subclasses.FakeTensor) and y.shape == (3,) and calls == ["cpu", "cpu"]
+
+
+def test_op_gradients_come_from_its_formula_with_the_ops_own_needs_input_grad():
+    op, _ = _probe_op()
+    x, w = torch.randn(3, requires_grad=True), torch.randn(3)
+    y = op(x, w, 3.0)
+    assert y.requires_grad
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(dx, torch.full((3,), 3.0))
+    (dw,) = torch.autograd.grad(op(x.detach(), w.requires_grad_(), 3.0).sum(), w)
+    torch.testing.assert_close(dw, torch.ones(3))
+
+
+def test_op_without_a_formula_refuses_inputs_that_require_grad():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="tritonllm::rope_cos_sin_fwd has no autograd formula"):
+        lib.rope_cos_sin_fwd(x, 8, 1.0)
