@@ -17,7 +17,8 @@ from _checks import DEVICE, assert_close
 from reference_model import ReferenceTransformer
 from tritonllm.bench import baseline_model
 from tritonllm.bench.baseline_model import BaselineTransformer
-from tritonllm.bench.train import _parse, host_ms, parse_cpu_model, wall_ms, with_speedup
+from tritonllm.bench.train import (_parse, host_ms, host_profile, interleaved_ratio, parse_cpu_model, wall_ms,
+                                   with_speedup)
 from tritonllm.models import ModelConfig, build_model
 
 #: void_tiny's features at toy size: odd vocabulary, widths and sequence length
@@ -263,6 +264,42 @@ def test_parse_options():
         _parse(["--warmup", "2"])
     with pytest.raises(SystemExit):
         _parse(["--baselines", "compile,eager"])
+
+
+def test_interleaved_ratio_pairs_each_round_on_the_same_host():
+    """The host slows down 3x halfway through: sequential timing would read B as 3x A, the paired rounds
+    read B's true 1.5x; the order alternates, and each side gets one untimed step first."""
+    clock, log = FakeClock(), []
+
+    def side(name, ms):
+        def step():
+            log.append(name)
+            clock.advance(ms / 1e3 * (3 if len(log) > 10 else 1))  # from round 2 on
+        return step
+
+    ab = interleaved_ratio(side("a", 2.0), side("b", 3.0), rounds=4, steps=2, sync=lambda: None, clock=clock)
+    assert ab["ratio"] == pytest.approx(1.5) and ab["min"] == pytest.approx(1.5) and ab["max"] == pytest.approx(1.5)
+    assert (ab["rounds"], ab["steps"]) == (4, 2)
+    assert "".join(log) == "ab" + "aabb" + "bbaa" + "aabb" + "bbaa"
+
+
+def test_host_profile_attributes_self_time_to_areas_and_functions(monkeypatch):
+    from tritonllm.kernels._common import next_pow2
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def step():
+        for n in range(1, 2001):
+            next_pow2(n)
+        torch.zeros(8).sum()
+
+    prof = host_profile(step, 3, top=5)
+    assert set(prof["areas"]) >= {"tritonllm", "other"} and sum(prof["areas"].values()) == pytest.approx(1, abs=0.01)
+    assert prof["host_ms"] > 0 and len(prof["top"]) == 5
+    assert [r["ms"] for r in prof["top"]] == sorted((r["ms"] for r in prof["top"]), reverse=True)
+    pow2 = next(r for r in prof["top"] if "next_pow2" in r["fn"])
+    assert pow2["calls"] == 2000 and "_common.py" in pow2["fn"]
+    assert _parse(["--host-profile", "3"])[0].host_profile == 3 and _parse([])[0].host_profile == 0
 
 
 def test_speedup_is_against_the_fastest_baseline_that_ran():

@@ -72,6 +72,7 @@ import argparse
 import gc
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -128,6 +129,27 @@ def wall_ms(step: Callable[[], object], steps: int, sync: Callable[[], None],
         step()
     sync()
     return (clock() - t0) / steps * 1e3
+
+
+def interleaved_ratio(step_a: Callable[[], object], step_b: Callable[[], object], rounds: int, steps: int,
+                      sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> dict:
+    """B's step time over A's, robust to a host whose speed drifts over seconds: ``rounds`` rounds,
+    each timing ``steps`` steps of A and of B back to back (:func:`wall_ms`; A first in even rounds,
+    B first in odd ones), so that both sides of a round see the same host, after one untimed step of
+    each. Returns the median and the range of the per-round ratios and the median ms per step of each side."""
+    step_a()
+    step_b()
+    ratios: list[float] = []
+    a_ms: list[float] = []
+    b_ms: list[float] = []
+    for r in range(rounds):
+        order = ((a_ms, step_a), (b_ms, step_b)) if r % 2 == 0 else ((b_ms, step_b), (a_ms, step_a))
+        for times, step in order:
+            times.append(wall_ms(step, steps, sync, clock))
+        ratios.append(b_ms[-1] / a_ms[-1])
+    return {"ratio": round(statistics.median(ratios), 4), "min": round(min(ratios), 4), "max": round(max(ratios), 4),
+            "a_ms": round(statistics.median(a_ms), 3), "b_ms": round(statistics.median(b_ms), 3), "rounds": rounds,
+            "steps": steps}
 
 
 def host_ms(step: Callable[[], object], steps: int, busy: Callable[[], Callable[[], bool]],
@@ -192,6 +214,42 @@ def kernel_times(step: Callable[[], object], steps: int = PROFILED_STEPS) -> tup
     return ours, others
 
 
+def host_profile(step: Callable[[], object], steps: int, top: int = 12) -> dict:
+    """Where the host time of ``step`` goes: ``steps`` calls under cProfile. Returns the profiled host
+    ms per step, the share of each source area (tritonllm, triton, torch's dynamo, inductor, AOTAutograd,
+    autograd, the rest of torch, other) by self time, and the ``top`` functions by self time (ms and
+    calls per step). cProfile's own cost inflates the times (about 1 us per Python call), so compare
+    sides with one another, not with ``host_ms``."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    areas: dict[str, float] = {}
+    rows = []
+    for (path, line, func), (_, calls, self_s, _, _) in stats.items():
+        area = next((name for name, part in HOST_AREAS if part in path), "other")
+        areas[area] = areas.get(area, 0.0) + self_s
+        rows.append((self_s, calls, f"{path.split('site-packages/')[-1]}:{line}({func})"))
+    total = sum(areas.values())
+    rows.sort(reverse=True)
+    return {"host_ms": round(total / steps * 1e3, 3),
+            "areas": {k: round(v / total, 3) for k, v in sorted(areas.items(), key=lambda kv: -kv[1])},
+            "top": [{"fn": fn, "ms": round(t / steps * 1e3, 3), "calls": round(n / steps, 1)} for t, n, fn in rows[:top]]}
+
+
+#: source areas of :func:`host_profile`, matched in order against a function's file path
+HOST_AREAS = (("tritonllm", "tritonllm"), ("tritonllm", "/kernels/"), ("triton", "/triton/"),
+              ("dynamo", "torch/_dynamo"), ("inductor", "torch/_inductor"), ("aot_autograd", "torch/_functorch"),
+              ("autograd", "torch/autograd"), ("torch", "torch/"), ("builtins", "~"))
+
+
 def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int, peak_flops: float,
             cycles_per_ms: float) -> tuple[dict, dict[str, float], dict[str, float]]:
     """Warm up, then time ``step`` (see the module docstring). Returns the side's figures and its
@@ -210,10 +268,16 @@ def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int,
     host, waited = host_ms(step, args.steps, lambda: gpu_spin(4 * wall + 5, cycles_per_ms), torch.cuda.synchronize)
     ours, others = kernel_times(step)
     tokens_per_s = tokens / (wall / 1e3)
-    figures = {"tokens_per_s": round(tokens_per_s), "mfu": round(flops_per_token * tokens_per_s / peak_flops, 4),
-               "peak_mem_gb": round(peak_mem, 2), "step_ms": round(wall, 3),
-               "gpu_ms": round(sum(ours.values()) + sum(others.values()), 3), "host_ms": round(host, 3)}
+    figures: dict = {"tokens_per_s": round(tokens_per_s), "mfu": round(flops_per_token * tokens_per_s / peak_flops, 4),
+                     "peak_mem_gb": round(peak_mem, 2), "step_ms": round(wall, 3),
+                     "gpu_ms": round(sum(ours.values()) + sum(others.values()), 3), "host_ms": round(host, 3)}
     figures["first_step_s"] = round(first_s, 1)
+    if args.host_profile:
+        hp = figures["host_profile"] = host_profile(step, args.host_profile)
+        print(f"    host profile: {hp['host_ms']:.2f} ms per step; "
+              + ", ".join(f"{k} {v:.0%}" for k, v in hp["areas"].items()), flush=True)
+        for row in hp["top"]:
+            print(f"      {row['ms']:8.3f} ms {row['calls']:8.1f} calls  {row['fn']}", flush=True)
     if waited:
         figures["host_waited"] = waited
     return figures, ours, others
@@ -261,6 +325,15 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
                 if not compiled:
                     raise
                 compiled_sides["graphed" if graph else "eager"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if compiled and not graph and (True, False) in sides:
+                uncompiled = TrainStep(model, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1, cuda_graph=False)
+                ab = interleaved_ratio(lambda: uncompiled([(x, y)], lr=lr), lambda: train_step([(x, y)], lr=lr),
+                                       args.ab_rounds, args.steps, torch.cuda.synchronize)
+                sides[True, False][0]["vs_uncompiled_interleaved"] = ab
+                print(f"  compiled / uncompiled eager steps, {ab['rounds']} interleaved rounds of {ab['steps']}: "
+                      f"median {ab['ratio']:.3f} (range {ab['min']:.3f}-{ab['max']:.3f}; {ab['b_ms']:.2f} vs "
+                      f"{ab['a_ms']:.2f} ms)", flush=True)
+                del uncompiled
             del train_step
             free_gpu()
         del runner
@@ -338,6 +411,11 @@ def _parse(argv: list[str]):
     p.add_argument("--no-baseline", action="store_true", help="time tritonllm only")
     p.add_argument("--compiled", action="store_true",
                    help="also time tritonllm's model under torch.compile(fullgraph=True), eager and graphed steps")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS steps of each side with cProfile: host time by source area and the "
+                        "top functions (host_profile in the JSON row)")
+    p.add_argument("--ab-rounds", type=int, default=10,
+                   help="with --compiled: rounds of the interleaved compiled/uncompiled eager comparison")
     p.add_argument("--moe-experts", default="auto", choices=("auto", "grouped_mm", "loop"),
                    help="the MoE baseline's experts: torch._grouped_mm, a loop over experts, or auto (the default "
                         "of tritonllm.bench.baseline_model)")
