@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+import inspect
 import logging
 import os
 
@@ -39,6 +40,16 @@ def autotuning() -> bool:
     return os.environ.get("TRITONLLM_NO_AUTOTUNE", "0") != "1"
 
 
+#: ``triton.autotune``'s on-disk cache of its choices (Triton >= 3.3): a later process on the same
+#: machine reuses them instead of timing every config again (about 40 s of a void125m run's first step
+#: on an H100). Kept with Triton's compiled kernels (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
+#: keyed on the Triton version, the GPU architecture, the kernel's source, the tuning key and the
+#: configs, so a changed kernel or config list tunes again. ``TRITONLLM_AUTOTUNE_CACHE=0`` (read at
+#: import) turns it off, e.g. to retune after a driver change.
+DISK_CACHE = ({"cache_results": True} if env_flag(os.environ.get("TRITONLLM_AUTOTUNE_CACHE", "1"))
+              and "cache_results" in inspect.signature(triton.autotune).parameters else {})
+
+
 class _Autotuned:
     """A ``@triton.jit`` kernel autotuned by ``triton.autotune``, or, while :func:`autotuning` is off,
     launched directly with the first of its configs that the ``early_config_prune`` hook keeps: no
@@ -50,7 +61,8 @@ class _Autotuned:
         if any(c.pre_hook is not None for c in configs):
             raise ValueError("configs with a pre_hook are not supported: a cached Launch cannot replay it")
         self.fn = fn
-        self.autotuner = triton.autotune(configs, key=key, prune_configs_by=prune_configs_by, **kwargs)(fn)
+        self.autotuner = triton.autotune(configs, key=key, prune_configs_by=prune_configs_by,
+                                         **{**DISK_CACHE, **kwargs})(fn)
         self.prune = (prune_configs_by or {}).get("early_config_prune")
         #: problem key -> Launch with the config chosen for it (see :meth:`launch`)
         self.plans = Plans()
