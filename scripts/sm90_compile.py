@@ -1,17 +1,19 @@
-"""What the GEMM's configs cost on Hopper, by the compiler's own count, without a GPU.
+"""What a kernel's configs cost on Hopper, by the compiler's own count, without a GPU.
 
-Compiles ``kernels.gemm._matmul_kernel`` for sm_90 (an H100 or H200) with every config of
-``GPU_CONFIGS`` that the shared-memory pruning keeps for the given flags and M x N x K, specialized
-as a launch would be, and prints per config the pruning's estimate (``_config_smem``), the shared
-memory the compiled kernel asks for (a launch fails above 232,448 bytes), and ptxas's registers per
-thread and bytes of spill stores. ``TRITON_INTERPRET`` is ignored: the script compiles, it launches
-nothing.
+``--kernel gemm`` (default) compiles ``kernels.gemm._matmul_kernel`` for sm_90 (an H100 or H200) with
+every config of ``GPU_CONFIGS`` that the shared-memory pruning keeps for the given flags and M x N x K;
+``--kernel attention-fwd`` the flash-attention forward with ``FWD_CONFIGS`` at ``--shape B,Hq,Hkv,T,D``. Each is specialized as a launch would be; per config
+the script prints the pruning's estimate (GEMM: ``_config_smem``), the shared memory the compiled kernel
+asks for (a launch fails above 232,448 bytes), ptxas's registers per thread and bytes of spill stores,
+and the compiled kernel's warps. A config that does not compile prints its error. ``TRITON_INTERPRET`` is
+ignored: the script compiles, it launches nothing.
 
 To check what the GPU machines run, use their Triton version (3.6.0; from PyPI, no GPU needed):
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --dtype fp32 --tma --tma-store --residual --bias \
         --mnk 5,24,32 --all
+    PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --kernel attention-fwd --shape 8,32,8,4096,128 --causal
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import gemm  # noqa: E402
+from kernels._common import next_pow2  # noqa: E402
+from kernels.flash_attention import config as attn_config, forward as attn_forward  # noqa: E402
 
 #: shared memory per block an H100 or H200 grants (opt-in maximum)
 HOPPER_SMEM = 232448
@@ -46,19 +50,22 @@ def int_args(M: int, N: int, K: int, flags: dict) -> dict:
                 stride_cs=M * N, stride_cm=N, stride_cn=1, stride_gm=2 * N, stride_em=N, stride_en=1)
 
 
-def compile_config(cfg: triton.Config, flags: dict, dtype: str, ints: dict):
-    """``_matmul_kernel`` compiled for sm_90 with ``cfg``, the problem ``flags`` (constexprs) and the
-    integer arguments ``ints``, specialized as a launch specializes them: an integer equal to 1
-    becomes a constant, one divisible by 16 and every pointer (16-byte aligned buffers) are marked
-    divisible by 16, which decides how loads are vectorized and pipelined."""
-    names = gemm._matmul_kernel.arg_names
-    const = {**flags, **cfg.kwargs, **{k: 1 for k, v in ints.items() if v == 1}}
-    sig = {n: "constexpr" if n in const else (f"*{dtype}" if n.endswith("_ptr") else "i32") for n in names}
-    divisible = [n for n in names if n not in const and (n.endswith("_ptr") or ints.get(n, 1) % 16 == 0)]
+def compile_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """``fn`` (a ``@triton.jit`` kernel) compiled for sm_90 with the constexprs ``constexprs`` and the
+    runtime arguments ``args`` (name: a pointer type such as ``"*bf16"``, or the int / float value),
+    specialized as a launch specializes them: an integer equal to 1 becomes a constant, one divisible
+    by 16 and every pointer (16-byte aligned buffers) are marked divisible by 16, which decides how
+    loads are vectorized and pipelined."""
+    names = fn.arg_names
+    const = {**constexprs, **{n: 1 for n, v in args.items() if not isinstance(v, (str, float)) and v == 1}}
+    sig = {n: "constexpr" if n in const else args[n] if isinstance(args[n], str)
+           else "fp32" if isinstance(args[n], float) else "i32" for n in names}
+    divisible = [n for n in names if n not in const
+                 and (isinstance(args[n], str) or isinstance(args[n], int) and args[n] % 16 == 0)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = ASTSource(gemm._matmul_kernel, sig, constexprs=const, attrs=attrs)
+    src = ASTSource(fn, sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def registers(ptx: str) -> tuple[int, int]:
@@ -76,15 +83,26 @@ def registers(ptx: str) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--swiglu", action="store_true", help="the SWIGLU_FWD epilogue (two B tiles)")
-    for flag in ("bias", "residual", "accumulate", "tma", "tma-store", "b-n-contiguous"):
-        p.add_argument(f"--{flag}", action="store_true")
-    p.add_argument("--all", action="store_true", help="also the configs the pruning drops")
-    p.add_argument("--mnk", default="4096,4096,4096", help="the problem's M,N,K (contiguous operands)")
-    args = p.parse_args(argv)
+def report(fn, rows: list, args: dict, constexprs: dict) -> None:
+    """Compile ``fn`` once per row ``(name, config, kept, estimate or None)`` and print the compiled
+    shared memory, ptxas's registers and spill stores and the compiled warps; a config that does not
+    compile prints its error instead."""
+    print(f"{'config':<26}{'kept':>6}{'estimate':>10}{'shared':>10}{'regs':>6}{'spills':>8}{'warps':>7}")
+    for name, cfg, kept, estimate in rows:
+        head = f"{name:<26}{'yes' if kept else 'no':>6}{'-' if estimate is None else estimate:>10}"
+        try:
+            compiled = compile_sm90(fn, args, {**constexprs, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
+        except Exception as e:  # noqa: BLE001  (a config that fails to compile is a result)
+            print(f"{head}  FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            continue
+        md = compiled.metadata
+        regs, spills = registers(compiled.asm["ptx"])
+        over = "  over" if md.shared > HOPPER_SMEM else ""
+        print(f"{head}{md.shared:>10}{regs:>6}{spills:>8}{md.num_warps:>7}{over}")
+
+
+def gemm_main(args) -> None:
+    """Every config of ``gemm.GPU_CONFIGS`` the pruning keeps (``--all``: all of them) at ``--mnk``."""
     tf32 = args.dtype == "fp32"
     flags = dict(EPILOGUE=gemm.SWIGLU_FWD if args.swiglu else gemm.PLAIN, HAS_BIAS=args.bias,
                  HAS_RESIDUAL=args.residual, ACCUMULATE=args.accumulate, STORE_GU=False, USE_TMA=args.tma,
@@ -98,16 +116,62 @@ def main(argv: list[str] | None = None) -> None:
     kept = {id(c) for c in pruned}
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, M,N,K {args.mnk}, flags "
           f"{ {k: v for k, v in flags.items() if v not in (False, 0)} }")
-    print(f"{'BM BN BK stages warps':<24}{'kept':>6}{'estimate':>10}{'shared':>10}{'regs':>6}{'spills':>8}")
-    for cfg in pruned + [c for c in configs if id(c) not in kept] if args.all else pruned:
-        kw = cfg.kwargs
-        compiled = compile_config(cfg, flags, args.dtype, ints)
-        md = compiled.metadata
-        regs, spills = registers(compiled.asm["ptx"])
-        over = "  over" if md.shared > HOPPER_SMEM else ""
-        name = f"{kw['BLOCK_M']} {kw['BLOCK_N']} {kw['BLOCK_K']} {cfg.num_stages} {cfg.num_warps}"
-        print(f"{name:<24}{'yes' if id(cfg) in kept else 'no':>6}{gemm._config_smem(cfg, prune_args):>10}"
-              f"{md.shared:>10}{regs:>6}{spills:>8}{over}")
+    rows = [("{BLOCK_M} {BLOCK_N} {BLOCK_K}".format(**c.kwargs) + f" s{c.num_stages} w{c.num_warps}", c,
+             id(c) in kept, gemm._config_smem(c, prune_args))
+            for c in (pruned + [c for c in configs if id(c) not in kept] if args.all else pruned)]
+    kernel_args = {**{n: f"*{args.dtype}" for n in gemm._matmul_kernel.arg_names if n.endswith("_ptr")}, **ints}
+    report(gemm._matmul_kernel, rows, kernel_args, flags)
+
+
+def attention_fwd_main(args) -> None:
+    """The one-pass forward at ``--shape`` (contiguous [B, T, H, D] q, k, v, S = T) with the configs of
+    FWD_CONFIGS that the pruning keeps
+    (``--all``: all of them); the TMA and ONE_LOOP knobs as config.py sets them (``--loops``: ONE_LOOP)."""
+    B, Hq, Hkv, T, D = (int(v) for v in args.shape.split(","))
+    dtype = DTYPES[args.dtype]
+    probe = torch.empty(1, T, Hq, D, dtype=dtype)
+    kind = "causal" if args.window is None else "window"
+    one_loop = attn_config.ONE_LOOP["fwd"][kind] if args.loops is None else args.loops == "one"
+    flags = {**attn_config.kernel_flags(probe, args.causal or args.window is not None, args.window),
+             "USE_TMA": attn_config.TMA["fwd"] and dtype != torch.float32, "ONE_LOOP": one_loop,
+             "HAS_DOCS": args.documents}
+    q_strides, kv_strides = (T * Hq * D, Hq * D, D), (T * Hkv * D, Hkv * D, D)
+    ints = dict(zip(["stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+                     "stride_vs", "stride_vh"], q_strides + kv_strides + kv_strides))
+    ints.update(T=T, S=T, HQ=Hq, GROUP=Hq // Hkv, shift=0, window=args.window or 0, T_BUCKET=next_pow2(T),
+                S_BUCKET=next_pow2(T))
+    kernel_args = {"Q": f"*{args.dtype}", "K": f"*{args.dtype}", "V": f"*{args.dtype}", "O": f"*{args.dtype}",
+                   "LSE": "*fp32", "qk_scale": D ** -0.5 * attn_config.LOG2E,
+                   "DOCS": "*i32" if args.documents else 0, **ints}
+    tuned = attn_forward._fwd_kernel
+    configs = tuned.configs
+    pruned = tuned.prune(configs, {"Q": probe, **ints, **flags})
+    kept = {id(c) for c in pruned}
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, B,Hq,Hkv,T,D {args.shape}, flags "
+          f"{ {k: v for k, v in flags.items() if v not in (False, 0)} }")
+    rows = [("{BLOCK_M} {BLOCK_N}".format(**c.kwargs) + f" s{c.num_stages} w{c.num_warps}", c, id(c) in kept, None)
+            for c in (pruned + [c for c in configs if id(c) not in kept] if args.all else pruned)]
+    report(attn_forward._flash_attention_fwd_kernel, rows, kernel_args, flags)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernel", choices=["gemm", "attention-fwd"], default="gemm")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--all", action="store_true", help="also the configs the pruning drops")
+    gemm_args = p.add_argument_group("gemm")
+    gemm_args.add_argument("--swiglu", action="store_true", help="the SWIGLU_FWD epilogue (two B tiles)")
+    for flag in ("bias", "residual", "accumulate", "tma", "tma-store", "b-n-contiguous"):
+        gemm_args.add_argument(f"--{flag}", action="store_true")
+    gemm_args.add_argument("--mnk", default="4096,4096,4096", help="the problem's M,N,K (contiguous operands)")
+    attn_args = p.add_argument_group("attention-fwd")
+    attn_args.add_argument("--shape", default="8,32,8,4096,128", help="B,Hq,Hkv,T,D (S = T)")
+    attn_args.add_argument("--causal", action="store_true")
+    attn_args.add_argument("--window", type=int, help="sliding window (implies --causal)")
+    attn_args.add_argument("--loops", choices=["one", "three"], help="override the ONE_LOOP knob")
+    attn_args.add_argument("--documents", action="store_true", help="packed documents (HAS_DOCS)")
+    args = p.parse_args(argv)
+    (attention_fwd_main if args.kernel == "attention-fwd" else gemm_main)(args)
 
 
 if __name__ == "__main__":

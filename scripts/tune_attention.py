@@ -46,7 +46,21 @@ from tritonllm.bench.ops_attention import attention_flops  # noqa: E402
 from tritonllm.kernels import flash_attention  # noqa: E402
 from tritonllm.kernels.flash_attention.backward import AttentionBackward  # noqa: E402
 
-fa = importlib.import_module("tritonllm.kernels.flash_attention")
+
+class _Package:
+    """The attention package's knobs (config), kernels and launchers (forward, backward), looked up in
+    whichever of its modules defines them: the package itself re-exports only the public API."""
+
+    modules = [importlib.import_module(f"tritonllm.kernels.flash_attention.{m}") for m in ("config", "forward", "backward")]
+
+    def __getattr__(self, name: str):
+        for module in self.modules:
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(name)
+
+
+fa = _Package()
 
 # name: (B, Hq, Hkv, T, D, window), causal, S = T
 SHAPES = {
