@@ -67,6 +67,9 @@ SHAPES = {
     "causal128": (8, 32, 8, 4096, 128, None),
     "causal64": (16, 12, 12, 1024, 64, None),
     "window": (1, 32, 8, 16384, 128, 1024),
+    # the two above with the head dim and the length swapped: which of the two decides a knob
+    "causal64long": (4, 12, 12, 4096, 64, None),
+    "causal128short": (16, 12, 12, 1024, 128, None),
 }
 # autotuned kernel, config list, FLOPs / forward FLOPs, TMA / ONE_LOOP knob: the deterministic backward's two
 # kernels (dkdv, dq) and the default fused one (dK, dV and atomic dQ in the dK/dV kernel, with preprocess + finalize)

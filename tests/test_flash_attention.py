@@ -136,6 +136,20 @@ def test_flash_attention_knobs(case, tma, one_loop, monkeypatch):
     _check_fwd_bwd(case, torch.float16)
 
 
+@pytest.mark.parametrize("L, D, tma", [(1024, 64, False), (1000, 64, False), (4096, 64, True), (1024, 128, True),
+                                     (1000, 128, True), (8192, 32, True), (2048, 32, False)])
+def test_tma_only_where_the_streamed_span_is_long_enough(L, D, tma, monkeypatch):
+    """On the GPU a kernel streams through descriptors only from next_pow2(L) * D >= TMA_MIN_ELEMS;
+    under the interpreter wherever the knob, dtype and alignment allow (tests' small shapes)."""
+    t = torch.empty(1, L, 2, D, dtype=torch.float16)
+    assert fa_config.stream_flags("fwd", None, t, t)["USE_TMA"]
+    monkeypatch.setattr(fa_config, "interpreting", lambda: False)
+    monkeypatch.setattr(fa_config, "tma_device", lambda device: True)
+    monkeypatch.setattr(fa_config.triton, "set_allocator", lambda alloc: None)
+    for kernel in ("fwd", "dkdv", "dq"):
+        assert fa_config.stream_flags(kernel, None, t, t)["USE_TMA"] is tma
+
+
 @pytest.mark.parametrize("split_kv", [0, 1, 3], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("case", [
     Case("gqa2:1-causal-T40-S100", 1, 4, 2, 40, 100, 32),

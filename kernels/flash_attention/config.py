@@ -39,6 +39,13 @@ TUNE_MIN_PAIRS = 1 << 20  # autotune prefill/backward only from next_pow2(T) * n
 #: tensor descriptors (TMA) where the device (sm90+), the dtype (16-bit) and the strides (16-byte
 #: aligned) allow
 TMA = {"fwd": True, "dkdv": True, "dq": True}
+#: ... and only where the streamed tensor's length (rounded up to a power of two) times the head dim
+#: reaches this on the GPU: below it a program's loop is short and narrow, and building its descriptors
+#: costs more than TMA saves. H100, scripts/tune_attention.py, causal, pointer loads against TMA:
+#: B16 Hq12 T1024 D64 (void125m's attention) 1.12x in the forward and the dK/dV kernel, 1.00x in dQ
+#: (1.13x forward on an H200 too); B4 Hq12 T4096 D64 0.96x / 0.96x / 0.95x; B16 Hq12 T1024 D128
+#: 0.98x / 1.00x / 0.97x. Under the interpreter TMA is used wherever allowed (tests' small shapes).
+TMA_MIN_ELEMS = 1 << 17
 #: per kernel and mask kind ("causal": every call without a window): one pipelined loop whose edge
 #: tiles take a masking branch (True) instead of three loops with a pipeline prologue each (False);
 #: short loops (sliding window: ~9 tiles) should gain. One loop also needs fewer registers (Triton 3.6,
@@ -189,8 +196,11 @@ def tma_device(device: torch.device) -> bool:
 def stream_flags(kernel: str, window: int | None, *streamed: torch.Tensor) -> dict:
     """USE_TMA and ONE_LOOP of ``kernel`` ("fwd", "dkdv", "dq") from the TMA and ONE_LOOP knobs; TMA
     also needs 16-bit ``streamed`` tensors ([B, L, H, D], last dim contiguous) whose base and (batch,
-    position, head) strides are 16-byte aligned, the descriptor's base and row pitch."""
+    position, head) strides are 16-byte aligned, the descriptor's base and row pitch, and on the GPU
+    next_pow2(L) * D >= :data:`TMA_MIN_ELEMS`."""
+    L, D = streamed[0].shape[1], streamed[0].shape[-1]
     use_tma = (TMA[kernel] and streamed[0].dtype != torch.float32 and tma_device(streamed[0].device)
+               and (interpreting() or next_pow2(L) * D >= TMA_MIN_ELEMS)
                and all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in strides(t))
                        for t in streamed))
     if use_tma and not interpreting():
