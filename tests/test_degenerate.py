@@ -248,7 +248,9 @@ def test_embedding_one_token(poisoned_empty):
     ref = torch.zeros(V, D, dtype=torch.float64, device=DEVICE)
     ref[3] = dy.double()[0]
     assert_close("out", out, w.detach().double()[ids])
-    assert torch.equal(dw.double(), ref)
+    # every row written (the poison fails the check); not bitwise: on the GPU the one-hot product of
+    # float32 dy runs tf32x3 (relative error about 2^-22)
+    assert_close("dw", dw, ref)
 
 
 def test_clip_grads_of_empty_tensors(poisoned_empty):

@@ -141,10 +141,11 @@ def test_flash_attention_knobs(case, tma, one_loop, monkeypatch):
 def test_tma_only_where_the_streamed_span_is_long_enough(L, D, tma, monkeypatch):
     """On the GPU a kernel streams through descriptors only from next_pow2(L) * D >= TMA_MIN_ELEMS;
     under the interpreter wherever the knob, dtype and alignment allow (tests' small shapes)."""
-    t = torch.empty(1, L, 2, D, dtype=torch.float16)
+    t = torch.empty(1, L, 2, D, dtype=torch.float16)  # never launched: the flags only
+    monkeypatch.setattr(fa_config, "tma_device", lambda device: True)
+    monkeypatch.setattr(fa_config, "interpreting", lambda: True)
     assert fa_config.stream_flags("fwd", None, t, t)["USE_TMA"]
     monkeypatch.setattr(fa_config, "interpreting", lambda: False)
-    monkeypatch.setattr(fa_config, "tma_device", lambda device: True)
     monkeypatch.setattr(fa_config.triton, "set_allocator", lambda alloc: None)
     for kernel in ("fwd", "dkdv", "dq"):
         assert fa_config.stream_flags(kernel, None, t, t)["USE_TMA"] is tma
@@ -260,7 +261,8 @@ def test_rope_flash_attention(B, T, Hq, Hkv, D, window, lengths, dtype):
     documents = doc_ids = None
     if lengths is not None:
         doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).expand(B, T).contiguous()
-        documents = torch.from_numpy(document_bounds(doc_ids.numpy()))
+        documents = torch.from_numpy(document_bounds(doc_ids.numpy())).to(qkv.device)
+        doc_ids = doc_ids.to(qkv.device)
     results = []
     for fn in (rope_flash_attention, library.rope_flash_attention):
         out = fn(qkv, cos, sin, Hq, Hkv, window=window, documents=documents)
@@ -445,8 +447,9 @@ def test_flash_attention_documents(case, lengths, deterministic):
 
     B, T = case.B, case.T
     ids = torch.tensor([sum(([d] * n for d, n in enumerate(row)), []) for row in lengths] * (B // len(lengths)))
-    docs = torch.from_numpy(document_bounds(ids.numpy()))
     q, k, v = _inputs(case, torch.float32)
+    docs = torch.from_numpy(document_bounds(ids.numpy())).to(q.device)
+    ids = ids.to(q.device)
     do = randn(B, T, case.Hq, case.D)
     out = flash_attention(q, k, v, causal=case.causal, window=case.window, deterministic=deterministic,
                           documents=docs)
@@ -461,9 +464,9 @@ def test_flash_attention_documents(case, lengths, deterministic):
 def test_flash_attention_documents_bad_input():
     q, k, v = _qkv(T=8)
     with pytest.raises(TypeError, match="documents"):
-        flash_attention(q, k, v, documents=torch.zeros(1, 8, 2, dtype=torch.int64))
+        flash_attention(q, k, v, documents=torch.zeros(1, 8, 2, dtype=torch.int64, device=q.device))
     with pytest.raises(ValueError, match=r"documents must have shape \(1, 8, 2\)"):
-        flash_attention(q, k, v, documents=torch.zeros(1, 8, 3, dtype=torch.int32))
+        flash_attention(q, k, v, documents=torch.zeros(1, 8, 3, dtype=torch.int32, device=q.device))
     q, k, v = _qkv(T=4, S=8)
     with pytest.raises(ValueError, match="as many keys as queries"):
-        flash_attention(q, k, v, documents=torch.zeros(1, 4, 2, dtype=torch.int32))
+        flash_attention(q, k, v, documents=torch.zeros(1, 4, 2, dtype=torch.int32, device=q.device))
