@@ -50,7 +50,8 @@ def fastest_baseline(row: dict) -> str:
 
 
 def train_rows(doc: dict) -> list[str]:
-    """One line per side: tritonllm graphed and eager, then each baseline; wall, GPU kernel and host ms."""
+    """One line per side: tritonllm graphed and eager, compiled (eager and graphed, the eager one with its
+    interleaved step-time ratio to the uncompiled eager step), then each baseline; wall, GPU kernel and host ms."""
     out = [f"GPU: {doc['gpu']}, host CPU: {doc.get('host_cpu', '?')}, {commits(doc)}. Host ms marked * "
            "outlasted the GPU work queued before the step (the launch queue filled up), so they include waiting.", "",
            "| model | batch x seq | side | tokens/s | MFU | step ms (wall) | GPU ms | host ms | peak GB | speedup |",
@@ -58,12 +59,18 @@ def train_rows(doc: dict) -> list[str]:
     for r in doc["results"]:
         sides = [("tritonllm, CUDA graph" if r.get("cuda_graph") else "tritonllm", r)]
         sides += [("tritonllm, eager", r["eager"])] if "eager" in r else []
+        sides += [(f"tritonllm compiled, {'CUDA graph' if kind == 'graphed' else kind}", f)
+                  for kind, f in r.get("compiled", {}).items()]
         sides += [(f"PyTorch {name}", f) for name, f in r.get("baselines", {}).items()]
         for name, f in sides:
             if "step_ms" not in f:
                 out.append(f"| {r['model']} | {r['batch']} x {r['seq_len']} | {name} | failed: {f.get('error', '?')} |")
                 continue
             speedup = f"{r['speedup']:.3f} vs {fastest_baseline(r)}" if f is r and r.get("speedup") else ""
+            if "vs_uncompiled_interleaved" in f:
+                ab = f["vs_uncompiled_interleaved"]
+                speedup = (f"{ab['ratio']:.3f} x eager's step time (median of {ab['rounds']} interleaved rounds, "
+                           f"{ab['min']:.3f}-{ab['max']:.3f})")
             out.append(f"| {r['model']} | {r['batch']} x {r['seq_len']} | {name} | {f['tokens_per_s']:.0f} | "
                        f"{f['mfu']:.1%} | {f['step_ms']:.2f} | {f.get('gpu_ms', float('nan')):.2f} | "
                        f"{f.get('host_ms', float('nan')):.2f}{'*' if f.get('host_waited') else ''} | "

@@ -368,7 +368,8 @@ def gpu_slug() -> str:
 
 def git_commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+        # "-dirty" when the working tree differs from the commit (what ran is then not that commit)
+        return subprocess.check_output(["git", "describe", "--always", "--dirty", "--abbrev=7"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
         return os.environ.get("TRITONLLM_COMMIT", "unknown")
