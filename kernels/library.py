@@ -106,12 +106,17 @@ class Op:
         return fn
 
     def register_autograd(self, backward, *, setup_context) -> None:
-        """``backward(ctx, *grads)`` and ``setup_context(ctx, inputs, output)`` as for ``custom_op``."""
+        """``backward(ctx, *grads)`` and ``setup_context(ctx, inputs, output)`` as for ``custom_op``
+        (tensor-list inputs are not differentiable here: refused)."""
+        from torch._library.utils import is_tensorlist_like_type
+
+        if any(is_tensorlist_like_type(arg.type) for arg in self.overload._schema.arguments):
+            raise NotImplementedError(f"{self.name}: an autograd formula for an op with tensor-list inputs")
         self._formula = (setup_context, backward)
 
     def _autograd_kernel(self, keyset, *args):
         below = keyset & _AFTER_AUTOGRAD
-        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        if torch.is_grad_enabled() and _requires_grad(args):
             if self._formula is None:
                 raise RuntimeError(f"{self.name} has no autograd formula: call it on tensors that do not require "
                                    "grad or under torch.no_grad()")
@@ -120,6 +125,12 @@ class Op:
             return self._fn(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return self.overload.redispatch(below, *args)
+
+
+def _requires_grad(args) -> bool:
+    """An argument, or a tensor in a list argument, requires grad."""
+    return any(a.requires_grad if isinstance(a, Tensor)
+               else isinstance(a, list) and any(isinstance(t, Tensor) and t.requires_grad for t in a) for a in args)
 
 
 class _OpFunction(torch.autograd.Function):

@@ -707,3 +707,10 @@ def test_op_without_a_formula_refuses_inputs_that_require_grad():
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(RuntimeError, match="tritonllm::rope_cos_sin_fwd has no autograd formula"):
         lib.rope_cos_sin_fwd(x, 8, 1.0)
+    with pytest.raises(RuntimeError, match="tritonllm::grad_sq_norm has no autograd formula"):
+        lib.grad_sq_norm([torch.randn(3), x])  # a tensor inside a list argument counts too
+
+
+def test_op_with_tensor_list_inputs_takes_no_formula():
+    with pytest.raises(NotImplementedError, match="tritonllm::pack_heads: an autograd formula for an op with"):
+        lib.pack_heads.register_autograd(lambda ctx, g: g, setup_context=lambda ctx, inputs, output: None)
