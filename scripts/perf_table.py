@@ -32,7 +32,9 @@ def kernel_rows(doc: dict) -> list[str]:
             rate = f"{r['TFLOP/s']:.0f} TFLOP/s"
         else:
             rate = ""
-        base = ", ".join(f"{k} {v:.3f}" for k, v in r.get("baselines_ms", {}).items())
+        backend = r.get("baselines_backend", {})
+        base = ", ".join(f"{k}{f' ({backend[k]})' if k in backend else ''} {v:.3f}"
+                         for k, v in r.get("baselines_ms", {}).items())
         if "peak_mem_gb" in r:
             mem = ", ".join(f"{k} {v:.3f}" for k, v in r.get("baselines_peak_mem_gb", {}).items())
             rate += f"; peak {r['peak_mem_gb']:.3f} GB (baselines: {mem})"

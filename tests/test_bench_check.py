@@ -35,3 +35,13 @@ def test_check_case_on_ours_inputs():
                 ours=lambda qk, c, s: rope(qk, c, s), ours_inputs=packed, reference=ref.rope)
     out = check_case(case)
     assert out["correct"] and out["max_err"] < 1e-5
+
+
+def test_sdpa_backend_is_named_from_its_kernels():
+    from tritonllm.bench.ops_attention import sdpa_backend
+
+    assert sdpa_backend(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128", "Memset"]) == \
+        "FlashAttention-2"
+    assert sdpa_backend(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"]) == "cuDNN"
+    assert sdpa_backend(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention"]) == "memory-efficient"
+    assert sdpa_backend(["ampere_bf16_s16816gemm_bf16_128x64", "softmax_warp_forward"]) == "math"

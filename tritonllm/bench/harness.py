@@ -76,6 +76,9 @@ class Case:
     #: one call of each pass, ours and ``host_baseline`` (the corresponding PyTorch op, a key of
     #: the small case's baselines)
     host: Case | None = None
+    #: baseline name -> the backend it ran, named from its GPU kernels' names (e.g. which kernel
+    #: library SDPA dispatched to at this shape); recorded per pass as ``baselines_backend``
+    backends: dict[str, Callable[[list[str]], str]] = field(default_factory=dict)
     host_baseline: str | None = None
     #: the op in plain PyTorch (:mod:`tritonllm.bench.reference_ops`), called like ours on ours' inputs;
     #: :func:`check_case` runs it in float64 and in the case's dtype
@@ -289,7 +292,7 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
         ms, graphed = timed_ms(lambda: pass_fn(case.ours, ours_inputs, kind), f"{label} ours")
         eager = [] if graphed else ["ours"]
         measure = case.measure_memory and kind == "fwd+bwd"
-        base, base_mem = {}, {}
+        base, base_mem, backends = {}, {}, {}
         for name, impl in case.baselines.items():
             try:
                 base_ms, graphed = timed_ms(lambda: pass_fn(impl, inputs, kind), f"{label} {name}")
@@ -300,6 +303,8 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
                     base_mem[name] = peak_memory_gb(pass_fn(impl, inputs, kind))
             except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
                 print(f"  [{label}] baseline {name} failed: {type(e).__name__}: {str(e)[:200]}")
+            if name in base and name in case.backends:
+                backends[name] = case.backends[name](list(kernel_times_us(pass_fn(impl, inputs, kind), iters=1)))
             torch.cuda.empty_cache()
         # an eager pass built only now: one built earlier would keep its forward's graph alive,
         # and with it the leaves' gradient nodes on this stream, which breaks the baselines' capture
@@ -312,6 +317,8 @@ def run_case(case: Case, profile: bool = False) -> list[dict]:
         if kind in case.flops:
             row["TFLOP/s"] = round(case.flops[kind] / (ms * 1e-3) / 1e12, 1)
         row["baselines_ms"] = base
+        if backends:
+            row["baselines_backend"] = backends
         row.update(check)
         row["cuda_graph"] = True
         if eager:
@@ -406,7 +413,9 @@ def print_table(rows: list[dict]) -> None:
           f"  host us")
     for r in rows:
         rate = f"{r['GB/s']:.0f} GB/s" if "GB/s" in r else (f"{r['TFLOP/s']:.0f} TF/s" if "TFLOP/s" in r else "")
-        base = " ".join(f"{k}={v:.3f}" for k, v in r.get("baselines_ms", {}).items())
+        backend = r.get("baselines_backend", {})
+        base = " ".join(f"{k}{f'[{backend[k]}]' if k in backend else ''}={v:.3f}"
+                        for k, v in r.get("baselines_ms", {}).items())
         sp = f"{r['speedup_vs_best']:.2f}" if "speedup_vs_best" in r else "-"
         host = ""
         if "host_us" in r:

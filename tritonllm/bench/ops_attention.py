@@ -4,8 +4,8 @@
 Shapes read ``B16 Hq12/Hkv12 T1024 D64`` (``S`` added when it differs from T). Inputs are allocated
 in ``[B, H, T, D]`` and handed to every implementation as ``[B, T, H, D]`` transposed views, so the
 SDPA baseline gets its native layout without a timed transpose and ours reads the strided views.
-Baselines: ``sdpa`` (``F.scaled_dot_product_attention`` with ``enable_gqa``, FlashAttention-2 /
-cuDNN inside), and where the score matrix is small enough to materialize, ``torch`` (explicit
+Baselines: ``sdpa`` (``F.scaled_dot_product_attention`` with ``enable_gqa``; the backend PyTorch
+picked, FlashAttention-2 or cuDNN or another, is named from its kernels in ``baselines_backend``), and where the score matrix is small enough to materialize, ``torch`` (explicit
 softmax in the same dtype) and its ``torch.compile``. Liger-Kernel has no attention op and
 Triton's tutorial kernel is not importable as a module, so neither is a baseline here.
 The window case is compared with full causal attention at the same shape (ours and SDPA).
@@ -80,6 +80,18 @@ def _sdpa(causal: bool):
     return attn
 
 
+#: substrings of SDPA's kernel names -> the backend they belong to, first match wins
+SDPA_KERNELS = (("cudnn", "cuDNN"), ("flash", "FlashAttention-2"), ("fmha", "memory-efficient"),
+                ("efficient", "memory-efficient"))
+
+
+def sdpa_backend(kernels: list[str]) -> str:
+    """Which of SDPA's backends ran, from the names of the GPU kernels of one call ("math": none of
+    the fused ones, the explicit matmul-softmax-matmul path)."""
+    names = " ".join(kernels).lower()
+    return next((backend for part, backend in SDPA_KERNELS if part in names), "math")
+
+
 def _torch_attention(q, k, v):
     """Explicit bottom-right causal softmax attention in the inputs' dtype (softmax in fp32)."""
     T, Hq, D = q.shape[1:]
@@ -105,7 +117,8 @@ def _baselines(B, Hq, T, S) -> dict:
 
 def _causal_case(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: torch.dtype) -> Case:
     return Case("flash_attention", _shape(B, Hq, Hkv, T, T, D), dtype, _make_inputs(B, Hq, Hkv, T, T, D, dtype),
-                ours=flash_attention, baselines=_baselines(B, Hq, T, T), flops=attention_flops(B, Hq, T, T, D, True))
+                ours=flash_attention, baselines=_baselines(B, Hq, T, T), flops=attention_flops(B, Hq, T, T, D, True),
+                backends={"sdpa": sdpa_backend})
 
 
 def _fused(q, k, v):
@@ -122,7 +135,7 @@ def cases(size: str, dtype: torch.dtype):
         B, Hq, Hkv, T, D = shape
         yield Case("flash_attention_fused", _shape(B, Hq, Hkv, T, T, D), dtype,
                    _make_inputs(B, Hq, Hkv, T, T, D, dtype), ours=_fused, baselines={"sdpa": _sdpa(True)},
-                   flops=attention_flops(B, Hq, T, T, D, True), passes=("bwd", "fwd+bwd"))
+                   flops=attention_flops(B, Hq, T, T, D, True), passes=("bwd", "fwd+bwd"), backends={"sdpa": sdpa_backend})
 
     for B, Hq, Hkv, T, D, W in WINDOW.get(size, []):
         def windowed(q, k, v, W=W):
@@ -130,10 +143,11 @@ def cases(size: str, dtype: torch.dtype):
         yield Case("flash_attention_window", _shape(B, Hq, Hkv, T, T, D, W), dtype,
                    _make_inputs(B, Hq, Hkv, T, T, D, dtype), ours=windowed,
                    baselines={"ours full causal": flash_attention, "sdpa full causal": _sdpa(True)},
-                   flops=attention_flops(B, Hq, T, T, D, True, W))
+                   flops=attention_flops(B, Hq, T, T, D, True, W), backends={"sdpa full causal": sdpa_backend})
 
     for B, Hq, Hkv, T, S, D in DECODE.get(size, []):
         nbytes = (2 * B * S * Hkv * D + 2 * B * T * Hq * D) * torch.finfo(dtype).bits // 8
         yield Case("flash_attention_decode", _shape(B, Hq, Hkv, T, S, D), dtype,
                    _make_inputs(B, Hq, Hkv, T, S, D, dtype), ours=flash_attention,
-                   baselines=_baselines(B, Hq, T, S), bytes={"fwd": nbytes}, passes=("fwd",))
+                   baselines=_baselines(B, Hq, T, S), bytes={"fwd": nbytes}, passes=("fwd",),
+                   backends={"sdpa": sdpa_backend})
