@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from _checks import assert_close
+from _checks import assert_close, gemm_atol
 from conftest import DEVICE
 from test_hf import COMMON, FAMILIES, VOCAB, make_hf
 
@@ -76,8 +76,11 @@ def test_logits_loss_and_gradients_equal(family):
     loss32, grads32 = _loss_and_grads(ref, idx, labels)
     assert_close(f"{family} loss", loss, loss64, loss32)
     assert set(grads) == set(grads64)
+    # a weight gradient is a product of two GEMM outputs (the upstream gradient and the layer's input,
+    # e.g. o_proj's: dY^T @ attention output), each with its own TF32 error on a GPU: chain 2 (the CPU's
+    # tolerance unchanged). On the H100, 4 * PyTorch's TF32 error + 2e-5 fell just short for Llama's o_proj.
     for name, g in grads.items():
-        assert_close(f"{family} d{name}", g, grads64[name], grads32[name])
+        assert_close(f"{family} d{name}", g, grads64[name], grads32[name], atol=gemm_atol(torch.float32, chain=2))
 
 
 def test_the_kernels_run_not_torch_math(monkeypatch, kernel_calls):
