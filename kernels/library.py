@@ -76,7 +76,8 @@ class Op:
     ``torch.library.Library`` fragment of the name's namespace (tritonllm's by default).
 
     ``custom_op`` spends about 6 us of Python per call that the op does not need (a dynamo-disable
-    wrapper, output-aliasing checks, metadata objects: 8.6 against 2.5 us here, docs/perf/NOTES.md),
+    wrapper, output-aliasing checks, metadata objects: 9.0 against 3.3 us per call on the development
+    CPU, docs/perf/NOTES.md),
     and a compiled model pays it on every op call of its step. Here the Autograd kernel, when no input
     requires grad (every call of a compiled graph at run time), runs the implementation itself if only a
     device backend is left below autograd, and otherwise redispatches (fake tensors, functionalization
