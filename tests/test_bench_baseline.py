@@ -264,6 +264,8 @@ def test_parse_options():
         _parse(["--warmup", "2"])
     with pytest.raises(SystemExit):
         _parse(["--baselines", "compile,eager"])
+    with pytest.raises(SystemExit):
+        _parse(["--compiled", "--ab-rounds", "0"])
 
 
 def test_interleaved_ratio_pairs_each_round_on_the_same_host():

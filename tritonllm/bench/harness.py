@@ -76,10 +76,10 @@ class Case:
     #: one call of each pass, ours and ``host_baseline`` (the corresponding PyTorch op, a key of
     #: the small case's baselines)
     host: Case | None = None
+    host_baseline: str | None = None
     #: baseline name -> the backend it ran, named from its GPU kernels' names (e.g. which kernel
     #: library SDPA dispatched to at this shape); recorded per pass as ``baselines_backend``
     backends: dict[str, Callable[[list[str]], str]] = field(default_factory=dict)
-    host_baseline: str | None = None
     #: the op in plain PyTorch (:mod:`tritonllm.bench.reference_ops`), called like ours on ours' inputs;
     #: :func:`check_case` runs it in float64 and in the case's dtype
     reference: Callable | None = None

@@ -425,6 +425,8 @@ def _parse(argv: list[str]):
         p.error(f"--warmup must be >= 3 (two eager warm-up steps, then the graph capture), got {args.warmup}")
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.ab_rounds < 1:
+        p.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
     args.baselines = [] if args.no_baseline else [b for b in args.baselines.split(",") if b]
     unknown = [b for b in args.baselines if b not in BASELINE_MODES]
     if unknown:
