@@ -4,14 +4,16 @@
 #   tests  tests/test_parallel.py on the GPUs (test_gpu_two_ranks: NCCL, DDP with the step in a CUDA
 #          graph and FSDP2, against one GPU)
 #   bench  python -m tritonllm.bench train --nproc $NPROC +model=$MODEL: tritonllm DDP and FSDP2
-#          (PARALLEL) on NPROC GPUs and tritonllm on one, beside the plain-PyTorch baseline compiled
-#          per block then wrapped in DDP / FSDP2 (torchtitan's order), on NPROC GPUs and on one;
-#          each configuration one torchrun of at most RUN_TIMEOUT s. Rows (nproc, parallel,
-#          scaling_efficiency, baselines, speedup) merge into $OUT/train-<gpu>.json, a copy of
-#          docs/perf/'s: copy it back into docs/perf/.
+#          (PARALLEL) on NPROC GPUs (a comma-separated list of counts: the scaling curve) and
+#          tritonllm on one, beside the plain-PyTorch baseline compiled per block then wrapped in
+#          DDP / FSDP2 (torchtitan's order), on the same counts and on one; each configuration one
+#          torchrun of at most RUN_TIMEOUT s, the whole bench at most BENCH_TIMEOUT s. Rows (nproc,
+#          parallel, scaling_efficiency, baselines, speedup) merge into $OUT/train-<gpu>.json, a copy
+#          of docs/perf/'s: copy it back into docs/perf/ (copies left unchanged are removed).
+# Calls chained in one command share the install (done once per machine).
 # Usage: MODEL=void1b scripts/gpu_multi.sh [tests] [bench]            (default: both)
 #        MODEL=void125m BENCH_ARGS="trainer.batch_size=16 trainer.seq_len=1024" scripts/gpu_multi.sh bench
-#        MODEL=void3b PARALLEL=fsdp BENCH_ARGS="trainer.batch_size=2" scripts/gpu_multi.sh bench
+#        MODEL=void3b PARALLEL=fsdp NPROC=2,4 BENCH_ARGS="trainer.batch_size=2" scripts/gpu_multi.sh bench
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}
@@ -21,10 +23,14 @@ mkdir -p "$OUT"
 # the recorded results, so that new rows merge into them (rows of the same model, batch, nproc and parallel are replaced)
 for f in docs/perf/train-*.json; do [ -e "$OUT/$(basename "$f")" ] || cp "$f" "$OUT/"; done
 if [ -d .whl ]; then  # wheels carried (scripts/gpu_wheels.sh): hydra, omegaconf, antlr4, liger-kernel; .whl/extra: test deps
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null) \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    [ -e /tmp/site/.tritonllm-done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null) \
+        && touch /tmp/site/.tritonllm-done; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+if [ ! -e /tmp/.tritonllm-installed ]; then
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+    rm -f "$OUT/install.log"; touch /tmp/.tritonllm-installed
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
@@ -32,9 +38,10 @@ for stage in ${*:-tests bench}; do
     case $stage in
         tests)
             timeout -s INT -k 15 ${TEST_TIMEOUT:-180} python3 -m pytest -q -rfE --tb=short tests/test_parallel.py -p no:cacheprovider \
-                --junitxml="$OUT/tests-parallel.xml" > "$OUT/tests-parallel.log" 2>&1; tail -15 "$OUT/tests-parallel.log" ;;
+                > "$OUT/tests-parallel.log" 2>&1; tail -15 "$OUT/tests-parallel.log" ;;
         bench)
             timeout -k 15 ${BENCH_TIMEOUT:-520} python3 -m tritonllm.bench train --nproc "$NPROC" --parallel "$PARALLEL" \
-                --timeout ${RUN_TIMEOUT:-150} --out "$OUT" +model="$MODEL" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-multi-$MODEL.log" ;;
+                --timeout ${RUN_TIMEOUT:-150} --out "$OUT" +model="$MODEL" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench-multi.log" ;;
     esac
 done
+for f in "$OUT"/train-*.json; do cmp -s "$f" "docs/perf/$(basename "$f")" && rm -f "$f"; done

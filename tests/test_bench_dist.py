@@ -51,11 +51,73 @@ def test_two_processes_fsdp_rows(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "1"], "--nproc must be >= 2"),
+    (["--nproc", "2,1"], "--nproc must be >= 2"),
+    (["--nproc", "2,four"], "--nproc: comma-separated GPU counts"),
     (["--nproc", "2", "--parallel", "ddp,tp"], "--parallel: comma-separated modes of ddp, fsdp"),
     (["--nproc", "2", "--steps", "0"], "--steps must be >= 1"),
-], ids=["one-proc", "unknown-mode", "no-steps"])
+], ids=["one-proc", "one-proc-in-list", "not-a-number", "unknown-mode", "no-steps"])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         launch([*argv, "--device", "cpu", *TINY])
     assert message in capsys.readouterr().err
 
+
+
+def _fake_run(order):
+    """A stand-in for one torchrun: records the configuration and returns figures whose step time
+    grows with the GPU count (per-GPU batch fixed), the baseline 1.5x slower."""
+    def run(side, mode, n, args, overrides, folder):
+        order.append((side, mode, n))
+        ms = (1.5 if side == "baseline" else 1.0) * 100 * (1 + 0.01 * (n - 1))
+        return {"model": "void_tiny", "batch": 2, "seq_len": 32, "nproc": n, "device": "cpu", "torch": "t",
+                "tokens_per_s": round(64 * n / ms * 1e3), "tokens_per_s_per_gpu": round(64 / ms * 1e3), "mfu": 0.1,
+                "step_ms": ms, "loss": 6.2}
+    return run
+
+
+def test_several_gpu_counts_rows(tmp_path, monkeypatch):
+    """``--nproc 2,4``: the one-GPU references once, then each count's configurations, ours before the
+    baseline's; one row per count and mode, each with its scaling efficiency against the one-GPU run."""
+    import tritonllm.bench.dist_train as dist_train
+
+    order = []
+    monkeypatch.setattr(dist_train, "_run", _fake_run(order))
+    rows = launch(["--nproc", "4,2", "--parallel", "ddp,fsdp", "--device", "cpu", f"--out={tmp_path}", *TINY])
+    assert order == [("tritonllm", "none", 1),
+                     ("tritonllm", "ddp", 2), ("tritonllm", "fsdp", 2), ("baseline", "ddp", 2), ("baseline", "fsdp", 2),
+                     ("tritonllm", "ddp", 4), ("tritonllm", "fsdp", 4), ("baseline", "ddp", 4), ("baseline", "fsdp", 4),
+                     ("baseline", "none", 1)]
+    assert [(r["nproc"], r["parallel"]) for r in rows] == [(2, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")]
+    for r in rows:
+        assert r["scaling_efficiency"] == pytest.approx(1 / (1 + 0.01 * (r["nproc"] - 1)), rel=1e-3)
+        base = next(iter(r["baselines"].values()))
+        assert base["scaling_efficiency"] == pytest.approx(r["scaling_efficiency"], rel=1e-3)
+        assert r["speedup"] == pytest.approx(1.5)
+    doc = json.loads((tmp_path / "train-cpu.json").read_text())
+    assert [(r["nproc"], r["parallel"]) for r in doc["results"]] == [(2, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")]
+
+
+def test_no_one_gpu_and_rows_kept_until_reached(tmp_path, monkeypatch):
+    """``--no-one-gpu`` runs no one-GPU configuration and says so in the rows (no scaling efficiency);
+    a count not reached (the run cut short) leaves the row recorded earlier alone."""
+    import tritonllm.bench.dist_train as dist_train
+
+    earlier = {"model": "void_tiny", "batch": 2, "seq_len": 32, "nproc": 4, "parallel": "fsdp", "tokens_per_s": 7}
+    (tmp_path / "train-cpu.json").write_text(json.dumps({"gpu": "cpu", "results": [earlier]}))
+    order = []
+    fake = _fake_run(order)
+
+    def cut(side, mode, n, *rest):
+        if n == 4:
+            raise KeyboardInterrupt  # the bench stopped from outside before the 4-GPU runs
+        return fake(side, mode, n, *rest)
+
+    monkeypatch.setattr(dist_train, "_run", cut)
+    with pytest.raises(KeyboardInterrupt):
+        launch(["--nproc", "2,4", "--parallel", "fsdp", "--no-one-gpu", "--device", "cpu", f"--out={tmp_path}", *TINY])
+    assert order == [("tritonllm", "fsdp", 2), ("baseline", "fsdp", 2)]
+    doc = json.loads((tmp_path / "train-cpu.json").read_text())
+    assert doc["results"][0] == earlier and len(doc["results"]) == 2
+    row = doc["results"][1]
+    assert (row["nproc"], row["scaling_efficiency"], row["one_gpu"]) == (2, None, {"error": "not run (--no-one-gpu)"})
+    assert row["speedup"] == pytest.approx(1.5)

@@ -1,6 +1,6 @@
-"""``python -m tritonllm.bench train --nproc N +model=void1b [overrides] [--parallel ddp,fsdp] [--steps 20 --warmup 14]``
+"""``python -m tritonllm.bench train --nproc N[,N2,...] +model=void1b [overrides] [--parallel ddp,fsdp] [--steps 20 --warmup 14]``
 
-Training throughput on N GPUs of one host: tritonllm's DDP and FSDP2 (``tritonllm.train.parallel``,
+Training throughput on N GPUs of one host (several counts in one command give the scaling curve): tritonllm's DDP and FSDP2 (``tritonllm.train.parallel``,
 the step of :class:`tritonllm.train.step.TrainStep`) against the plain-PyTorch baseline parallelised
 the same way, each measured against one GPU, in one command. The config is composed like
 ``python -m tritonllm.train``'s; ``trainer.batch_size`` (default 4) and ``trainer.seq_len`` (default
@@ -13,13 +13,16 @@ each configuration, so that a run cut short keeps what it measured):
 
 - tritonllm on one GPU (``parallel=none``: the single-device step, captured in a CUDA graph), the
   reference of the scaling efficiency;
-- tritonllm on N GPUs with each ``--parallel`` mode: ``ddp`` (the step captured in a CUDA graph
-  after 11 eager DDP steps) and ``fsdp`` (FSDP2, eager);
+- tritonllm on each N of ``--nproc`` with each ``--parallel`` mode: ``ddp`` (the step captured in a
+  CUDA graph after 11 eager DDP steps) and ``fsdp`` (FSDP2, eager);
 - unless ``--no-baseline``, the baseline (:class:`tritonllm.bench.baseline_model.BaselineTransformer`,
   fp32 weights, bf16 compute, ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_(foreach=True)``)
   parallelised as torchtitan does: each block compiled (``torch.compile``, mode ``--compile-mode``),
   then ``fully_shard`` per block and on the root with ``MixedPrecisionPolicy(bf16, reduce fp32)``
-  (FSDP2), or DDP under ``torch.autocast`` (DDP), on one GPU (compiled blocks, autocast) and on N.
+  (FSDP2), or DDP under ``torch.autocast`` (DDP), on one GPU (compiled blocks, autocast) and on each N.
+
+``--no-one-gpu`` leaves out the one-GPU runs, for a model whose weights and optimizer state do not fit
+one GPU (the rows then have no scaling efficiency).
 
 Each rank feeds its own random tokens; after ``--warmup`` untimed steps, ``--steps`` steps are timed
 between two synchronisations of every rank (``cuda.synchronize`` and a barrier). Figures per
@@ -29,8 +32,8 @@ GPU (``6 N_active + 12 L H D T`` FLOPs per token at ``trainer.peak_flops``), ``s
 kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``cuda_graph``, and tritonllm's
 ``triton_share``.
 
-Rows go to ``<out>/train-<gpu>.json`` (DESIGN.md section 6), one per tritonllm configuration on N
-GPUs: ``nproc``, ``parallel``, the figures, ``scaling_efficiency`` = per-GPU tokens/s over the
+Rows go to ``<out>/train-<gpu>.json`` (DESIGN.md section 6), one per tritonllm configuration on
+several GPUs: ``nproc``, ``parallel``, the figures, ``scaling_efficiency`` = per-GPU tokens/s over the
 one-GPU run's (``one_gpu`` holds that run's figures), ``baselines`` (the baseline parallelised alike,
 with its own scaling efficiency) and ``speedup`` (the baseline's step_ms / ours). They replace rows
 of the same model, batch, sequence length, ``nproc`` and ``parallel``; the one-GPU rows of
@@ -49,6 +52,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,6 +68,7 @@ FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_ms", "peak_mem_g
            "cuda_graph", "triton_share", "loss")
 BASELINE_FIGURES = tuple(k for k in FIGURES if k != "triton_share")
 NOT_RUN = {"error": "not run"}
+ONE_GPU_SKIPPED = {"error": "not run (--no-one-gpu)"}
 
 
 # --- one configuration, on every rank (under torchrun) -------------------------------------------
@@ -209,7 +214,10 @@ def run_worker(argv: list[str]) -> None:
 def _parse(argv: list[str]):
     p = argparse.ArgumentParser(prog="python -m tritonllm.bench train --nproc N",
                                 description="Hydra overrides as for python -m tritonllm.train, plus:")
-    p.add_argument("--nproc", type=int, required=True, help="GPUs (processes) of the parallel runs, >= 2")
+    p.add_argument("--nproc", required=True,
+                   help="GPUs (processes) of the parallel runs, >= 2; comma-separated for several (2,4,8)")
+    p.add_argument("--no-one-gpu", action="store_true",
+                   help="leave out the one-GPU runs (a model too large for one GPU): no scaling efficiency")
     p.add_argument("--parallel", default=",".join(PARALLEL), help="comma-separated modes of: ddp, fsdp")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=14,
@@ -221,7 +229,11 @@ def _parse(argv: list[str]):
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
     args, overrides = p.parse_known_args(argv)
-    if args.nproc < 2:
+    try:
+        args.nproc = sorted({int(n) for n in args.nproc.split(",") if n.strip()})
+    except ValueError:
+        p.error(f"--nproc: comma-separated GPU counts, got {args.nproc!r}")
+    if not args.nproc or args.nproc[0] < 2:
         p.error(f"--nproc must be >= 2 (the one-GPU run is measured too), got {args.nproc}")
     args.parallel = [m for m in args.parallel.split(",") if m]
     if not args.parallel or any(m not in PARALLEL for m in args.parallel):
@@ -240,15 +252,22 @@ def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) 
            "--result", result, *overrides]
     print(f"-- {side} parallel={mode} x{n}", flush=True)
     start = time.monotonic()
+    # its own session, so that a timeout ends torchrun's workers too (they hold the GPUs)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        stdout, stderr = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"error": f"timed out after {args.timeout:.0f} s"}
-    if r.returncode != 0 or not os.path.isfile(result):
-        tail = (r.stderr or r.stdout).strip().splitlines()[-12:]
+    except BaseException:  # interrupted, or SIGTERM (launch turns it into SystemExit): no orphaned workers
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    if proc.returncode != 0 or not os.path.isfile(result):
+        tail = (stderr or stdout).strip().splitlines()[-12:]
         print("\n".join(f"   {line}" for line in tail), flush=True)
         lines = [line for line in tail if "Error" in line or "error" in line]
-        return {"error": (lines[-1] if lines else f"exit status {r.returncode}")[:300]}
+        return {"error": (lines[-1] if lines else f"exit status {proc.returncode}")[:300]}
     with open(result) as f:
         figures = json.load(f)
     figures["wall_s"] = round(time.monotonic() - start, 1)
@@ -287,13 +306,15 @@ def write_rows(path: str, rows: list[dict], header: dict) -> None:
 
 
 def _rows(figures: dict, args, stamp: dict) -> list[dict]:
-    """The rows of the figures measured so far (a configuration not run yet: ``error: not run``)."""
-    n, get = args.nproc, lambda *key: figures.get(key, NOT_RUN)  # noqa: E731
+    """The rows of the GPU counts and modes measured so far (a side not run yet: ``error: not run``)."""
+    get = lambda *key: figures.get(key, ONE_GPU_SKIPPED if args.no_one_gpu and key[2] == 1 else NOT_RUN)  # noqa: E731
     pick = lambda f, keys: {k: f[k] for k in keys if k in f}  # noqa: E731
     one = get("tritonllm", "none", 1)
     done = next(f for f in figures.values() if "error" not in f)
     rows = []
-    for mode in args.parallel:
+    for n, mode in ((n, mode) for n in args.nproc for mode in args.parallel):
+        if ("tritonllm", mode, n) not in figures and ("baseline", mode, n) not in figures:
+            continue  # not reached yet: a row recorded earlier stays
         ours = get("tritonllm", mode, n)
         row = {"model": done["model"], "batch": done["batch"], "seq_len": done["seq_len"], "nproc": n,
                "parallel": mode, **pick(ours, (*FIGURES, "error")), "scaling_efficiency": _efficiency(ours, one),
@@ -320,30 +341,38 @@ def launch(argv: list[str]) -> list[dict]:
     args, overrides = _parse(argv)
     if args.device == "auto" and not torch.cuda.is_available():
         sys.exit("python -m tritonllm.bench train --nproc needs CUDA GPUs (--device cpu: a gloo smoke test)")
-    n = args.nproc
+    if args.device == "auto" and args.nproc[-1] > torch.cuda.device_count():
+        sys.exit(f"python -m tritonllm.bench train: --nproc {args.nproc[-1]} asks for more GPUs than the "
+                 f"{torch.cuda.device_count()} this host has")
     host_cpu = host_cpu_model()
     print(f"host CPU: {host_cpu}", flush=True)
-    # ours first, then the baseline: the most wanted figures before a cut
-    configs = [("tritonllm", "none", 1), *(("tritonllm", m, n) for m in args.parallel)]
-    if not args.no_baseline:
-        configs += [*(("baseline", m, n) for m in args.parallel), ("baseline", "none", 1)]
+    # per GPU count, ours then the baseline: the most wanted figures before a cut; the one-GPU
+    # references first (ours) and last (the baseline's)
+    sides = ("tritonllm",) if args.no_baseline else ("tritonllm", "baseline")
+    configs = [(side, m, n) for n in args.nproc for side in sides for m in args.parallel]
+    if not args.no_one_gpu:
+        configs = [("tritonllm", "none", 1), *configs, *((("baseline", "none", 1),) if not args.no_baseline else ())]
     figures, path = {}, None
-    with tempfile.TemporaryDirectory() as folder:
-        for side, mode, k in configs:
-            figures[side, mode, k] = _run(side, mode, k, args, overrides, folder)
-            done = [f for f in figures.values() if "error" not in f]
-            if not done:
-                continue
-            stamp = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": done[0]["torch"],
-                     "host_cpu": host_cpu}
-            path = os.path.join(args.out, f"train-{next((f['slug'] for f in done if 'slug' in f), 'cpu')}.json")
-            rows = _rows(figures, args, stamp)
-            write_rows(path, rows, {"gpu": done[0]["device"], "host_cpu": host_cpu,
-                                    "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # ends the torchrun too
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            for side, mode, k in configs:
+                figures[side, mode, k] = _run(side, mode, k, args, overrides, folder)
+                done = [f for f in figures.values() if "error" not in f]
+                if not done:
+                    continue
+                stamp = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": done[0]["torch"],
+                         "host_cpu": host_cpu}
+                path = os.path.join(args.out, f"train-{next((f['slug'] for f in done if 'slug' in f), 'cpu')}.json")
+                rows = _rows(figures, args, stamp)
+                write_rows(path, rows, {"gpu": done[0]["device"], "host_cpu": host_cpu,
+                                        "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"{'configuration':<26}{'tokens/s':>12}{'per GPU':>12}{'MFU':>8}{'step ms':>10}{'comm ms':>9}"
           f"{'peak GB':>9}{'scaling':>8}")
     for (side, mode, k), f in figures.items():
-        eff = None if k == 1 else _efficiency(f, figures.get((side, "none", 1), NOT_RUN))
+        eff = None if k == 1 else _efficiency(f, figures.get((side, "none", 1), ONE_GPU_SKIPPED))
         print(_line(f"{side} {mode} x{k}", f, eff))
     if path is None:
         sys.exit("tritonllm: error: every configuration failed")
