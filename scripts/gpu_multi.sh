@@ -7,7 +7,7 @@
 #          (PARALLEL) on NPROC GPUs (a comma-separated list of counts: the scaling curve) and
 #          tritonllm on one, beside the plain-PyTorch baseline compiled per block then wrapped in
 #          DDP / FSDP2 (torchtitan's order), on the same counts and on one; each configuration one
-#          torchrun of at most RUN_TIMEOUT s, the whole bench at most BENCH_TIMEOUT s. Rows (nproc,
+#          torchrun of at most RUN_TIMEOUT s (its output in $OUT/bench-workers.log), the whole bench at most BENCH_TIMEOUT s. Rows (nproc,
 #          parallel, scaling_efficiency, baselines, speedup) merge into $OUT/train-<gpu>.json, a copy
 #          of docs/perf/'s: copy it back into docs/perf/ (copies left unchanged are removed).
 # Calls chained in one command share the install (done once per machine).
@@ -41,7 +41,8 @@ for stage in ${*:-tests bench}; do
                 > "$OUT/tests-parallel.log" 2>&1; tail -15 "$OUT/tests-parallel.log" ;;
         bench)
             timeout -k 15 ${BENCH_TIMEOUT:-520} python3 -m tritonllm.bench train --nproc "$NPROC" --parallel "$PARALLEL" \
-                --timeout ${RUN_TIMEOUT:-150} --out "$OUT" +model="$MODEL" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench-multi.log" ;;
+                --timeout ${RUN_TIMEOUT:-300} --out "$OUT" --log "$OUT/bench-workers.log" +model="$MODEL" ${BENCH_ARGS:-} 2>&1 \
+                | tee -a "$OUT/bench-multi.log" ;;
     esac
 done
 for f in "$OUT"/train-*.json; do cmp -s "$f" "docs/perf/$(basename "$f")" && rm -f "$f"; done

@@ -149,8 +149,13 @@ def run_worker(argv: list[str]) -> None:
     from tritonllm.train import model_config
     from tritonllm.train.parallel import init_distributed, shutdown
 
+    begin = time.monotonic()
     env = init_distributed(args.device)
     cuda = env.device.type == "cuda"
+
+    def note(what: str) -> None:  # where a configuration's time goes, in the --log file
+        if env.main:
+            print(f"[rank 0, {time.monotonic() - begin:7.1f} s] {what}", flush=True)
     cfg = compose_config("train", ["trainer.batch_size=4", "trainer.seq_len=2048", *overrides])
     model_cfg = model_config(cfg)
     B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
@@ -177,9 +182,16 @@ def run_worker(argv: list[str]) -> None:
     def timed():
         last["loss"] = step(x, y)
 
-    for _ in range(args.warmup):
+    note("model and step built")
+    for i in range(args.warmup):
         timed()
+        if i == 0:
+            sync()
+            note("first step done (compilation, autotuning)")
+    sync()
+    note(f"{args.warmup} warm-up steps done")
     ms = wall_ms(timed, args.steps, sync)
+    note(f"{args.steps} steps timed: {ms:.2f} ms a step")
     figures = {"step_ms": round(ms, 3), "loss": round(float(last["loss"]), 4), "cuda_graph": graphed()}
     if cuda:
         peak = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 1e9, device=env.device)
@@ -228,6 +240,7 @@ def _parse(argv: list[str]):
     p.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: gloo processes, a smoke test")
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
+    p.add_argument("--log", help="file the configurations' output is appended to (default: discarded after the run)")
     args, overrides = p.parse_known_args(argv)
     try:
         args.nproc = sorted({int(n) for n in args.nproc.split(",") if n.strip()})
@@ -243,34 +256,75 @@ def _parse(argv: list[str]):
     return args, overrides
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (Linux ``/proc``): torchrun starts its workers in sessions of
+    their own, out of reach of a signal to torchrun's process group."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End torchrun and its workers (they hold the GPUs) and reap torchrun."""
+    for pid in (*_descendants(proc.pid), proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) -> dict:
-    """One configuration under torchrun; its figures, or ``{"error": ...}``."""
+    """One configuration under torchrun; its figures, or ``{"error": ...}``. Its output is appended to
+    ``--log`` (else a file in ``folder``), headed by the configuration and followed by its wall time."""
     result = os.path.join(folder, f"{side}-{mode}-{n}.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            "-m", "tritonllm.bench.dist_train", "--side", side, "--parallel", mode, "--device", args.device,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--compile-mode", args.compile_mode,
            "--result", result, *overrides]
     print(f"-- {side} parallel={mode} x{n}", flush=True)
+    log_path = args.log or os.path.join(folder, f"{side}-{mode}-{n}.log")
     start = time.monotonic()
-    # its own session, so that a timeout ends torchrun's workers too (they hold the GPUs)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    except BaseException:  # interrupted, or SIGTERM (launch turns it into SystemExit): no orphaned workers
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    if proc.returncode != 0 or not os.path.isfile(result):
-        tail = (stderr or stdout).strip().splitlines()[-12:]
-        print("\n".join(f"   {line}" for line in tail), flush=True)
-        lines = [line for line in tail if "Error" in line or "error" in line]
-        return {"error": (lines[-1] if lines else f"exit status {proc.returncode}")[:300]}
+    with open(log_path, "a") as log:
+        log.write(f"==== {side} parallel={mode} x{n}: {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            error = f"timed out after {args.timeout:.0f} s"
+        except BaseException:  # interrupted, or SIGTERM (launch turns it into SystemExit): no orphaned workers
+            _kill(proc)
+            raise
+        else:
+            error = None if proc.returncode == 0 and os.path.isfile(result) else f"exit status {proc.returncode}"
+        wall = round(time.monotonic() - start, 1)
+        log.write(f"==== {error or 'done'} after {wall} s\n")
+    print(f"   {error or 'done'} after {wall} s", flush=True)
+    if error:
+        with open(log_path) as f:
+            tail = f.read().strip().splitlines()[-13:-1]
+        if not error.startswith("timed out"):
+            print("\n".join(f"   {line}" for line in tail), flush=True)
+            lines = [line for line in tail if "Error" in line or "error" in line]
+            error = lines[-1][:300] if lines else error
+        return {"error": error}
     with open(result) as f:
         figures = json.load(f)
-    figures["wall_s"] = round(time.monotonic() - start, 1)
+    figures["wall_s"] = wall
     return figures
 
 
