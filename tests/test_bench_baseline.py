@@ -132,6 +132,30 @@ def test_moe_loop_matches_float64_reference(variant):
     check_against_reference(tiny_cfg(**MOE[variant]), experts="loop")
 
 
+@pytest.mark.parametrize("variant", MOE)
+def test_moe_with_bf16_weights_keeps_a_bf16_residual(variant):
+    """bf16 weights without autocast, as FSDP2 gathers them (the multi-GPU bench's baseline): the MoE
+    layer's fp32 routing weights must not turn the residual stream fp32 (the LM head's bf16 product
+    then failed on 4 H200s). The loss matches the fp32 model's within bf16 rounding."""
+    cfg = tiny_cfg(**MOE[variant])
+    torch.manual_seed(0)
+    base = BaselineTransformer(cfg, experts="loop").to(DEVICE)
+    idx = torch.randint(0, cfg.vocab_size, (2, 19), device=DEVICE)
+    targets = torch.randint(0, cfg.vocab_size, (2, 19), device=DEVICE)
+    want = base(idx, targets)
+    base = base.to(torch.bfloat16)
+    seen = []
+    hooks = [block.register_forward_hook(lambda m, i, out: seen.append(out)) for block in base.blocks]
+    loss = base(idx, targets)
+    for h in hooks:
+        h.remove()
+    loss.backward()
+    flat = [t for out in seen for t in (out if isinstance(out, tuple) else (out,)) if t.dim() == 3]
+    assert flat and all(t.dtype == torch.bfloat16 for t in flat), [t.dtype for t in flat]
+    assert abs(float(loss.detach()) - float(want.detach())) <= 2e-2 * float(want), (float(loss.detach()), float(want.detach()))
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in base.parameters() if p.requires_grad)
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is not in this PyTorch")
 def test_moe_grouped_mm_matches_float64_reference():
     """The grouped path's expert GEMMs run in bf16 (its only dtype): bf16 tolerance."""

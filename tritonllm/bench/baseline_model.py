@@ -237,7 +237,9 @@ class MoE(nn.Module):
         experts = _experts_grouped if self.experts == "grouped_mm" else _experts_loop
         out = experts(x[order // k], counts, self.w13, self.w2)
         slot_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        y = (out[slot_row].view(-1, k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
+        # combined in fp32, returned in the activations' dtype: a bf16 residual stream stays bf16 where
+        # the weights are bf16 without autocast (FSDP2's gathered weights)
+        y = (out[slot_row].view(-1, k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
         if self.shared_w13 is not None:
             gate, up = F.linear(x, self.shared_w13.weight).chunk(2, dim=-1)
             y = y + F.linear(F.silu(gate) * up, self.shared_w2.weight)

@@ -30,7 +30,9 @@ configuration (rank 0 reports): ``tokens_per_s`` (all ranks), ``tokens_per_s_per
 GPU (``6 N_active + 12 L H D T`` FLOPs per token at ``trainer.peak_flops``), ``step_ms``,
 ``peak_mem_gb`` (the largest over the ranks), from 3 profiled steps on rank 0 ``gpu_ms`` (compute
 kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``cuda_graph``, and tritonllm's
-``triton_share``.
+``triton_share``. The profiled steps follow the timed ones, except for tritonllm's DDP step: its
+CUDA graph (NCCL inside) hung under the profiler, so 3 eager steps after the first are profiled
+(extra warm-up steps, before the capture).
 
 Rows go to ``<out>/train-<gpu>.json`` (DESIGN.md section 6), one per tritonllm configuration on
 several GPUs: ``nproc``, ``parallel``, the figures, ``scaling_efficiency`` = per-GPU tokens/s over the
@@ -182,12 +184,20 @@ def run_worker(argv: list[str]) -> None:
     def timed():
         last["loss"] = step(x, y)
 
+    # A DDP step captured in a CUDA graph (the NCCL all-reduces inside it) hung under the profiler on
+    # 4 H200s; its kernels are profiled on eager steps before the capture instead (the same kernels),
+    # run in addition to the warm-up. Every other step is profiled after the timing.
+    profile_early = cuda and args.side == "tritonllm" and args.parallel == "ddp"
+    kernels = None
     note("model and step built")
     for i in range(args.warmup):
         timed()
         if i == 0:
             sync()
             note("first step done (compilation, autotuning)")
+            if profile_early:
+                kernels = kernel_times(timed)  # on every rank: the collectives need them all
+                note("profiled before the CUDA-graph capture")
     sync()
     note(f"{args.warmup} warm-up steps done")
     ms = wall_ms(timed, args.steps, sync)
@@ -197,7 +207,8 @@ def run_worker(argv: list[str]) -> None:
         peak = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 1e9, device=env.device)
         if env.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        ours, others = kernel_times(timed)  # on every rank: the collectives need them all
+        ours, others = kernels or kernel_times(timed)  # on every rank: the collectives need them all
+        note("profiled")
         comm = sum(v for k, v in others.items() if "nccl" in k.lower())
         compute = sum(ours.values()) + sum(others.values()) - comm
         figures.update(peak_mem_gb=round(float(peak), 2), gpu_ms=round(compute, 3), comm_ms=round(comm, 3))
@@ -372,7 +383,7 @@ def _rows(figures: dict, args, stamp: dict) -> list[dict]:
         ours = get("tritonllm", mode, n)
         row = {"model": done["model"], "batch": done["batch"], "seq_len": done["seq_len"], "nproc": n,
                "parallel": mode, **pick(ours, (*FIGURES, "error")), "scaling_efficiency": _efficiency(ours, one),
-               "one_gpu": pick(one, ("tokens_per_s", "step_ms", "cuda_graph", "error")), "baselines": {},
+               "one_gpu": pick(one, ("tokens_per_s", "step_ms", "gpu_ms", "peak_mem_gb", "cuda_graph", "error")), "baselines": {},
                "speedup": None, **stamp}
         if not args.no_baseline:
             base = get("baseline", mode, n)
