@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -154,6 +155,11 @@ def run_worker(argv: list[str]) -> None:
     begin = time.monotonic()
     env = init_distributed(args.device)
     cuda = env.device.type == "cuda"
+
+    # tritonllm's log lines (the CUDA-graph capture, a fallback) into the --log file: rank 0's, and every
+    # rank's warnings
+    logging.basicConfig(level=logging.INFO if env.main else logging.WARNING,
+                        format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
 
     def note(what: str) -> None:  # where a configuration's time goes, in the --log file
         if env.main:
