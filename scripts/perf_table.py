@@ -1,7 +1,8 @@
 """Render docs/perf/<kind>-<gpu>.json as the markdown tables the README quotes.
 
 Usage: python scripts/perf_table.py docs/perf/kernels-h200.json docs/perf/train-h200.json docs/perf/kernels-h100.json docs/perf/train-h100.json > docs/perf/TABLE.md
-(train files: one line per side of each step row, and the speedrun rows as time to the target per side)
+(train files: one line per side of each step row, the multi-GPU rows (nproc > 1) as a scaling table,
+and the speedrun rows as time to the target per side)
 """
 
 import json
@@ -80,6 +81,31 @@ def train_rows(doc: dict) -> list[str]:
     return out
 
 
+def _num(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def scaling_rows(doc: dict) -> list[str]:
+    """One line per multi-GPU row (``python -m tritonllm.bench train --nproc``): per-GPU tokens/s, MFU and
+    scaling efficiency (against one GPU) of ours and of the baseline parallelised alike, and the speedup."""
+    out = ["| model | GPUs | mode | per GPU batch x seq | ours tok/s/GPU | MFU | scaling | peak GB | comm ms | "
+           "baseline | baseline tok/s/GPU | baseline scaling | speedup | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        if r.get("nproc", 1) < 2:
+            continue
+        name, base = next(iter(r.get("baselines", {}).items()), ("-", {}))
+        ours = (f"{r['tokens_per_s_per_gpu']:,} | {r['mfu']:.1%} | {_num(r.get('scaling_efficiency'), '.3f')} | "
+                f"{_num(r.get('peak_mem_gb'), '.1f')} | {_num(r.get('comm_ms'), '.1f')}"
+                if "tokens_per_s_per_gpu" in r else f"failed: {r.get('error', '?')} | | | |")
+        theirs = (f"{base['tokens_per_s_per_gpu']:,} | {_num(base.get('scaling_efficiency'), '.3f')}"
+                  if "tokens_per_s_per_gpu" in base else f"{base.get('error', '-')[:60]} | -")
+        note = "; ".join(x for x in (r.get("note", "")[:80] + ("..." if len(r.get("note", "")) > 80 else ""),) if x)
+        out.append(f"| {r['model']} | {r['nproc']} | {r['parallel']} | {r['batch']} x {r['seq_len']} | {ours} | "
+                   f"{name} | {theirs} | {_num(r.get('speedup'), '.3f')} | {note} |")
+    return out
+
+
 def speedrun_rows(doc: dict) -> list[str]:
     """One line per side of each ``python -m tritonllm.bench speedrun`` row: time, steps and tokens to the target."""
     out = ["| model | batch x seq | side | target | reached | steps | tokens | seconds | tokens/s |",
@@ -100,9 +126,12 @@ def main(paths: list[str]) -> None:
         with open(path) as f:
             doc = json.load(f)
         if "train-" in path:
-            steps = [r for r in doc["results"] if r.get("pass") != "speedrun"]
+            steps = [r for r in doc["results"] if r.get("pass") != "speedrun" and r.get("nproc", 1) < 2]
             rows = train_rows({**doc, "results": steps}) if steps else []
-            if len(steps) < len(doc["results"]):
+            if any(r.get("nproc", 1) > 1 for r in doc["results"]):
+                rows += ["", f"Several GPUs of one host ({doc.get('multi_gpu', 'python -m tritonllm.bench train --nproc')}):",
+                         ""] + scaling_rows(doc)
+            if any(r.get("pass") == "speedrun" for r in doc["results"]):
                 rows += ([""] if rows else []) + [f"GPU: {doc['gpu']}, host CPU: {doc.get('host_cpu', '?')}."] + \
                     [""] + speedrun_rows(doc)
         else:

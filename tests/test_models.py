@@ -202,6 +202,22 @@ def test_param_counts_and_flops(tied):
     assert (model.lm_head is None) == tied
 
 
+def test_meta_model_allocates_nothing_and_counts_the_same():
+    """``build_model(device="meta")``: no weight drawn or stored (the multi-GPU bench reads a 6.9B MoE's
+    FLOPs this way), the same parameter counts and FLOPs as the CPU model; on the CPU the weights are
+    those of the model built without a device."""
+    cfg = tiny_cfg(n_experts=4, moe_top_k=2, d_expert=16, tie_embeddings=False)
+    meta, cpu = build_model(cfg, device="meta"), build_model(cfg)
+    assert all(p.is_meta for p in meta.parameters())
+    assert (meta.num_params(), meta.num_active_params(), meta.flops_per_token(20)) == (
+        cpu.num_params(), cpu.num_active_params(), cpu.flops_per_token(20))
+    torch.manual_seed(3)
+    a = build_model(cfg, device="cpu")
+    torch.manual_seed(3)
+    b = build_model(cfg)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
 # --- sampling (PyTorch ops, no kernels) ----------------------------------------------------------
 
 def test_sample_next_greedy_top_k_top_p():

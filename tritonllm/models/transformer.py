@@ -458,7 +458,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 def build_model(cfg, device=None, dtype=None) -> Transformer:
     """A :class:`Transformer` from a :class:`ModelConfig`, a dict or a Hydra ``DictConfig``,
-    moved to ``device`` / ``dtype`` when given."""
+    moved to ``device`` / ``dtype`` when given. The weights are drawn on the CPU (the same weights
+    whatever the device), except on ``meta``, where nothing is allocated or drawn (shapes, parameter
+    counts and FLOPs of a model of any size)."""
     if not isinstance(cfg, ModelConfig):
         cfg = ModelConfig.from_dict(cfg)
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return Transformer(cfg).to(dtype=dtype)
     return Transformer(cfg).to(device=device, dtype=dtype)
