@@ -29,8 +29,8 @@ between two synchronisations of every rank (``cuda.synchronize`` and a barrier).
 configuration (rank 0 reports): ``tokens_per_s`` (all ranks), ``tokens_per_s_per_gpu``, ``mfu`` per
 GPU (``6 N_active + 12 L H D T`` FLOPs per token at ``trainer.peak_flops``), ``step_ms``,
 ``peak_mem_gb`` (the largest over the ranks), from 3 profiled steps on rank 0 ``gpu_ms`` (compute
-kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``cuda_graph``, and tritonllm's
-``triton_share``. The profiled steps follow the timed ones, except for tritonllm's DDP step: its
+kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``top_kernels`` (the 15 longest
+kernels, ms a step), ``cuda_graph``, and tritonllm's ``triton_share``. The profiled steps follow the timed ones, except for tritonllm's DDP step: its
 CUDA graph (NCCL inside) hung under the profiler, so 3 eager steps after the first are profiled
 (extra warm-up steps, before the capture).
 
@@ -68,8 +68,13 @@ COMPILE_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs", 
 PARALLEL = ("ddp", "fsdp")
 #: the figures of a configuration copied into the rows
 FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_ms", "peak_mem_gb", "gpu_ms", "comm_ms",
-           "cuda_graph", "triton_share", "loss")
+           "cuda_graph", "triton_share", "loss", "top_kernels")
+#: kernels (ms a step on rank 0, the longest first) kept per configuration: where a parallel step's GPU
+#: time goes beside the one-GPU step's (``one_gpu`` keeps them too)
+TOP_KERNELS = 15
 BASELINE_FIGURES = tuple(k for k in FIGURES if k != "triton_share")
+#: the one-GPU reference's figures copied into each row
+ONE_GPU_FIGURES = ("tokens_per_s", "step_ms", "gpu_ms", "peak_mem_gb", "cuda_graph", "top_kernels", "error")
 NOT_RUN = {"error": "not run"}
 ONE_GPU_SKIPPED = {"error": "not run (--no-one-gpu)"}
 
@@ -217,7 +222,9 @@ def run_worker(argv: list[str]) -> None:
         note("profiled")
         comm = sum(v for k, v in others.items() if "nccl" in k.lower())
         compute = sum(ours.values()) + sum(others.values()) - comm
-        figures.update(peak_mem_gb=round(float(peak), 2), gpu_ms=round(compute, 3), comm_ms=round(comm, 3))
+        top = sorted({**ours, **others}.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+        figures.update(peak_mem_gb=round(float(peak), 2), gpu_ms=round(compute, 3), comm_ms=round(comm, 3),
+                       top_kernels={name[:100]: round(ms, 3) for name, ms in top})
         if args.side == "tritonllm" and compute:
             figures["triton_share"] = round(sum(ours.values()) / compute, 4)
     if env.main:
@@ -389,8 +396,7 @@ def _rows(figures: dict, args, stamp: dict) -> list[dict]:
         ours = get("tritonllm", mode, n)
         row = {"model": done["model"], "batch": done["batch"], "seq_len": done["seq_len"], "nproc": n,
                "parallel": mode, **pick(ours, (*FIGURES, "error")), "scaling_efficiency": _efficiency(ours, one),
-               "one_gpu": pick(one, ("tokens_per_s", "step_ms", "gpu_ms", "peak_mem_gb", "cuda_graph", "error")), "baselines": {},
-               "speedup": None, **stamp}
+               "one_gpu": pick(one, ONE_GPU_FIGURES), "baselines": {}, "speedup": None, **stamp}
         if not args.no_baseline:
             base = get("baseline", mode, n)
             name = f"{'FSDP2' if mode == 'fsdp' else 'DDP'} + " + (
