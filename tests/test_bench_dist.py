@@ -76,17 +76,17 @@ def _fake_run(order):
 
 
 def test_several_gpu_counts_rows(tmp_path, monkeypatch):
-    """``--nproc 2,4``: the one-GPU references once, then each count's configurations, ours before the
-    baseline's; one row per count and mode, each with its scaling efficiency against the one-GPU run."""
+    """``--nproc 2,4``: the one-GPU references once and first, then each count's configurations, ours
+    before the baseline's; one row per count and mode, each with its scaling efficiency against the
+    one-GPU run."""
     import tritonllm.bench.dist_train as dist_train
 
     order = []
     monkeypatch.setattr(dist_train, "_run", _fake_run(order))
     rows = launch(["--nproc", "4,2", "--parallel", "ddp,fsdp", "--device", "cpu", f"--out={tmp_path}", *TINY])
-    assert order == [("tritonllm", "none", 1),
+    assert order == [("tritonllm", "none", 1), ("baseline", "none", 1),
                      ("tritonllm", "ddp", 2), ("tritonllm", "fsdp", 2), ("baseline", "ddp", 2), ("baseline", "fsdp", 2),
-                     ("tritonllm", "ddp", 4), ("tritonllm", "fsdp", 4), ("baseline", "ddp", 4), ("baseline", "fsdp", 4),
-                     ("baseline", "none", 1)]
+                     ("tritonllm", "ddp", 4), ("tritonllm", "fsdp", 4), ("baseline", "ddp", 4), ("baseline", "fsdp", 4)]
     assert [(r["nproc"], r["parallel"]) for r in rows] == [(2, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")]
     for r in rows:
         assert r["scaling_efficiency"] == pytest.approx(1 / (1 + 0.01 * (r["nproc"] - 1)), rel=1e-3)

@@ -1,15 +1,17 @@
 """``python -m tritonllm.bench train --nproc N[,N2,...] +model=void1b [overrides] [--parallel ddp,fsdp] [--steps 20 --warmup 14]``
 
-Training throughput on N GPUs of one host (several counts in one command give the scaling curve): tritonllm's DDP and FSDP2 (``tritonllm.train.parallel``,
-the step of :class:`tritonllm.train.step.TrainStep`) against the plain-PyTorch baseline parallelised
-the same way, each measured against one GPU, in one command. The config is composed like
+Training throughput on N GPUs of one host (several counts in one command: the scaling curve):
+tritonllm's DDP and FSDP2 (``tritonllm.train.parallel``, the step of
+:class:`tritonllm.train.step.TrainStep`) against the plain-PyTorch baseline parallelised the same way,
+each measured against one GPU, in one command. The config is composed like
 ``python -m tritonllm.train``'s; ``trainer.batch_size`` (default 4) and ``trainer.seq_len`` (default
 2048) are per GPU.
 
 :func:`launch` (what ``--nproc`` runs) starts ``torchrun --standalone --nproc_per_node=n -m
 tritonllm.bench.dist_train`` once per configuration, one after the other (each with the GPUs to
-itself; ``--timeout`` seconds at most; ours first, then the baseline; the rows are rewritten after
-each configuration, so that a run cut short keeps what it measured):
+itself; ``--timeout`` seconds at most; the one-GPU runs first, then per GPU count ours and the
+baseline's; the rows are rewritten after each configuration, so that a run cut short keeps what it
+measured):
 
 - tritonllm on one GPU (``parallel=none``: the single-device step, captured in a CUDA graph), the
   reference of the scaling efficiency;
@@ -30,9 +32,9 @@ configuration (rank 0 reports): ``tokens_per_s`` (all ranks), ``tokens_per_s_per
 GPU (``6 N_active + 12 L H D T`` FLOPs per token at ``trainer.peak_flops``), ``step_ms``,
 ``peak_mem_gb`` (the largest over the ranks), from 3 profiled steps on rank 0 ``gpu_ms`` (compute
 kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``top_kernels`` (the 15 longest
-kernels, ms a step), ``cuda_graph``, and tritonllm's ``triton_share``. The profiled steps follow the timed ones, except for tritonllm's DDP step: its
-CUDA graph (NCCL inside) hung under the profiler, so 3 eager steps after the first are profiled
-(extra warm-up steps, before the capture).
+kernels, ms a step), ``cuda_graph``, and tritonllm's ``triton_share``. The profiled steps follow the
+timed ones, except for tritonllm's DDP step: its CUDA graph (NCCL inside) hung under the profiler, so
+3 eager steps after the first are profiled (extra warm-up steps, before the capture).
 
 Rows go to ``<out>/train-<gpu>.json`` (DESIGN.md section 6), one per tritonllm configuration on
 several GPUs: ``nproc``, ``parallel``, the figures, ``scaling_efficiency`` = per-GPU tokens/s over the
@@ -337,7 +339,7 @@ def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) 
             error = None if proc.returncode == 0 and os.path.isfile(result) else f"exit status {proc.returncode}"
         wall = round(time.monotonic() - start, 1)
         log.write(f"==== {error or 'done'} after {wall} s\n")
-    print(f"   {error or 'done'} after {wall} s", flush=True)
+    print(f"   {error}" if error and error.startswith("timed out") else f"   {error or 'done'} after {wall} s", flush=True)
     if error:
         with open(log_path) as f:
             tail = f.read().strip().splitlines()[-13:-1]
@@ -423,12 +425,11 @@ def launch(argv: list[str]) -> list[dict]:
                  f"{torch.cuda.device_count()} this host has")
     host_cpu = host_cpu_model()
     print(f"host CPU: {host_cpu}", flush=True)
-    # per GPU count, ours then the baseline: the most wanted figures before a cut; the one-GPU
-    # references first (ours) and last (the baseline's)
+    # the one-GPU references first (every scaling efficiency needs them), then per GPU count ours and
+    # the baseline's: the most wanted figures before a cut
     sides = ("tritonllm",) if args.no_baseline else ("tritonllm", "baseline")
-    configs = [(side, m, n) for n in args.nproc for side in sides for m in args.parallel]
-    if not args.no_one_gpu:
-        configs = [("tritonllm", "none", 1), *configs, *((("baseline", "none", 1),) if not args.no_baseline else ())]
+    configs = [] if args.no_one_gpu else [(side, "none", 1) for side in sides]
+    configs += [(side, m, n) for n in args.nproc for side in sides for m in args.parallel]
     figures, path = {}, None
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # ends the torchrun too
     try:
