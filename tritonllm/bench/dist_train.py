@@ -327,6 +327,7 @@ def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) 
         log.write(f"==== {side} parallel={mode} x{n}: {' '.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        error: str | None
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
