@@ -3,6 +3,8 @@ processes, tritonllm through the Triton interpreter, the baseline eager; a smoke
 launches and of the rows, not a measurement. The GPU measurement is in the README's multi-GPU section."""
 
 import json
+import os
+import random
 import subprocess
 import sys
 
@@ -121,3 +123,37 @@ def test_no_one_gpu_and_rows_kept_until_reached(tmp_path, monkeypatch):
     row = doc["results"][1]
     assert (row["nproc"], row["scaling_efficiency"], row["one_gpu"]) == (2, None, {"error": "not run (--no-one-gpu)"})
     assert row["speedup"] == pytest.approx(1.5)
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Living processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.skipif(ON_GPU or not os.path.isdir("/proc"), reason="gloo processes on the CPU; Linux /proc")
+def test_timeout_ends_torchrun_and_its_workers(tmp_path):
+    """A configuration past ``--timeout`` is recorded as timed out, and no worker outlives it: torchrun
+    starts them in sessions of their own, which a signal to torchrun's process group would miss (they
+    held the GPUs and the launcher's pipes on 4 H200s). The log file says what ran and how it ended."""
+    marker = f"seed={random.randrange(10**8, 10**9)}"
+    log = tmp_path / "workers.log"
+    before = _processes_with(marker)
+    cmd = [sys.executable, "-m", "tritonllm.bench", "train", "--nproc", "2", "--device", "cpu", "--parallel", "fsdp",
+           "--no-baseline", "--no-one-gpu", "--steps", "100000", "--warmup", "0", "--timeout", "15",
+           f"--out={tmp_path}", f"--log={log}", *TINY, marker]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env=child_env(OMP_NUM_THREADS="1", TRITONLLM_NO_AUTOTUNE="1"))
+    assert r.returncode != 0 and "every configuration failed" in r.stderr, r.stdout + r.stderr
+    assert "timed out after 15 s" in r.stdout, r.stdout
+    assert before == [] and _processes_with(marker) == []
+    text = log.read_text()
+    assert "==== tritonllm parallel=fsdp x2" in text and "==== timed out after 15 s" in text
+    assert "model and step built" in text, text  # the workers were running when the limit came
