@@ -4,8 +4,8 @@ LoRA, the grouped expert GEMMs reuse its configs): ``gemm(a, b, c, ...)``.
 One persistent kernel computes C = A @ B for A [M, K] and B [K, N] of any
 strides, so x W^T, dy W and dy^T x are the same kernel with different strides (no transposed
 copies). Output tiles are visited in grouped-M order (GROUP_M row tiles sweep the column tiles
-before moving on, so the B tiles they share stay in L2) by min(#SMs, #tiles) programs. Constexpr
-switches pick the epilogue (bias, residual, accumulate-into-C, SwiGLU) and the operand loads: on
+before moving on, so the B tiles they share stay in L2) by min(#SMs, #tiles) programs (one per
+tile with ``PERSISTENT = False``). Constexpr switches pick the epilogue (bias, residual, accumulate-into-C, SwiGLU) and the operand loads: on
 Hopper with Triton's tensor descriptors (TMA, ``tl.make_tensor_descriptor``) when both operands
 have a unit stride and 16-byte aligned strides, else masked pointer loads (also the path of the CPU
 interpreter). Edges are masked (pointer path) or zero-filled / clipped by TMA, never rejected.
@@ -47,6 +47,12 @@ WARP_SPECIALIZE = False
 TMA_STORE = True
 #: with TMA_STORE, store each tile as two [BLOCK_M, BLOCK_N / 2] halves (half the staging memory).
 EPILOGUE_SUBTILE = False
+#: launch min(#SMs, tiles) programs that each take tiles p, p + P, ... (True: FLATTEN overlaps a
+#: tile's epilogue with the next tile's first loads), or one program per tile (False: the hardware
+#: hands tiles to SMs as they free up, so SMs held by another stream's kernels, NCCL's under FSDP2,
+#: delay only the tiles queued behind them instead of a whole program's share).
+#: scripts/sm_contention.py times both beside cuBLAS with some SMs held (docs/perf/NOTES.md).
+PERSISTENT = True
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
@@ -464,7 +470,8 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
     sms = num_sms()
 
     def grid(meta):
-        return (min(sms, split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        units = split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(sms, units) if PERSISTENT else units,)
 
     key = (M, N, K, epilogue, bias is not None, residual is not None, accumulate, store_gu, bool(use_tma), a_k, b_n,
            tma_store, precision, split_k, a.dtype, c.dtype, a_scale is not None)
@@ -521,7 +528,7 @@ def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use
             None if residual is None else (residual.stride(), residual.dtype),
             None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
             epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, FLATTEN, WARP_SPECIALIZE, TMA_STORE,
-            EPILOGUE_SUBTILE)
+            EPILOGUE_SUBTILE, PERSISTENT)
 
 
 def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,

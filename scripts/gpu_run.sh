@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [train] [trainrun] [finetune] [evolve]   (default: tests bench)
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [contention] [train] [trainrun] [finetune] [evolve]
+#        (default: tests bench)
+# contention: scripts/sm_contention.py (CONTENTION_ARGS): our GEMM against cuBLAS with some SMs held
 # trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
 # train: TRAIN_ARGS e.g. "--compiled --baselines compile" (the model under torch.compile beside eager)
 # finetune: python -m tritonllm.bench finetune (FINETUNE_ARGS; default TinyLlama shape, B4 T2048, rank 16)
@@ -43,6 +45,8 @@ for stage in $stages; do
             timeout ${BENCH_TIMEOUT:-540} python3 -m tritonllm.bench kernels ${ops:+--ops $ops} ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^--" | tail -${TAIL:-80} ;;
         tune)  # scripts/tune_attention.py (TUNE_ARGS, e.g. "--shapes causal64 --kernels fused")
             timeout ${TUNE_TIMEOUT:-300} python3 scripts/tune_attention.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -${TAIL:-80} ;;
+        contention)
+            timeout ${CONTENTION_TIMEOUT:-240} python3 scripts/sm_contention.py ${CONTENTION_ARGS:-} 2>&1 | tee "$OUT/contention.log" ;;
         train)
             timeout ${TRAIN_TIMEOUT:-400} python3 -m tritonllm.bench train +model=${MODEL:-void125m} --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
         trainrun)

@@ -172,6 +172,28 @@ def test_gemm_split_k(M, N, K, splits, poisoned_empty):
     assert_close("c", c, a.double() @ b.double(), atol=1e-5)
 
 
+@pytest.mark.parametrize("split_k", [1, 3], ids=["whole-K", "split-K"])
+def test_gemm_one_program_per_tile_matches_persistent(split_k, monkeypatch):
+    """``PERSISTENT = False`` (one program per output tile instead of min(#SMs, tiles) programs
+    looping over them) computes every tile the same way: bitwise the same C, with more tiles than
+    SMs (4 under the interpreter)."""
+    M, N, K = (600, 300, 40) if not ON_GPU else (4096, 4096, 256)
+    a, b = randn(M, K), randn(N, K).t()
+    out, programs = {}, {}
+    gemm_module._LAUNCH_CONFIGS.clear()
+    for persistent in (True, False):
+        monkeypatch.setattr(gemm_module, "PERSISTENT", persistent)
+        for _ in range(2):  # planned, then from the plan
+            out[persistent] = gemm_module.gemm(a, b, poison_(torch.empty(M, N, device=DEVICE)), split_k=split_k,
+                                               allow_tf32=False)
+        programs[persistent] = {plan[0].grid[0] for plan in gemm_module._LAUNCH_CONFIGS.values()} - set().union(
+            *(programs.values()))
+    sms = gemm_module.num_sms()
+    assert programs[True] == {sms} and programs[False] and min(programs[False]) > sms, (programs, sms)
+    assert torch.equal(out[True], out[False])
+    assert_close("c", out[False], a.double() @ b.double(), atol=1e-5)
+
+
 def test_split_k_heuristic(monkeypatch):
     """Few output tiles and a long K split; a product that fills the GPU, or a short K, does not."""
     for knob, value in (("SPLIT_K_MIN_K", 2048), ("SPLIT_K_MAX", 8), ("SPLIT_K_FILL_SLACK", 0.05)):
