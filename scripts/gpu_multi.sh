@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Multi-GPU session (nvidia-h200-x2, or more GPUs of one host), under 9 minutes per call: install (as
-# scripts/gpu_run.sh), then the stages asked for:
+# Multi-GPU session (nvidia-h200-x2, or more GPUs of one host), under 9 minutes per call: install
+# (scripts/gpu_install.sh), then the stages asked for:
 #   tests  tests/test_parallel.py on the GPUs (test_gpu_two_ranks: NCCL, DDP with the step in a CUDA
 #          graph and FSDP2, against one GPU)
 #   bench  python -m tritonllm.bench train --nproc $NPROC +model=$MODEL: tritonllm DDP and FSDP2
 #          (PARALLEL) on NPROC GPUs (a comma-separated list of counts: the scaling curve) and
 #          tritonllm on one, beside the plain-PyTorch baseline compiled per block then wrapped in
 #          DDP / FSDP2 (torchtitan's order), on the same counts and on one; each configuration one
-#          torchrun of at most RUN_TIMEOUT s (its output in $OUT/bench-workers.log), the whole bench at most BENCH_TIMEOUT s. Rows (nproc,
-#          parallel, scaling_efficiency, baselines, speedup) merge into $OUT/train-<gpu>.json, a copy
-#          of docs/perf/'s: copy it back into docs/perf/ (copies left unchanged are removed).
-# Calls chained in one command share the install (done once per machine).
+#          torchrun of at most RUN_TIMEOUT s (its output in $OUT/bench-workers.log), the whole bench
+#          at most BENCH_TIMEOUT s. Rows (nproc, parallel, scaling_efficiency, baselines, speedup)
+#          merge into $OUT/train-<gpu>.json, a copy of docs/perf/'s: copy it back into docs/perf/
+#          (copies left unchanged are removed).
+# Calls chained in one command share the install (scripts/gpu_install.sh: once per machine).
 # Usage: MODEL=void1b scripts/gpu_multi.sh [tests] [bench]            (default: both)
 #        MODEL=void125m BENCH_ARGS="trainer.batch_size=16 trainer.seq_len=1024" scripts/gpu_multi.sh bench
 #        MODEL=void3b PARALLEL=fsdp NPROC=2,4 BENCH_ARGS="trainer.batch_size=2" scripts/gpu_multi.sh bench
@@ -22,15 +23,7 @@ PARALLEL=${PARALLEL:-ddp,fsdp}
 mkdir -p "$OUT"
 # the recorded results, so that new rows merge into them (rows of the same model, batch, nproc and parallel are replaced)
 for f in docs/perf/train-*.json; do [ -e "$OUT/$(basename "$f")" ] || cp "$f" "$OUT/"; done
-if [ -d .whl ]; then  # wheels carried (scripts/gpu_wheels.sh): hydra, omegaconf, antlr4, liger-kernel; .whl/extra: test deps
-    [ -e /tmp/site/.tritonllm-done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null) \
-        && touch /tmp/site/.tritonllm-done; }
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if [ ! -e /tmp/.tritonllm-installed ]; then
-    python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-    rm -f "$OUT/install.log"; touch /tmp/.tritonllm-installed
-fi
+. scripts/gpu_install.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
 NPROC=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}

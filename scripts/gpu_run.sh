@@ -20,17 +20,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 # the recorded results, so that new rows merge into them (write_results replaces same-key rows)
 for f in docs/perf/*-*.json; do [ -e "$OUT/$(basename "$f")" ] || cp "$f" "$OUT/"; done
-if [ -d .whl ]; then  # wheels carried (scripts/gpu_wheels.sh): hydra, omegaconf, antlr4, liger-kernel; .whl/extra: test deps
-    # installed once per machine: a reinstall would renew the files' mtimes, and with them the cache key of
-    # the packages corpus (data.packages=true), so a warm machine's next evolve call would tokenize again
-    wheels=$(md5sum .whl/*.whl .whl/extra/*.whl 2>/dev/null | md5sum)
-    if [ "$(cat /tmp/site/.wheels 2>/dev/null)" = "$wheels" ] || \
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl/extra/*.whl 2>/dev/null); then
-        echo "$wheels" > /tmp/site/.wheels
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    fi
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+. scripts/gpu_install.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 stages=${*:-tests bench}

@@ -100,7 +100,8 @@ def scaling_rows(doc: dict) -> list[str]:
                 if "tokens_per_s_per_gpu" in r else f"failed: {r.get('error', '?')} | | | |")
         theirs = (f"{base['tokens_per_s_per_gpu']:,} | {_num(base.get('scaling_efficiency'), '.3f')}"
                   if "tokens_per_s_per_gpu" in base else f"{base.get('error', '-')[:60]} | -")
-        note = "; ".join(x for x in (r.get("note", "")[:80] + ("..." if len(r.get("note", "")) > 80 else ""),) if x)
+        note = r.get("note", "")
+        note = note[:80] + "..." if len(note) > 80 else note
         out.append(f"| {r['model']} | {r['nproc']} | {r['parallel']} | {r['batch']} x {r['seq_len']} | {ours} | "
                    f"{name} | {theirs} | {_num(r.get('speedup'), '.3f')} | {note} |")
     return out
