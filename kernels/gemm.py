@@ -51,7 +51,8 @@ EPILOGUE_SUBTILE = False
 #: tile's epilogue with the next tile's first loads), or one program per tile (False: the hardware
 #: hands tiles to SMs as they free up, so SMs held by another stream's kernels, NCCL's under FSDP2,
 #: delay only the tiles queued behind them instead of a whole program's share).
-#: scripts/sm_contention.py times both beside cuBLAS with some SMs held (docs/perf/NOTES.md).
+#: scripts/sm_contention.py times both beside cuBLAS with some SMs held (docs/perf/NOTES.md);
+#: ``tritonllm.train.parallel.parallelize`` sets False for DDP and FSDP2 on GPUs.
 PERSISTENT = True
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [

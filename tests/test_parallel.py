@@ -28,6 +28,7 @@ from _checks import ON_GPU, child_env
 from test_train import ROOT, TINY, compose_train, data_overrides, read_metrics  # noqa: F401 (fixture)
 
 from tritonllm.data.loader import TokenLoader, TokenStream
+from tritonllm.errors import ConfigError
 from tritonllm.kernels.adamw import adamw_step_, clip_grads_
 from tritonllm.train import train
 from tritonllm.train.dist_checkpoint import export, is_sharded
@@ -300,6 +301,25 @@ def test_adamw_counts_the_step_of_an_empty_shard(device):
     assert float(only_empty[0]) == 1.0
 
 
+@pytest.mark.parametrize("setting, persistent", [(None, False), ("tile", False), ("persistent", True)])
+def test_gemm_grid_beside_nccl(monkeypatch, setting, persistent):
+    """Under DDP or FSDP2 on GPUs the GEMM runs one program per tile unless the environment asks
+    for the persistent grid; anything else is refused, naming the variable."""
+    from tritonllm.kernels import gemm
+    from tritonllm.train.parallel import gemm_grid_beside_nccl
+
+    monkeypatch.setattr(gemm, "PERSISTENT", not persistent)
+    if setting is None:
+        monkeypatch.delenv("TRITONLLM_GEMM_GRID", raising=False)
+    else:
+        monkeypatch.setenv("TRITONLLM_GEMM_GRID", setting)
+    assert gemm_grid_beside_nccl() == (setting or "tile")
+    assert gemm.PERSISTENT is persistent
+    monkeypatch.setenv("TRITONLLM_GEMM_GRID", "dynamic")
+    with pytest.raises(ConfigError, match="TRITONLLM_GEMM_GRID"):
+        gemm_grid_beside_nccl()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_two_ranks(data_overrides, tmp_path):
@@ -318,6 +338,7 @@ def test_gpu_two_ranks(data_overrides, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "training step captured in a CUDA graph after 11 eager warm-up steps" in r.stderr, r.stderr[-3000:]
     assert "the training step runs eagerly" in r.stderr
+    assert "GEMM grid beside NCCL: one program per output tile" in r.stderr
     for name, ref in (("ddp", "ref"), ("fsdp", "ref"), ("muon", "muon_ref")):
         want, got = losses(tmp_path / ref), losses(tmp_path / name)
         assert sorted(got) == list(range(1, 15))

@@ -70,11 +70,11 @@ COMPILE_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs", 
 PARALLEL = ("ddp", "fsdp")
 #: the figures of a configuration copied into the rows
 FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_ms", "peak_mem_gb", "gpu_ms", "comm_ms",
-           "cuda_graph", "triton_share", "loss", "top_kernels")
+           "cuda_graph", "triton_share", "gemm_grid", "loss", "top_kernels")
 #: kernels (ms a step on rank 0, the longest first) kept per configuration: where a parallel step's GPU
 #: time goes beside the one-GPU step's (``one_gpu`` keeps them too)
 TOP_KERNELS = 15
-BASELINE_FIGURES = tuple(k for k in FIGURES if k != "triton_share")
+BASELINE_FIGURES = tuple(k for k in FIGURES if k not in ("triton_share", "gemm_grid"))
 #: the one-GPU reference's figures copied into each row
 ONE_GPU_FIGURES = ("tokens_per_s", "step_ms", "gpu_ms", "peak_mem_gb", "cuda_graph", "top_kernels", "error")
 NOT_RUN = {"error": "not run"}
@@ -228,7 +228,10 @@ def run_worker(argv: list[str]) -> None:
         figures.update(peak_mem_gb=round(float(peak), 2), gpu_ms=round(compute, 3), comm_ms=round(comm, 3),
                        top_kernels={name[:100]: round(ms, 3) for name, ms in top})
         if args.side == "tritonllm" and compute:
+            from tritonllm.kernels import gemm
+
             figures["triton_share"] = round(sum(ours.values()) / compute, 4)
+            figures["gemm_grid"] = "persistent" if gemm.PERSISTENT else "tile"
     if env.main:
         from tritonllm.models import build_model
 

@@ -217,6 +217,29 @@ class Parallel:
         return bool(flag.item())
 
 
+GEMM_GRIDS = ("tile", "persistent")
+
+
+def gemm_grid_beside_nccl() -> str:
+    """Pick the GEMM's grid for a GPU whose SMs NCCL's kernels share: one program per output tile
+    (``tritonllm.kernels.gemm.PERSISTENT = False``) unless ``TRITONLLM_GEMM_GRID=persistent``.
+
+    The persistent grid (min(#SMs, tiles) programs, each with a fixed share of the tiles) is 1-9%
+    faster alone, but a program that cannot start while NCCL holds its SM holds back its whole
+    share: measured on an H100 with 16 SMs held, a linear layer's fwd+bwd took 1.6-1.7x its time
+    alone with the persistent grid and 1.2-1.4x with one program per tile (docs/perf/NOTES.md,
+    scripts/sm_contention.py). Returns the grid chosen, also said in a log line."""
+    from tritonllm.kernels import gemm
+
+    grid = os.environ.get("TRITONLLM_GEMM_GRID", "tile")
+    if grid not in GEMM_GRIDS:
+        raise ConfigError(f"TRITONLLM_GEMM_GRID must be one of {', '.join(GEMM_GRIDS)}, got {grid!r}")
+    gemm.PERSISTENT = grid == "persistent"
+    log.info("GEMM grid beside NCCL: %s", "persistent (TRITONLLM_GEMM_GRID)" if gemm.PERSISTENT
+             else "one program per output tile (NCCL's kernels share the SMs)")
+    return grid
+
+
 def parallelize(model: torch.nn.Module, mode: str, env: DistEnv, *,
                 compute_dtype: torch.dtype = torch.float32) -> Parallel:
     """Apply ``mode`` (``none``, ``ddp``, ``fsdp``) to ``model``, a :class:`~tritonllm.models.Transformer`
@@ -224,6 +247,8 @@ def parallelize(model: torch.nn.Module, mode: str, env: DistEnv, *,
     ``compute_dtype`` is the dtype FSDP2 all-gathers them in."""
     if mode == "none":
         return Parallel(mode, env, model, model)
+    if mode in ("ddp", "fsdp") and env.device.type == "cuda":
+        gemm_grid_beside_nccl()
     if mode == "ddp":
         if env.device.type == "cuda":
             # built on a side stream, as a DDP step captured later in a CUDA graph requires
