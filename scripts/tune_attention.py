@@ -8,7 +8,8 @@ Usage (on the GPU, about 100 s from a cold Triton cache; the table is printed la
 Shapes (bf16, inputs stored [B, H, T, D] and passed as [B, T, H, D] views, as in the benchmark):
 ``causal128`` B8 Hq32/Hkv8 T4096 D128, ``causal64`` B16 Hq12/Hkv12 T1024 D64 (both causal) and
 ``window`` B1 Hq32/Hkv8 T16384 D128 W1024, whose baselines add full causal attention at the same shape
-(ours and SDPA: the benchmark's window ratio, and the fourth target shape).
+(ours and SDPA: the benchmark's window ratio, and the fourth target shape); ``gqa128`` B4 Hq16/Hkv4
+T2048 D128 is the benchmark's GQA row.
 
 Baselines first, per shape: SDPA and ours (the current knobs with the first configs, pinned: the
 benchmark autotunes over the lists instead), each pass fwd / bwd / fwd+bwd. Then per shape and kernel
@@ -24,7 +25,9 @@ count the benchmark's FLOPs (4 B Hq D pairs forward, x2.5 backward), the dK/dV a
 tile products (x2 and x1.5 the forward). Variants past ``--budget`` seconds are listed as skipped so
 that the script ends in time; rerun with fewer ``--shapes`` / ``--kernels`` for them (Triton's cache
 keeps what was compiled). The notes at the end estimate fwd+bwd with each kernel's best variant.
-To adopt a winner: move its config first in its list, or set the TMA / ONE_LOOP entry.
+``order N`` runs the default with the programs' (batch, head) pairs taken N at a time (HEADS_PER_GROUP;
+``all``: one group). To adopt a winner: move its config first in its list, or set the TMA / ONE_LOOP /
+HEADS_PER_GROUP entry.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ SHAPES = {
     # the two above with the head dim and the length swapped: which of the two decides a knob
     "causal64long": (4, 12, 12, 4096, 64, None),
     "causal128short": (16, 12, 12, 1024, 128, None),
+    # the benchmark's GQA row: few programs a kernel, so their order matters most
+    "gqa128": (4, 16, 4, 2048, 128, None),
 }
 # autotuned kernel, config list, FLOPs / forward FLOPs, TMA / ONE_LOOP knob: the deterministic backward's two
 # kernels (dkdv, dq) and the default fused one (dK, dV and atomic dQ in the dK/dV kernel, with preprocess + finalize)
@@ -127,36 +132,47 @@ def passes(attn, q, k, v, do) -> dict[str, float]:
 
 
 class Knobs:
-    """Sets one kernel's config and its TMA / ONE_LOOP knobs; ``restore`` puts the module's back."""
+    """Sets one kernel's config and its TMA / ONE_LOOP / HEADS_PER_GROUP knobs; ``restore`` puts the
+    module's back."""
 
     def __init__(self):
         self.saved = {attr: list(getattr(fa, attr).configs) for attr, *_ in KERNELS.values()}
         self.tma, self.one_loop = dict(fa.TMA), {k: dict(v) for k, v in fa.ONE_LOOP.items()}
+        self.group = dict(fa.HEADS_PER_GROUP)
 
-    def set(self, kernel: str, config: tuple, tma: bool, one_loop: bool, kind: str) -> None:
+    def set(self, kernel: str, config: tuple, tma: bool, one_loop: bool, group: int | None, kind: str) -> None:
         bm, bn, warps, stages = config
         attr, _, _, knob = KERNELS[kernel]
         getattr(fa, attr).configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)]
         fa.TMA[knob] = tma
         fa.ONE_LOOP[knob][kind] = one_loop
+        fa.HEADS_PER_GROUP[knob] = group
 
     def restore(self) -> None:
         for attr, configs in self.saved.items():
             getattr(fa, attr).configs = configs
         fa.TMA.update(self.tma)
+        fa.HEADS_PER_GROUP.update(self.group)
         for k, v in self.one_loop.items():
             fa.ONE_LOOP[k].update(v)
 
 
-def variants(kernel: str, kind: str) -> list[tuple[int, str, tuple, bool, bool]]:
-    """(priority, label, config, tma, one_loop): the default and the two knob flips (priority 0), then the
-    other configs but the last, the fp32 fallback (priority 1)."""
+#: HEADS_PER_GROUP settings tried beside the default (program order: pairs per group; None: all)
+GROUPS = (1, 8, None)
+
+
+def variants(kernel: str, kind: str) -> list[tuple[int, str, tuple, bool, bool, int | None]]:
+    """(priority, label, config, tma, one_loop, heads per group): the default, the two knob flips and
+    the other program orders (priority 0), then the other configs but the last, the fp32 fallback
+    (priority 1)."""
     _, configs_attr, _, knob = KERNELS[kernel]
     configs = getattr(fa, configs_attr)
-    tma, one_loop = fa.TMA[knob], fa.ONE_LOOP[knob][kind]
-    return ([(0, "default", configs[0], tma, one_loop), (0, f"TMA={not tma}", configs[0], not tma, one_loop),
-             (0, f"ONE_LOOP={not one_loop}", configs[0], tma, not one_loop)]
-            + [(1, "cfg {}x{} w{} s{}".format(*c), c, tma, one_loop) for c in configs[1:-1]])
+    tma, one_loop, group = fa.TMA[knob], fa.ONE_LOOP[knob][kind], fa.HEADS_PER_GROUP[knob]
+    return ([(0, "default", configs[0], tma, one_loop, group),
+             (0, f"TMA={not tma}", configs[0], not tma, one_loop, group),
+             (0, f"ONE_LOOP={not one_loop}", configs[0], tma, not one_loop, group)]
+            + [(0, f"order {g or 'all'}", configs[0], tma, one_loop, g) for g in GROUPS if g != group]
+            + [(1, "cfg {}x{} w{} s{}".format(*c), c, tma, one_loop, group) for c in configs[1:-1]])
 
 
 def make_inputs(B, Hq, Hkv, T, D):
@@ -242,17 +258,17 @@ def main() -> None:
 
     # the defaults and knob flips of every shape and kernel first, then the other configs
     kernels = args.kernels.split(",")
-    tasks = sorted((prio, i, j, n, label, config, tma, one_loop)
+    tasks = sorted((prio, i, j, n, label, config, tma, one_loop, group)
                    for i, sh in enumerate(shapes) for j, kernel in enumerate(kernels)
-                   for n, (prio, label, config, tma, one_loop) in enumerate(variants(kernel, sh.kind)))
+                   for n, (prio, label, config, tma, one_loop, group) in enumerate(variants(kernel, sh.kind)))
     defaults = {}  # (shape index, kernel): (outputs, ms) of the default variant
     best = {}      # (shape index, kernel): (ms, label) of the fastest good variant
-    for _, i, j, n, label, config, tma, one_loop in tasks:
+    for _, i, j, n, label, config, tma, one_loop, group in tasks:
         sh, kernel, order = shapes[i], kernels[j], (i, 1, j, n)
         if time.perf_counter() - start > args.budget:
             row(order, sh.label, kernel, label, None, 0, note="skipped (budget)")
             continue
-        knobs.set(kernel, config, tma, one_loop, sh.kind)
+        knobs.set(kernel, config, tma, one_loop, group, sh.kind)
         try:
             fn = sh.launcher(kernel)
             first, second = (tuple(t.clone() for t in fn()) for _ in range(2))

@@ -9,9 +9,9 @@ import triton.language as tl
 
 from .._common import Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2
 from .config import (DKDV_CONFIGS, DQ_CONFIGS, KEYS, LOG2E, NEG_INF, POS_INF, PREPROCESS_BLOCK_M,
-                      block_configs, check_attention_inputs, check_documents, docs_arg, kernel_flags,
-                      last_dim_contiguous, stream_flags, strides, tuned)
-from .masks import in_document, keys_seen, queries_seeing, row_block, segments
+                      block_configs, check_attention_inputs, check_documents, docs_arg, heads_per_group,
+                      kernel_flags, last_dim_contiguous, stream_flags, strides, tuned)
+from .masks import in_document, keys_seen, program_tile, queries_seeing, row_block, segments
 
 @triton.jit
 def _flash_attention_bwd_preprocess_kernel(
@@ -123,14 +123,16 @@ def _flash_attention_bwd_dkdv_kernel(
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     DOCS,                       # with HAS_DOCS: [B, T, 2] int32 document bounds of each position (T == S)
+    heads_per_group,            # program order (masks.program_tile; grid: key tiles x B * HKV programs)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
     HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
     DQ_ATOMIC: tl.constexpr,    # also accumulate dQ (the fused backward, deterministic=False)
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    n_tiles = tl.cdiv(S, BLOCK_N)
+    # first key blocks first: with causal they are seen by the most queries
+    pid_n, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, heads_per_group)
     b = (pid_bh // HKV).to(tl.int64)
     hk = (pid_bh % HKV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -226,13 +228,15 @@ def _flash_attention_bwd_dq_kernel(
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     DOCS,                       # with HAS_DOCS: [B, T, 2] int32 document bounds of each position (T == S)
+    heads_per_group,            # program order (masks.program_tile; grid: query tiles x B * HQ programs)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
     HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last query blocks first: with causal they see the most keys
-    pid_bh = tl.program_id(1)
+    n_tiles = tl.cdiv(T, BLOCK_M)
+    rank, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, heads_per_group)
+    pid_m = n_tiles - 1 - rank  # last query blocks first: with causal they see the most keys
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)
     hk = h // GROUP
@@ -398,9 +402,10 @@ class AttentionBackward:
         stream = stream_flags("dkdv", self.window, q, do)
         _dkdv_kernel.launch(
             (self.key, dk.stride(), self.fused, *stream.values()),
-            lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv),
+            lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv,),
             q, k, v, do, self.lse2, self.delta, self.dq_acc, dk, dv, *self.common, *strides(dk), Hkv,
-            q.shape[2] // Hkv, *self.scales, **self.flags, **stream, DQ_ATOMIC=self.fused)
+            q.shape[2] // Hkv, *self.scales, heads_per_group("dkdv", B * Hkv), **self.flags, **stream,
+            DQ_ATOMIC=self.fused)
 
     def dq(self, dq: torch.Tensor) -> None:
         q, k, v, do = self.q, self.k, self.v, self.do
@@ -415,6 +420,6 @@ class AttentionBackward:
             return
         stream = stream_flags("dq", self.window, k, v)
         _dq_kernel.launch(
-            (self.key, dq.stride(), *stream.values()), lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq),
+            (self.key, dq.stride(), *stream.values()), lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,),
             q, k, v, do, self.lse2, self.delta, dq, *self.common, *strides(dq), Hq // k.shape[2], *self.scales,
-            **self.flags, **stream)
+            heads_per_group("dq", B * Hq), **self.flags, **stream)

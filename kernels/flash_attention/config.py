@@ -53,6 +53,11 @@ TMA_MIN_ELEMS = 1 << 17
 ONE_LOOP = {"fwd": {"causal": True, "window": True},
             "dkdv": {"causal": True, "window": True},
             "dq": {"causal": True, "window": True}}
+#: per kernel: the order of the programs (:func:`masks.program_tile`): (batch, head) pairs taken this many
+#: at a time, and inside a group every pair's most expensive tile first (causal: the last query tile
+#: in the forward and dQ, the first key tile in dK/dV), then the next. None: all pairs in one group
+#: (the longest programs of the whole grid first); 1: one pair after another (the order before).
+HEADS_PER_GROUP: dict[str, int | None] = {"fwd": None, "dkdv": None, "dq": None}
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
 #: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
 #: Forward: q tile resident, k/v tiles pipelined (Hopper: M 64 per warpgroup, so BLOCK_M 128 = 8 warps).
@@ -206,6 +211,13 @@ def stream_flags(kernel: str, window: int | None, *streamed: torch.Tensor) -> di
     if use_tma and not interpreting():
         triton.set_allocator(tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
     return dict(USE_TMA=use_tma, ONE_LOOP=ONE_LOOP[kernel]["causal" if window is None else "window"])
+
+
+def heads_per_group(kernel: str, n_heads: int) -> int:
+    """The ``heads_per_group`` argument of ``kernel``'s programs over ``n_heads`` (batch, head) pairs
+    (:data:`HEADS_PER_GROUP`)."""
+    group = HEADS_PER_GROUP[kernel]
+    return n_heads if group is None else max(1, min(group, n_heads))
 
 
 def split_rows_block(group: int, T: int) -> int:

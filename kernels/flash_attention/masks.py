@@ -57,6 +57,22 @@ def segments(first, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def program_tile(n_tiles, n_heads, heads_per_group):
+    """(rank, head) of this program in a 1-D grid of ``n_tiles * n_heads`` programs: the (batch,
+    head) pairs are taken ``heads_per_group`` at a time, and inside a group rank-major (rank 0 of
+    every pair, then rank 1, ...). The caller maps rank 0 to its most expensive tile, so that the
+    longest programs start first and the short ones fill the end (causal tiles differ in work up to
+    n_tiles-fold); small groups keep the pairs whose tensors are streamed at once few (L2)."""
+    pid = tl.program_id(0)
+    per_group = heads_per_group * n_tiles
+    group = pid // per_group
+    first = group * heads_per_group
+    heads = tl.minimum(n_heads - first, heads_per_group)
+    r = pid - group * per_group
+    return r // heads, first + r % heads
+
+
+@triton.jit
 def row_block(T, HQ, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """(b, h, rows, d, row mask, tile mask) of a program over grid (row blocks of T, B * HQ)."""
     pid_bh = tl.program_id(1)
