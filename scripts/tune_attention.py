@@ -9,7 +9,7 @@ Shapes (bf16, inputs stored [B, H, T, D] and passed as [B, T, H, D] views, as in
 ``causal128`` B8 Hq32/Hkv8 T4096 D128, ``causal64`` B16 Hq12/Hkv12 T1024 D64 (both causal) and
 ``window`` B1 Hq32/Hkv8 T16384 D128 W1024, whose baselines add full causal attention at the same shape
 (ours and SDPA: the benchmark's window ratio, and the fourth target shape); ``gqa128`` B4 Hq16/Hkv4
-T2048 D128 is the benchmark's GQA row.
+T2048 D128 is the benchmark's GQA row, ``causal128long`` B1 Hq32/Hkv8 T16384 D128 its long one.
 
 Baselines first, per shape: SDPA and ours (the current knobs with the first configs, pinned: the
 benchmark autotunes over the lists instead), each pass fwd / bwd / fwd+bwd. Then per shape and kernel
@@ -75,6 +75,7 @@ SHAPES = {
     "causal128short": (16, 12, 12, 1024, 128, None),
     # the benchmark's GQA row: few programs a kernel, so their order matters most
     "gqa128": (4, 16, 4, 2048, 128, None),
+    "causal128long": (1, 32, 8, 16384, 128, None),
 }
 # autotuned kernel, config list, FLOPs / forward FLOPs, TMA / ONE_LOOP knob: the deterministic backward's two
 # kernels (dkdv, dq) and the default fused one (dK, dV and atomic dQ in the dK/dV kernel, with preprocess + finalize)
@@ -157,8 +158,8 @@ class Knobs:
             fa.ONE_LOOP[k].update(v)
 
 
-#: HEADS_PER_GROUP settings tried beside the default (program order: pairs per group; None: all)
-GROUPS = (1, 8, None)
+#: HEADS_PER_GROUP settings tried beside the default (program order: pairs per group; None: all), --orders
+GROUPS: tuple[int | None, ...] = (1, 8, None)
 
 
 def variants(kernel: str, kind: str) -> list[tuple[int, str, tuple, bool, bool, int | None]]:
@@ -231,10 +232,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--orders", default="1,8,all", help="HEADS_PER_GROUP settings tried beside the default")
     ap.add_argument("--budget", type=float, default=105.0, help="seconds after which variants are skipped")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "tune_attention.json") if "OUT" in os.environ
                     else None, help="also write the rows here (default $OUT/tune_attention.json)")
     args = ap.parse_args()
+    global GROUPS
+    GROUPS = tuple(None if g == "all" else int(g) for g in args.orders.split(","))
     start = time.perf_counter()
     knobs = Knobs()
     rows, notes = [], []
