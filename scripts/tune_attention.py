@@ -25,9 +25,9 @@ count the benchmark's FLOPs (4 B Hq D pairs forward, x2.5 backward), the dK/dV a
 tile products (x2 and x1.5 the forward). Variants past ``--budget`` seconds are listed as skipped so
 that the script ends in time; rerun with fewer ``--shapes`` / ``--kernels`` for them (Triton's cache
 keeps what was compiled). The notes at the end estimate fwd+bwd with each kernel's best variant.
-``order N`` runs the default with the programs' (batch, head) pairs taken N at a time (HEADS_PER_GROUP;
-``all``: one group). To adopt a winner: move its config first in its list, or set the TMA / ONE_LOOP /
-HEADS_PER_GROUP entry.
+``order N`` runs the default with the programs' (batch, head) pairs grouped by N waves of programs
+(GROUP_WAVES; 0: one pair at a time, ``all``: one group). To adopt a winner: move its config first in its
+list, or set the TMA / ONE_LOOP / GROUP_WAVES entry.
 """
 
 from __future__ import annotations
@@ -139,40 +139,41 @@ class Knobs:
     def __init__(self):
         self.saved = {attr: list(getattr(fa, attr).configs) for attr, *_ in KERNELS.values()}
         self.tma, self.one_loop = dict(fa.TMA), {k: dict(v) for k, v in fa.ONE_LOOP.items()}
-        self.group = dict(fa.HEADS_PER_GROUP)
+        self.group = dict(fa.GROUP_WAVES)
 
-    def set(self, kernel: str, config: tuple, tma: bool, one_loop: bool, group: int | None, kind: str) -> None:
+    def set(self, kernel: str, config: tuple, tma: bool, one_loop: bool, group: float | None, kind: str) -> None:
         bm, bn, warps, stages = config
         attr, _, _, knob = KERNELS[kernel]
         getattr(fa, attr).configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)]
         fa.TMA[knob] = tma
         fa.ONE_LOOP[knob][kind] = one_loop
-        fa.HEADS_PER_GROUP[knob] = group
+        fa.GROUP_WAVES[knob] = group
 
     def restore(self) -> None:
         for attr, configs in self.saved.items():
             getattr(fa, attr).configs = configs
         fa.TMA.update(self.tma)
-        fa.HEADS_PER_GROUP.update(self.group)
+        fa.GROUP_WAVES.update(self.group)
         for k, v in self.one_loop.items():
             fa.ONE_LOOP[k].update(v)
 
 
-#: HEADS_PER_GROUP settings tried beside the default (program order: pairs per group; None: all), --orders
-GROUPS: tuple[int | None, ...] = (1, 8, None)
+#: GROUP_WAVES settings tried beside the default (program order: waves of programs per group of (batch,
+#: head) pairs; 0: one pair at a time; None: all), --orders
+GROUPS: tuple[float | None, ...] = (0, 1, None)
 
 
-def variants(kernel: str, kind: str) -> list[tuple[int, str, tuple, bool, bool, int | None]]:
+def variants(kernel: str, kind: str) -> list[tuple[int, str, tuple, bool, bool, float | None]]:
     """(priority, label, config, tma, one_loop, heads per group): the default, the two knob flips and
     the other program orders (priority 0), then the other configs but the last, the fp32 fallback
     (priority 1)."""
     _, configs_attr, _, knob = KERNELS[kernel]
     configs = getattr(fa, configs_attr)
-    tma, one_loop, group = fa.TMA[knob], fa.ONE_LOOP[knob][kind], fa.HEADS_PER_GROUP[knob]
+    tma, one_loop, group = fa.TMA[knob], fa.ONE_LOOP[knob][kind], fa.GROUP_WAVES[knob]
     return ([(0, "default", configs[0], tma, one_loop, group),
              (0, f"TMA={not tma}", configs[0], not tma, one_loop, group),
              (0, f"ONE_LOOP={not one_loop}", configs[0], tma, not one_loop, group)]
-            + [(0, f"order {g or 'all'}", configs[0], tma, one_loop, g) for g in GROUPS if g != group]
+            + [(0, f"order {'all' if g is None else g}", configs[0], tma, one_loop, g) for g in GROUPS if g != group]
             + [(1, "cfg {}x{} w{} s{}".format(*c), c, tma, one_loop, group) for c in configs[1:-1]])
 
 
@@ -232,13 +233,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--kernels", default=",".join(KERNELS))
-    ap.add_argument("--orders", default="1,8,all", help="HEADS_PER_GROUP settings tried beside the default")
+    ap.add_argument("--orders", default="0,1,all", help="GROUP_WAVES settings tried beside the default")
     ap.add_argument("--budget", type=float, default=105.0, help="seconds after which variants are skipped")
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "tune_attention.json") if "OUT" in os.environ
                     else None, help="also write the rows here (default $OUT/tune_attention.json)")
     args = ap.parse_args()
     global GROUPS
-    GROUPS = tuple(None if g == "all" else int(g) for g in args.orders.split(","))
+    GROUPS = tuple(None if g == "all" else float(g) for g in args.orders.split(","))
     start = time.perf_counter()
     knobs = Knobs()
     rows, notes = [], []

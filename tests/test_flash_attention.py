@@ -136,19 +136,20 @@ def test_flash_attention_knobs(case, tma, one_loop, monkeypatch):
     _check_fwd_bwd(case, torch.float16)
 
 
-@pytest.mark.parametrize("group", [1, 4, None], ids=["one-pair-at-a-time", "groups-of-4-of-6", "all-pairs"])
-def test_program_order(group, monkeypatch):
-    """The program order (HEADS_PER_GROUP: the (batch, head) pairs taken one, four or all at a time,
-    the last group short) visits every tile once: the reference holds, and every order gives the
-    same bits (causal GQA, three query and four key tiles per pair)."""
+@pytest.mark.parametrize("waves", [0, 3, None], ids=["one-pair-at-a-time", "groups-of-4-of-6", "all-pairs"])
+def test_program_order(waves, monkeypatch):
+    """The program order (GROUP_WAVES: the (batch, head) pairs taken one, four (3 waves of the
+    interpreter's 4 "SMs" over 3 tiles a pair) or all at a time, the last group short) visits every
+    tile once: the reference holds, and every order gives the same bits (causal GQA, 3 query and 3
+    key tiles per pair)."""
     case = Case("gqa3:1-causal-B2-T70", 2, 3, 1, 70, 70, 32)
-    monkeypatch.setattr(fa_config, "HEADS_PER_GROUP", dict.fromkeys(fa_config.HEADS_PER_GROUP, group))
+    monkeypatch.setattr(fa_config, "GROUP_WAVES", dict.fromkeys(fa_config.GROUP_WAVES, waves))
     _check_fwd_bwd(case, torch.float16)
     torch.manual_seed(0)
     q, k, v = _inputs(case, torch.float16)
     out = flash_attention(q, k, v)
     got = (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
-    monkeypatch.setattr(fa_config, "HEADS_PER_GROUP", dict.fromkeys(fa_config.HEADS_PER_GROUP, 1))
+    monkeypatch.setattr(fa_config, "GROUP_WAVES", dict.fromkeys(fa_config.GROUP_WAVES, 0))
     out = flash_attention(q, k, v)
     want = (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     assert all(torch.equal(a, b) for a, b in zip(got, want))

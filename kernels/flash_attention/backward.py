@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .._common import Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2
 from .config import (DKDV_CONFIGS, DQ_CONFIGS, KEYS, LOG2E, NEG_INF, POS_INF, PREPROCESS_BLOCK_M,
-                      block_configs, check_attention_inputs, check_documents, docs_arg, heads_per_group,
+                      block_configs, check_attention_inputs, check_documents, docs_arg, group_programs,
                       kernel_flags, last_dim_contiguous, stream_flags, strides, tuned)
 from .masks import in_document, keys_seen, program_tile, queries_seeing, row_block, segments
 
@@ -123,7 +123,7 @@ def _flash_attention_bwd_dkdv_kernel(
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     DOCS,                       # with HAS_DOCS: [B, T, 2] int32 document bounds of each position (T == S)
-    heads_per_group,            # program order (masks.program_tile; grid: key tiles x B * HKV programs)
+    group_programs,             # program order (masks.program_tile; grid: key tiles x B * HKV programs)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
@@ -132,7 +132,7 @@ def _flash_attention_bwd_dkdv_kernel(
 ):
     n_tiles = tl.cdiv(S, BLOCK_N)
     # first key blocks first: with causal they are seen by the most queries
-    pid_n, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, heads_per_group)
+    pid_n, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, group_programs)
     b = (pid_bh // HKV).to(tl.int64)
     hk = (pid_bh % HKV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,14 +228,14 @@ def _flash_attention_bwd_dq_kernel(
     shift, window, qk_scale, softmax_scale,  # S - T; window; softmax_scale * log2(e); softmax_scale
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     DOCS,                       # with HAS_DOCS: [B, T, 2] int32 document bounds of each position (T == S)
-    heads_per_group,            # program order (masks.program_tile; grid: query tiles x B * HQ programs)
+    group_programs,             # program order (masks.program_tile; grid: query tiles x B * HQ programs)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
     HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
 ):
     n_tiles = tl.cdiv(T, BLOCK_M)
-    rank, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, heads_per_group)
+    rank, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, group_programs)
     pid_m = n_tiles - 1 - rank  # last query blocks first: with causal they see the most keys
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)
@@ -404,7 +404,7 @@ class AttentionBackward:
             (self.key, dk.stride(), self.fused, *stream.values()),
             lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv,),
             q, k, v, do, self.lse2, self.delta, self.dq_acc, dk, dv, *self.common, *strides(dk), Hkv,
-            q.shape[2] // Hkv, *self.scales, heads_per_group("dkdv", B * Hkv), **self.flags, **stream,
+            q.shape[2] // Hkv, *self.scales, group_programs("dkdv"), **self.flags, **stream,
             DQ_ATOMIC=self.fused)
 
     def dq(self, dq: torch.Tensor) -> None:
@@ -422,4 +422,4 @@ class AttentionBackward:
         _dq_kernel.launch(
             (self.key, dq.stride(), *stream.values()), lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,),
             q, k, v, do, self.lse2, self.delta, dq, *self.common, *strides(dq), Hq // k.shape[2], *self.scales,
-            heads_per_group("dq", B * Hq), **self.flags, **stream)
+            group_programs("dq"), **self.flags, **stream)

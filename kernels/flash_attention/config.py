@@ -53,16 +53,18 @@ TMA_MIN_ELEMS = 1 << 17
 ONE_LOOP = {"fwd": {"causal": True, "window": True},
             "dkdv": {"causal": True, "window": True},
             "dq": {"causal": True, "window": True}}
-#: per kernel: the order of the programs (:func:`masks.program_tile`): (batch, head) pairs taken this many
-#: at a time, and inside a group every pair's most expensive tile first (causal: the last query tile
-#: in the forward and dQ, the first key tile in dK/dV), then the next. None: all pairs in one group
-#: (the longest programs of the whole grid first); 1: one pair after another (the order before).
-#: H100, scripts/tune_attention.py, orders 1 / 8 / all: dK/dV, whose programs are few and long (a KV
-#: head's query heads in one program), needs all: 0.442 / 0.302 / 0.304 ms at B4 Hq16/Hkv4 T2048 D128,
-#: 4.76 / 4.61 / 4.29 at B8 Hq32/Hkv8 T4096 D128; the forward and dQ, many short programs that share
-#: K/V tiles in L2, take 8: forward 0.188 / 0.179 / 0.185 and 2.53 / 2.47 / 2.74 ms, dQ 0.235 / 0.220 /
-#: 0.220 and 2.98 / 2.98 / 3.25 ms at the same shapes.
-HEADS_PER_GROUP: dict[str, int | None] = {"fwd": 8, "dkdv": None, "dq": 8}
+#: per kernel: the order of the programs (:func:`masks.program_tile`): the (batch, head) pairs in groups of
+#: about this many waves of programs (x #SMs, whole pairs, at least one), and inside a group every pair's
+#: most expensive tile first (causal: the last query tile in the forward and dQ, the first key tile in
+#: dK/dV), then the next. None: all pairs in one group (the longest programs of the whole grid first);
+#: 0: one pair after another (the order before). H100, scripts/tune_attention.py, pairs per group 1 / 8 /
+#: all: dK/dV, whose programs are few and long (a KV head's query heads in one program), needs all:
+#: 0.442 / 0.302 / 0.304 ms at B4 Hq16/Hkv4 T2048 D128, 4.76 / 4.61 / 4.29 at B8 Hq32/Hkv8 T4096 D128, and
+#: 7.33 / - / 7.42 at B1 Hq32/Hkv8 T16384 (equal). The forward and dQ, many short programs sharing K/V
+#: tiles in L2, want about two waves a group: forward 0.188 / 0.179 / 0.185, 2.53 / 2.47 / 2.74 and
+#: 4.05 / 4.40 / 4.54 ms (T16384: one pair is 256 programs, two waves); dQ 0.235 / 0.220 / 0.220,
+#: 2.98 / 2.98 / 3.25 and 5.23 / 5.11 / 5.02 ms at the same shapes.
+GROUP_WAVES: dict[str, float | None] = {"fwd": 2, "dkdv": None, "dq": 2}
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
 #: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
 #: Forward: q tile resident, k/v tiles pipelined (Hopper: M 64 per warpgroup, so BLOCK_M 128 = 8 warps).
@@ -218,11 +220,10 @@ def stream_flags(kernel: str, window: int | None, *streamed: torch.Tensor) -> di
     return dict(USE_TMA=use_tma, ONE_LOOP=ONE_LOOP[kernel]["causal" if window is None else "window"])
 
 
-def heads_per_group(kernel: str, n_heads: int) -> int:
-    """The ``heads_per_group`` argument of ``kernel``'s programs over ``n_heads`` (batch, head) pairs
-    (:data:`HEADS_PER_GROUP`)."""
-    group = HEADS_PER_GROUP[kernel]
-    return n_heads if group is None else max(1, min(group, n_heads))
+def group_programs(kernel: str) -> int:
+    """The ``group_programs`` argument of ``kernel``'s programs (:data:`GROUP_WAVES`)."""
+    waves = GROUP_WAVES[kernel]
+    return 2**31 - 1 if waves is None else int(waves * num_sms())
 
 
 def split_rows_block(group: int, T: int) -> int:

@@ -10,7 +10,7 @@ import triton.language as tl
 from .._common import check_same_device, compilable, interpreting, next_pow2
 from .config import (COMBINE_ROWS, FWD_CONFIGS, INTERP_COMBINE_ROWS, KEYS, LN2, LOG2E, NEG_INF,
                       SPLIT_MAX_ROWS, auto_splits, block_configs, check_attention_inputs, check_documents,
-                      docs_arg, heads_per_group, kernel_flags, last_dim_contiguous, split_count,
+                      docs_arg, group_programs, kernel_flags, last_dim_contiguous, split_count,
                       split_rows_block, stream_flags, strides, tuned)
 from .masks import in_document, keys_seen, program_tile, segments
 
@@ -103,14 +103,14 @@ def _flash_attention_fwd_kernel(
     shift, window, qk_scale,    # S - T; window (unused without HAS_WINDOW); softmax_scale * log2(e)
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     DOCS,                       # with HAS_DOCS: [B, T, 2] int32 document bounds of each position (T == S)
-    heads_per_group,            # program order (masks.program_tile; grid: query tiles x B * HQ programs)
+    group_programs,             # program order (masks.program_tile; grid: query tiles x B * HQ programs)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,  # see the TMA and ONE_LOOP knobs
     HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
 ):
     n_tiles = tl.cdiv(T, BLOCK_M)
-    rank, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, heads_per_group)
+    rank, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, group_programs)
     pid_m = n_tiles - 1 - rank  # last query blocks first: with causal they see the most keys
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)
@@ -273,7 +273,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,)  # noqa: E731
         _fwd_kernel.launch(key, grid, q, k, v, o, lse, *strides(q), *strides(k), *strides(v), T, S, Hq, Hq // Hkv,
                            shift, win, qk_scale, next_pow2(T), next_pow2(S), docs_arg(documents),
-                           heads_per_group("fwd", B * Hq), **flags, **stream, HAS_DOCS=documents is not None)
+                           group_programs("fwd"), **flags, **stream, HAS_DOCS=documents is not None)
         return o, lse
 
     _split_launch(q, k, v, o, lse, flags, qk_scale, win, key_lo, S - key_lo, splits, None)
