@@ -62,7 +62,8 @@ def train_rows(doc: dict) -> list[str]:
     for r in doc["results"]:
         sides = [("tritonllm, CUDA graph" if r.get("cuda_graph") else "tritonllm", r)]
         sides += [("tritonllm, eager", r["eager"])] if "eager" in r else []
-        sides += [(f"tritonllm compiled, {'CUDA graph' if kind == 'graphed' else kind}", f)
+        sides += [(f"tritonllm compiled, {'CUDA graph' if kind == 'graphed' else kind}"
+                   + (f" (earlier run, {f['commit']})" if f.get("commit", r.get("commit")) != r.get("commit") else ""), f)
                   for kind, f in r.get("compiled", {}).items()]
         sides += [(f"PyTorch {name}", f) for name, f in r.get("baselines", {}).items()]
         for name, f in sides:
