@@ -30,6 +30,9 @@ Modes (:func:`resolve_parallel`, :func:`parallelize`):
   expert on its own tokens; no all-to-all). FSDP2's all-gathers and reduce-scatters run on their
   own streams with their own allocations, which a CUDA graph capture does not take: the step is
   eager under FSDP2 (said in one log line).
+- On GPUs both modes switch tritonllm's GEMM to one program per output tile
+  (:func:`gemm_grid_beside_nccl`): NCCL's kernels run beside ours and hold SMs, which the persistent
+  grid's static tile shares wait for.
 - ``auto``: one process -> ``none``; several -> ``ddp`` when the weights, gradients and optimizer
   state (16 bytes per parameter) fit in half of one GPU's memory (the rest for activations), else
   ``fsdp``.
