@@ -46,6 +46,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from tritonllm.bench.ops_attention import attention_flops  # noqa: E402
+from tritonllm.bench.train import host_cpu_model  # noqa: E402
 from tritonllm.kernels import flash_attention  # noqa: E402
 from tritonllm.kernels.flash_attention.backward import AttentionBackward  # noqa: E402
 
@@ -310,8 +311,8 @@ def main() -> None:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
-                       "rows": rows, "notes": notes}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu_model(), "triton": triton.__version__,
+                       "torch": torch.__version__, "rows": rows, "notes": notes}, f, indent=1)
     print(f"{'shape':<34}{'kernel':<9}{'variant':<20}{'ms':>9}{'TF/s':>7}{'x def':>7}{'err_def':>9}"
           f"{'err_sdpa':>9}  note")
     for r in sorted(rows, key=lambda r: r["order"]):  # stable: the baselines keep their order
