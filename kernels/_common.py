@@ -43,7 +43,8 @@ def autotuning() -> bool:
 #: ``triton.autotune``'s on-disk cache of its choices (Triton >= 3.3): a later process on the same
 #: machine runs the configs the first one chose without timing them again (about 2 s of a void125m
 #: run's first step on an H100; the rest of its 40 s is compilation, which Triton's own kernel cache
-#: already keeps), so the same tiles and split-K choices, the same rounding, run after run. Kept with Triton's compiled kernels (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
+#: already keeps), so the same tiles and split-K choices, the same rounding, run after run. Kept with
+#: Triton's compiled kernels (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
 #: keyed on the Triton version, the GPU architecture, the kernel's source, the tuning key and the
 #: configs, so a changed kernel or config list tunes again. ``TRITONLLM_AUTOTUNE_CACHE=0`` (read at
 #: import) turns it off, e.g. to retune after a driver change.

@@ -8,7 +8,8 @@ before moving on, so the B tiles they share stay in L2) by min(#SMs, #tiles) pro
 tile with ``PERSISTENT = False``). Constexpr switches pick the epilogue (bias, residual,
 accumulate-into-C, SwiGLU) and the operand loads: on Hopper with Triton's tensor descriptors (TMA,
 ``tl.make_tensor_descriptor``) when both operands have a unit stride and 16-byte aligned strides,
-else masked pointer loads (also the path of the CPU interpreter). Edges are masked (pointer path) or zero-filled / clipped by TMA, never rejected.
+else masked pointer loads (also the path of the CPU interpreter). Edges are masked (pointer path) or
+zero-filled / clipped by TMA, never rejected.
 A problem with too few output tiles to fill the GPU and a long K (the LM head's dx = dlogits W of
 one chunk of tokens) is split along K: SPLIT_K programs per tile write fp32 partial tiles that one
 more kernel sums in a fixed order (deterministic).

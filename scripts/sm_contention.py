@@ -156,8 +156,8 @@ def main() -> None:
     print("bound with the hog throughout: " + ", ".join(f"k{k} {sms / (sms - k):.2f}x" for k in holds if k))
     if os.environ.get("OUT"):
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout
-        doc = {"gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu_model(), "sms": sms, "torch": torch.__version__,
-               "commit": commit.strip(), "method": __doc__, "results": rows}
+        doc = {"gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu_model(), "sms": sms,
+               "torch": torch.__version__, "commit": commit.strip(), "method": __doc__, "results": rows}
         with open(os.path.join(os.environ["OUT"], "sm_contention.json"), "w") as f:
             json.dump(doc, f, indent=1)
 

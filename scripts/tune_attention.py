@@ -159,14 +159,12 @@ class Knobs:
             fa.ONE_LOOP[k].update(v)
 
 
-#: GROUP_WAVES settings tried beside the default (program order: waves of programs per group of (batch,
-#: head) pairs; 0: one pair at a time; None: all), --orders
-GROUPS: tuple[float | None, ...] = (0, 1, None)
+Variant = tuple[int, str, tuple, bool, bool, float | None]
 
 
-def variants(kernel: str, kind: str) -> list[tuple[int, str, tuple, bool, bool, float | None]]:
-    """(priority, label, config, tma, one_loop, heads per group): the default, the two knob flips and
-    the other program orders (priority 0), then the other configs but the last, the fp32 fallback
+def variants(kernel: str, kind: str, groups: tuple[float | None, ...]) -> list[Variant]:
+    """(priority, label, config, tma, one_loop, GROUP_WAVES): the default, the two knob flips and the
+    program orders of ``groups`` (priority 0), then the other configs but the last, the fp32 fallback
     (priority 1)."""
     _, configs_attr, _, knob = KERNELS[kernel]
     configs = getattr(fa, configs_attr)
@@ -174,7 +172,7 @@ def variants(kernel: str, kind: str) -> list[tuple[int, str, tuple, bool, bool, 
     return ([(0, "default", configs[0], tma, one_loop, group),
              (0, f"TMA={not tma}", configs[0], not tma, one_loop, group),
              (0, f"ONE_LOOP={not one_loop}", configs[0], tma, not one_loop, group)]
-            + [(0, f"order {'all' if g is None else g}", configs[0], tma, one_loop, g) for g in GROUPS if g != group]
+            + [(0, f"order {'all' if g is None else g}", configs[0], tma, one_loop, g) for g in groups if g != group]
             + [(1, "cfg {}x{} w{} s{}".format(*c), c, tma, one_loop, group) for c in configs[1:-1]])
 
 
@@ -239,8 +237,9 @@ def main() -> None:
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "tune_attention.json") if "OUT" in os.environ
                     else None, help="also write the rows here (default $OUT/tune_attention.json)")
     args = ap.parse_args()
-    global GROUPS
-    GROUPS = tuple(None if g == "all" else float(g) for g in args.orders.split(","))
+    # GROUP_WAVES settings tried beside the default (waves of programs per group of (batch, head) pairs;
+    # 0: one pair at a time; None: all)
+    groups = tuple(None if g == "all" else float(g) for g in args.orders.split(","))
     start = time.perf_counter()
     knobs = Knobs()
     rows, notes = [], []
@@ -266,7 +265,7 @@ def main() -> None:
     kernels = args.kernels.split(",")
     tasks = sorted((prio, i, j, n, label, config, tma, one_loop, group)
                    for i, sh in enumerate(shapes) for j, kernel in enumerate(kernels)
-                   for n, (prio, label, config, tma, one_loop, group) in enumerate(variants(kernel, sh.kind)))
+                   for n, (prio, label, config, tma, one_loop, group) in enumerate(variants(kernel, sh.kind, groups)))
     defaults = {}  # (shape index, kernel): (outputs, ms) of the default variant
     best = {}      # (shape index, kernel): (ms, label) of the fastest good variant
     for _, i, j, n, label, config, tma, one_loop, group in tasks:
