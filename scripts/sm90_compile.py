@@ -139,7 +139,7 @@ def attention_fwd_main(args) -> None:
     ints = dict(zip(["stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
                      "stride_vs", "stride_vh"], q_strides + kv_strides + kv_strides))
     ints.update(T=T, S=T, HQ=Hq, GROUP=Hq // Hkv, shift=0, window=args.window or 0, T_BUCKET=next_pow2(T),
-                S_BUCKET=next_pow2(T))
+                S_BUCKET=next_pow2(T), group_programs=int((attn_config.GROUP_WAVES["fwd"] or 0) * 132) or 2**31 - 1)
     kernel_args = {"Q": f"*{args.dtype}", "K": f"*{args.dtype}", "V": f"*{args.dtype}", "O": f"*{args.dtype}",
                    "LSE": "*fp32", "qk_scale": D ** -0.5 * attn_config.LOG2E,
                    "DOCS": "*i32" if args.documents else 0, **ints}
