@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import gemm  # noqa: E402
@@ -63,7 +64,8 @@ def compile_sm90(fn, args: dict, constexprs: dict, num_warps: int, num_stages: i
     divisible = [n for n in names if n not in const
                  and (isinstance(args[n], str) or isinstance(args[n], int) and args[n] % 16 == 0)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = ASTSource(fn, sig, constexprs=const, attrs=attrs)
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    src = source(fn, sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 128),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -380,6 +380,32 @@ def test_flash_attention_gpu_long(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [
+    Case("gqa4:1-causal-B2-T1000-D128", 2, 8, 2, 1000, 1000, 128),
+    Case("mha-full-T777-S1500-D128", 1, 4, 4, 777, 1500, 128, causal=False),
+    Case("gqa3:1-causal-B2-T1000-D64", 2, 6, 2, 1000, 1000, 64),
+    Case("mqa-causal-T257-S300-D128", 2, 8, 1, 257, 300, 128),
+    Case("empty-rows-T17-S5-D128", 1, 2, 1, 17, 5, 128),
+    Case("single-row-T1-S1-D64", 1, 2, 2, 1, 1, 64),
+], ids=lambda c: c.name)
+def test_flash_attention_sm90_forward(case, monkeypatch):
+    """The Hopper forward (forward_sm90, the SM90_FWD knob, off by default) against the reference, its
+    output and lse beside the portable kernel's, and the backward from its lse."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is for sm90 (H100, H200)")
+    monkeypatch.setattr(fa_config, "SM90_FWD", True)
+    _check_fwd_bwd(case, torch.bfloat16)
+    q, k, v = (t.detach() for t in _inputs(case, torch.bfloat16, "packed" if case.T == case.S else "contiguous"))
+    assert fa_forward.forward_sm90.supported(q, k, v, None, None)
+    out, lse = flash_attention_fwd(q, k, v, case.causal, split_kv=0)  # one pass: short T would take split-KV
+    monkeypatch.setattr(fa_config, "SM90_FWD", False)
+    ref_out, ref_lse = flash_attention_fwd(q, k, v, case.causal, split_kv=0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert_close("out", out, ref_out.double())
+    assert_close("lse", lse[~torch.isneginf(lse)], ref_lse[~torch.isneginf(ref_lse)].double(), atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
     Case("decode-gqa4:1-B8-T1-S4096", 8, 32, 8, 1, 4096, 128),
     Case("decode-mqa-B4-T4-S3001", 4, 8, 1, 4, 3001, 64),
     Case("decode-window512-B2-T1-S5000", 2, 16, 4, 1, 5000, 128, window=512),

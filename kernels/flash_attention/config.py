@@ -65,6 +65,12 @@ ONE_LOOP = {"fwd": {"causal": True, "window": True},
 #: 4.05 / 4.40 / 4.54 ms (T16384: one pair is 256 programs, two waves); dQ 0.235 / 0.220 / 0.220,
 #: 2.98 / 2.98 / 3.25 and 5.23 / 5.11 / 5.02 ms at the same shapes.
 GROUP_WAVES: dict[str, float | None] = {"fwd": 2, "dkdv": None, "dq": 2}
+#: the forward on Hopper: forward_sm90's Gluon kernel (the softmax overlapped with the tensor-core products
+#: inside one warpgroup, as FlashAttention-3 does it) wherever it applies (:func:`forward_sm90.supported`);
+#: False: the portable kernel everywhere. Off: on an H100 (scripts/attention_sm90.py, CUDA graphs) its best
+#: config ran 1.04x the portable kernel at B1 Hq32/Hkv8 T16384 D128, 0.99x at B8 T4096, 0.96x at B4
+#: Hq16/Hkv4 T2048 D128 and 0.90x at B16 Hq12 T1024 D64 (docs/perf/NOTES.md).
+SM90_FWD = False
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
 #: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
 #: Forward: q tile resident, k/v tiles pipelined (Hopper: M 64 per warpgroup, so BLOCK_M 128 = 8 warps).

@@ -1,0 +1,215 @@
+"""Flash attention forward for Hopper (sm90), written in Gluon (Triton's lower-level language): the
+score product of the next key tile and the value product of the last one are in flight on the
+tensor cores while this tile's softmax runs (FlashAttention-3's intra-warpgroup overlap). ``tl.dot``
+cannot express it: with the next tile's ``q k^T`` issued before this tile's softmax in the source,
+Triton 3.6 still waits for it right after issuing it (offline sm_90 compile, docs/perf/NOTES.md).
+
+One program: BLOCK_M query rows of one (batch, head) pair, one warpgroup per 64 rows. Per key tile
+j (BLOCK_N keys, a NUM_BUF-deep ring of k and v tiles loaded by TMA, NUM_BUF - 2 tiles ahead):
+
+    issue S_j = q k_j^T                  (async)
+    issue O += P_{j-1} v_{j-1}           (async)
+    wait S_j; mask; online softmax -> P_j, alpha_j   (overlaps the value product)
+    wait O; O *= alpha_j
+
+The same math as :func:`forward._attend` (base-2 online softmax, scores scaled inside the exponent),
+so the output and the natural-log ``lse`` are the portable kernel's, to rounding. Only 16-bit q, k, v
+on sm90, head dim 64 or 128, with or without the causal mask, no window and no documents
+(:func:`supported`); ``config.SM90_FWD`` turns it on (off by default: measured no faster than the
+portable kernel except at 16K tokens, see the knob).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .._common import autotune, next_pow2, tma_scratch
+from .masks import program_tile
+
+#: the portable kernels' program order (masks.program_tile), compiled as Gluon
+_program_tile = gluon.jit(program_tile.fn)
+
+#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF) the autotuner tries, the first one pinned (TRITONLLM_NO_AUTOTUNE=1).
+#: NUM_BUF k and v tiles in a ring, loaded NUM_BUF - 2 tiles ahead (2: when needed).
+CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2)]
+
+
+@gluon.jit
+def _sm90_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    T, S, HQ, GROUP, shift, qk_scale, group_programs,
+    T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    NW: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = Q.dtype.element_ty
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    n_tiles = gl.cdiv(T, BLOCK_M)
+    rank, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
+    m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
+    b = (pid_bh // HQ).to(gl.int64)
+    h = (pid_bh % HQ).to(gl.int64)
+    hk = h // GROUP
+
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, HEAD_DIM],
+                                        strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
+                                        strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
+                                        strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], tile_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+
+    # keys [0, hi) for the block; tiles from full_end on need the mask (causal edge, keys past S)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    if CAUSAL:
+        row_end = gl.minimum(gl.minimum(rows, T - 1) + shift + 1, S)
+        hi = gl.minimum(gl.minimum(m0 + BLOCK_M, T) + shift, S)
+        full_end = gl.minimum(m0 + shift + 1, S)
+    else:
+        row_end = gl.zeros_like(rows) + S
+        hi = S
+        full_end = S
+    # a block that sees no key still runs one (fully masked) tile: its rows get o = 0, lse = -inf
+    n_iter = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+    TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
+
+    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
+    for j in gl.static_range(NUM_BUF - 1):
+        mbarrier.expect(k_bars.index(j), TILE_BYTES, pred=j < n_iter)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(j), k_smem.index(j), pred=j < n_iter)
+        mbarrier.expect(v_bars.index(j), TILE_BYTES, pred=j < n_iter)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(j), v_smem.index(j), pred=j < n_iter)
+
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    # finite start: a row whose first tiles are all masked gets p = exp2(-inf) = 0 and alpha = 1
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bars.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
+    if BLOCK_N > full_end:
+        s = gl.where(cols0[None, :] < row_end[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p32 = gl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * gl.exp2(m_i - m_new) + gl.sum(p32, 1)
+    m_i = m_new
+    p = gl.convert_layout(p32.to(dtype), p_layout)
+
+    for i in range(1, n_iter):
+        # the ring slot of tile i + NUM_BUF - 2 last held tile i - 2, whose products are done
+        t = i + NUM_BUF - 2
+        ts = t % NUM_BUF
+        mbarrier.expect(k_bars.index(ts), TILE_BYTES, pred=t < n_iter)
+        tma.async_copy_global_to_shared(k_desc, [t * BLOCK_N, 0], k_bars.index(ts), k_smem.index(ts), pred=t < n_iter)
+        mbarrier.expect(v_bars.index(ts), TILE_BYTES, pred=t < n_iter)
+        tma.async_copy_global_to_shared(v_desc, [t * BLOCK_N, 0], v_bars.index(ts), v_smem.index(ts), pred=t < n_iter)
+
+        cs = i % NUM_BUF
+        mbarrier.wait(k_bars.index(cs), (i // NUM_BUF) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(cs).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        ps = (i - 1) % NUM_BUF
+        mbarrier.wait(v_bars.index(ps), ((i - 1) // NUM_BUF) & 1)
+        o_tok = warpgroup_mma(p, v_smem.index(ps), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        start_n = i * BLOCK_N
+        if start_n + BLOCK_N > full_end:
+            s = gl.where((start_n + cols0)[None, :] < row_end[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p32 = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p32, 1)
+        m_i = m_new
+        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+
+    ls = (n_iter - 1) % NUM_BUF
+    mbarrier.wait(v_bars.index(ls), ((n_iter - 1) // NUM_BUF) & 1)
+    acc = warpgroup_mma(p, v_smem.index(ls), acc)
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_offs = ((b * T + o_rows) * HQ + h)[:, None] * HEAD_DIM + o_cols[None, :]
+    gl.store(O + o_offs, out.to(dtype), mask=(o_rows < T)[:, None])
+    gl.store(LSE + (b * HQ + h) * T + rows, lse, mask=rows < T)
+
+
+def _smem(config: triton.Config, head_dim: int) -> int:
+    """Shared memory of a config in bytes: the q tile and the k, v ring (16-bit elements)."""
+    kw = config.kwargs
+    return 2 * head_dim * (kw["BLOCK_M"] + 2 * kw["NUM_BUF"] * kw["BLOCK_N"])
+
+
+def _prune(configs, named_args, **kwargs):
+    """The configs whose tiles fit the shared memory (232,448 bytes a block on an H100 or H200)."""
+    d = {**named_args, **kwargs}["HEAD_DIM"]
+    return [c for c in configs if _smem(c, d) <= 227 * 1024] or configs[:1]
+
+
+_kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb}, num_warps=w, num_stages=1)
+                    for bm, bn, w, nb in CONFIGS],
+                   key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
+                   prune_configs_by={"early_config_prune": _prune})(_sm90_fwd_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window, documents) -> bool:
+    """This kernel computes the forward of these inputs: 16-bit on an sm90 GPU, head dim 64 or 128, no
+    window or documents, TMA-addressable k and v (16-byte aligned base and strides)."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and window is None
+            and documents is None and _sm90(q.device)
+            and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (q, k, v)))
+
+
+def launch(q, k, v, o, lse, causal: bool, qk_scale: float, group_programs: int, key) -> None:
+    """Run the kernel into ``o`` [B, T, Hq, D] and ``lse`` [B, Hq, T]; ``key`` determines the shapes,
+    strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`)."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,)  # noqa: E731
+    triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
+    _kernel.launch(key, grid, q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                   k.stride(2), v.stride(0), v.stride(1), v.stride(2), T, S, Hq, Hq // Hkv, S - T, qk_scale,
+                   group_programs, next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
