@@ -142,6 +142,27 @@ def test_step_argument_errors():
         step(_batches(DENSE, 1, 1)[0], 1e-3)
 
 
+def test_release_resets_the_graph_and_steps_eagerly():
+    """release() resets a captured graph (one holding NCCL collectives keeps destroy_process_group
+    waiting) exactly once, and the step then runs eagerly: a stand-in graph here, a real one in
+    test_release_then_eager_continues_the_run on the GPU."""
+    class Graph:
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+    model, optimizer = _setup(DENSE)
+    step = TrainStep(model, optimizer, grad_clip=1.0, cuda_graph=False)
+    graph = Graph()
+    step.graph, step.use_graph = graph, True
+    assert step.graphed
+    step.release()
+    step.release()
+    assert graph.resets == 1 and not step.graphed and step.graph is None
+    assert step(_batches(DENSE, 1, 1)[0], 1e-2).skipped.item() == 0
+
+
 def test_resolve_cuda_graph():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_cuda_graph("auto", cpu) is False and resolve_cuda_graph("auto", cuda) is True
@@ -215,6 +236,24 @@ def test_graphed_equals_eager(cfg, accum):
     graphed = _run(cfg, graph=True, accum=accum, dtype=torch.bfloat16)
     assert graphed[0].graphed, "the step was not captured"
     _assert_equal_runs(graphed, _run(cfg, graph=False, accum=accum, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_release_then_eager_continues_the_run():
+    """Three replayed steps, release(), then one eager step: the same weights and optimizer state bit
+    for bit as four eager steps."""
+    model, optimizer = _setup(DENSE, torch.bfloat16)
+    step = TrainStep(model, optimizer, grad_clip=1.0, cuda_graph=True)
+    batches = _batches(DENSE, 6, 1)
+    for s in range(5):
+        step(batches[s], 1e-2)
+    assert step.graphed, "the step was not captured"
+    step.release()
+    assert not step.graphed
+    step(batches[5], 1e-2)
+    eager = _run(DENSE, graph=False, steps=6, dtype=torch.bfloat16, lr=lambda s: 1e-2)[2][-1]
+    got = _state(model, optimizer)
+    assert all(torch.equal(got[k], eager[k]) for k in eager), [k for k in eager if not torch.equal(got[k], eager[k])]
 
 
 @pytest.mark.gpu

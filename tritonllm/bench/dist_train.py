@@ -84,7 +84,8 @@ ONE_GPU_SKIPPED = {"error": "not run (--no-one-gpu)"}
 # --- one configuration, on every rank (under torchrun) -------------------------------------------
 
 def _tritonllm_step(model_cfg, cfg, mode, env, dtype):
-    """tritonllm's step on this rank: (step(x, y) -> loss tensor, whether the graph was captured)."""
+    """tritonllm's step on this rank: (step(x, y) -> loss tensor, whether the graph was captured, release:
+    drop the graph before the process group goes, see :meth:`TrainStep.release`)."""
     from tritonllm.models import build_model
     from tritonllm.train.loop import build_optimizer
     from tritonllm.train.parallel import parallelize
@@ -96,7 +97,7 @@ def _tritonllm_step(model_cfg, cfg, mode, env, dtype):
     step = TrainStep(model, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1,
                      cuda_graph=env.device.type == "cuda", parallel=par if env.distributed else None)
     lr = float(cfg.optim.lr)
-    return (lambda x, y: step([(x, y)], lr).loss), lambda: step.graphed
+    return (lambda x, y: step([(x, y)], lr).loss), lambda: step.graphed, step.release
 
 
 def _baseline_step(model_cfg, cfg, mode, env, dtype, compile_mode):
@@ -137,7 +138,7 @@ def _baseline_step(model_cfg, cfg, mode, env, dtype, compile_mode):
         baseline_update(loss, params, optimizer, clip)
         return loss.detach()
 
-    return step, lambda: False
+    return step, lambda: False, lambda: None
 
 
 def run_worker(argv: list[str]) -> None:
@@ -177,9 +178,9 @@ def run_worker(argv: list[str]) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(cfg.seed)
     if args.side == "tritonllm":
-        step, graphed = _tritonllm_step(model_cfg, cfg, args.parallel, env, dtype)
+        step, graphed, release = _tritonllm_step(model_cfg, cfg, args.parallel, env, dtype)
     else:
-        step, graphed = _baseline_step(model_cfg, cfg, args.parallel, env, dtype, args.compile_mode)
+        step, graphed, release = _baseline_step(model_cfg, cfg, args.parallel, env, dtype, args.compile_mode)
     gen = torch.Generator().manual_seed(cfg.seed + env.rank)
     tokens = torch.randint(0, model_cfg.vocab_size, (B, T + 1), generator=gen).to(env.device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -247,6 +248,7 @@ def run_worker(argv: list[str]) -> None:
             figures["slug"] = gpu_slug()
         with open(args.result, "w") as f:
             json.dump(figures, f)
+    release()
     shutdown(env)
 
 

@@ -456,6 +456,7 @@ def train(cfg) -> float:
     finally:
         run_log.close()
     log.info("done: validation loss %.4f; run folder %s", val_loss, out_dir)
+    train_step.release()
     shutdown(env)
     return val_loss
 

@@ -130,6 +130,15 @@ class TrainStep:
         """Whether calls now replay a captured graph."""
         return self.graph is not None
 
+    def release(self) -> None:
+        """Drop the captured graph and its memory pool; later calls run eagerly. Call it before a
+        process group is destroyed: NCCL cannot destroy a communicator whose collectives a live CUDA
+        graph still holds, and ``destroy_process_group`` then waits forever (pytorch issue 115388; seen
+        with void125m's DDP step on 2 H100s)."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self._out, self._static, self.use_graph = None, None, [], False
+
     def _check(self, batches) -> None:
         if len(batches) != self.grad_accum:
             raise ValueError(f"batches: expected grad_accum={self.grad_accum} micro-batches, got {len(batches)}")
