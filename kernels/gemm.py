@@ -55,6 +55,11 @@ EPILOGUE_SUBTILE = False
 #: scripts/sm_contention.py times both beside cuBLAS with some SMs held (docs/perf/NOTES.md);
 #: ``tritonllm.train.parallel.parallelize`` sets False for DDP and FSDP2 on GPUs.
 PERSISTENT = True
+#: on Hopper, run the plain and residual products of 16-bit tensor-descriptor operands through
+#: gemm_sm90's warp-specialized Gluon kernel (a producer warp streaming the tiles, two consumer
+#: warpgroups) instead of _matmul_kernel. Off: compiled offline for sm_90 (every operand layout, 168
+#: registers a thread before setmaxnreg gives the consumers 232-240), not yet run on a GPU.
+SM90_WS = False
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
@@ -382,11 +387,20 @@ _matmul_kernel_tuned, _matmul_kernel_fp8_tuned = (triton.autotune(
 #: launches skip the planning and the autotuner's per-call argument scan (scripts/tune_linear.py
 #: clears it after changing configs or knobs)
 _LAUNCH_CONFIGS = Plans()
-#: the kernel's runtime arguments after the six tensors, and its constexpr flags, as _gemm_plan names them
+#: the kernel's tensor arguments, its runtime arguments after them, and its constexpr flags, as _gemm_plan
+#: names them
+_TENSOR_ARGS = ("a_ptr", "b_ptr", "c_ptr", "gu_ptr", "bias_ptr", "e_ptr", "sa_ptr", "sb_ptr")
 _INT_ARGS = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cs", "stride_cm", "stride_cn",
              "stride_gm", "stride_em", "stride_en")
 _FLAG_ARGS = ("EPILOGUE", "HAS_BIAS", "HAS_RESIDUAL", "ACCUMULATE", "STORE_GU", "USE_TMA", "A_K_CONTIGUOUS",
               "B_N_CONTIGUOUS", "TMA_STORE", "PRECISION", "SPLIT_K", "SCALED", "FP8")
+
+
+def _sm90_ws():
+    """kernels.gemm_sm90, imported on first use (it imports this module, and Gluon)."""
+    from . import gemm_sm90
+
+    return gemm_sm90
 
 
 def _interpreter_config(M: int, N: int, K: int) -> dict:
@@ -530,7 +544,7 @@ def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use
             None if residual is None else (residual.stride(), residual.dtype),
             None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
             epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, FLATTEN, WARP_SPECIALIZE, TMA_STORE,
-            EPILOGUE_SUBTILE, PERSISTENT)
+            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS)
 
 
 def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
@@ -543,17 +557,23 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
     tma = args["USE_TMA"] and not interpreting()
     if tma:
         triton.set_allocator(tma_scratch)
+    kernel, flags = _matmul_kernel, _FLAG_ARGS
     if interpreting():
         meta = _interpreter_config(*key[:3])
     elif config is not None:
         meta = config.all_kwargs()
+    elif SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and _sm90_ws().applies(args, a.dtype, c.dtype):
+        ws = _sm90_ws()
+        kernel, flags = ws._ws_matmul_kernel, ws.FLAG_ARGS
+        ws._ws_matmul_kernel_tuned[grid](*(args[k] for k in _TENSOR_ARGS + _INT_ARGS), **{k: args[k] for k in flags})
+        meta = ws._ws_matmul_kernel_tuned.best_config.all_kwargs()
     else:
         tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
         tuned[grid](**args)
         meta = tuned.best_config.all_kwargs()
-    launch = Launch(_matmul_kernel, grid(meta), **{k: args[k] for k in _FLAG_ARGS}, **meta)
+    launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **meta)
     ints = tuple(args[k] for k in _INT_ARGS)
-    tensors = tuple(args[k] for k in ("a_ptr", "b_ptr", "c_ptr", "gu_ptr", "bias_ptr", "e_ptr", "sa_ptr", "sb_ptr"))
+    tensors = tuple(args[k] for k in _TENSOR_ARGS)
     if interpreting() or config is not None:
         launch(*tensors, *ints)
     sum_splits = None

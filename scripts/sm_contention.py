@@ -6,7 +6,7 @@ tile assignment (``kernels/gemm.py``, ``PERSISTENT``). This measures it on one G
 
 Usage, on one GPU (about a minute, compiles included):
 
-    python scripts/sm_contention.py [--holds 0,8,16,32] [--fractions 2.0,0.5] [--reps 15]
+    python scripts/sm_contention.py [--holds 0,8,16,32] [--fractions 2.0,0.5] [--reps 15] [--variants ...]
 
 A "hog" kernel (raw CUDA through CuPy) holds k SMs: k blocks that each take 200 KiB of shared memory,
 so that no GEMM program (ours or cuBLAS's: all take far more than the 27 KiB left) can share their SM,
@@ -17,7 +17,8 @@ the op's CUDA graph on the main stream between two events; the median over repet
 Ops: one linear layer's forward and backward (y = x W^T, then dx and dW) at void1b's shapes per GPU
 (8192 tokens; qkv 2048 -> 3072, out 2048 -> 2048, w13 2048 -> 11264, w2 5632 -> 2048), bf16, each
 captured in a CUDA graph: ours with ``PERSISTENT = True`` (the default) and ``False`` (one program per
-tile), and ``F.linear`` (cuBLAS). Printed: ms alone, ms with each hold, the slowdown against alone,
+tile), each also with ``SM90_WS`` (the warp-specialized Gluon kernel, "ours WS"), and ``F.linear``
+(cuBLAS). With ``--holds 0`` this is the plain side-by-side timing of the four against cuBLAS. Printed: ms alone, ms with each hold, the slowdown against alone,
 and the bound set by the SMs left (#SMs / (#SMs - k) with the hog throughout). $OUT/sm_contention.json
 when OUT is set.
 """
@@ -84,6 +85,11 @@ class Hog:
         return start.elapsed_time(end)
 
 
+#: our variants: (gemm.PERSISTENT, gemm.SM90_WS)
+OURS = {"ours, persistent": (True, False), "ours, one program per tile": (False, False),
+        "ours WS, persistent": (True, True), "ours WS, one program per tile": (False, True)}
+
+
 def graphed_op(variant: str, K: int, N: int):
     """A CUDA graph of one linear layer's forward and backward; returns its replay."""
     gemm_module = importlib.import_module("tritonllm.kernels.gemm")
@@ -94,7 +100,7 @@ def graphed_op(variant: str, K: int, N: int):
     fn = F.linear if variant == "cuBLAS" else linear
 
     def step():
-        gemm_module.PERSISTENT = variant != "ours, one program per tile"
+        gemm_module.PERSISTENT, gemm_module.SM90_WS = OURS.get(variant, (True, False))
         return torch.autograd.grad(fn(x, w), (x, w), dy)
 
     side = torch.cuda.Stream()
@@ -106,7 +112,7 @@ def graphed_op(variant: str, K: int, N: int):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    gemm_module.PERSISTENT = True
+    gemm_module.PERSISTENT, gemm_module.SM90_WS = True, False
     return graph.replay
 
 
@@ -129,12 +135,16 @@ def main() -> None:
     p.add_argument("--holds", default="0,8,16,32", help="SMs the hog holds (0: the op alone)")
     p.add_argument("--fractions", default="2.0,0.5", help="the hog's time as a multiple of the op's alone")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--variants", default=",".join([*OURS, "cuBLAS"]),
+                   help=f"comma-separated, of: {', '.join([*OURS, 'cuBLAS'])}")
     args = p.parse_args()
     holds = [int(k) for k in args.holds.split(",")]
     fractions = [float(f) for f in args.fractions.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hog = Hog(torch.cuda.Stream())
-    variants = ("ours, persistent", "ours, one program per tile", "cuBLAS")
+    variants = [v for v in args.variants.split(",") if v]
+    if any(v not in OURS and v != "cuBLAS" for v in variants):
+        p.error(f"--variants: of {', '.join([*OURS, 'cuBLAS'])}, got {args.variants!r}")
     rows = []
     print(f"{torch.cuda.get_device_name()}: {sms} SMs; hog {hog.cycles_per_ms / 1e3:.0f} cycles/us")
     print(f"{'shape':<18}{'variant':<30}{'alone ms':>9}" + "".join(

@@ -265,6 +265,38 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
     assert_close("pointer", ptr, ref, same, atol=gemm_atol(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "tile-per-program"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
+def test_gemm_sm90_warp_specialized(layout, residual, persistent, monkeypatch):
+    """gemm_sm90's warp-specialized kernel (the SM90_WS knob, off by default) on ragged sizes (no
+    dimension a multiple of a tile, K shorter than the ring and longer than it), every operand layout,
+    with and without the residual epilogue, both grids: against float64 and the default kernel, and
+    the plan really is the Gluon kernel."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
+    _, make_a, make_b = layout
+    monkeypatch.setattr(gemm_module, "PERSISTENT", persistent)
+    for M, K, N in ((1000, 1512, 2056), (312, 72, 520), (4096, 4096, 4096)):  # 16-byte aligned strides: TMA
+        a, b = make_a(M, K, torch.bfloat16), make_b(K, N, torch.bfloat16)
+        e = randn(M, N, dtype=torch.bfloat16) if residual else None
+        ref = a.double() @ b.double() + (e.double() if residual else 0)
+        got = {}
+        for ws in (True, False):
+            monkeypatch.setattr(gemm_module, "SM90_WS", ws)
+            gemm_module._LAUNCH_CONFIGS.clear()
+            for _ in range(2):  # planned, then from the plan
+                got[ws] = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)),
+                                           residual=e)
+            (plan,) = gemm_module._LAUNCH_CONFIGS.values()
+            assert (plan[0].fn.__name__ == "_ws_matmul_kernel") is ws
+        with torch_tf32(torch.bfloat16):
+            same = a @ b + (e if residual else 0)
+        assert_close("sm90_ws", got[True], ref, same, atol=gemm_atol(torch.bfloat16))
+        assert_close("default", got[False], ref, same, atol=gemm_atol(torch.bfloat16))
+
+
 def test_configs_follow_the_devices_shared_memory(monkeypatch):
     """On a GPU with less shared memory per block (99 KiB: most consumer cards), the pruning keeps
     only configs that fit it, and shrinks one when none does."""

@@ -1,0 +1,183 @@
+"""A warp-specialized GEMM for Hopper (sm90), written in Gluon: the plain and residual products of
+:func:`gemm.gemm` with 16-bit tensor-descriptor operands, behind ``gemm.SM90_WS`` (off by default).
+
+One producer warp (``_load_partition``, few registers) streams the A and B tiles of every output tile
+the program owns through a STAGES-deep ring in shared memory (TMA, an mbarrier per slot each way);
+the default partition, two consumer warpgroups splitting a 128-row tile between them as cuBLAS's
+cooperative kernels do, runs the wgmma chain with one product in flight, hands each slot back when
+the product that read it is done, and writes the tile through a TMA store. The producer runs ahead
+into the next tile while the consumers finish this one's epilogue, which the single-stream kernel of
+gemm.py (``FLATTEN``) overlaps only as far as its software pipeline reaches.
+
+Same layouts as gemm._matmul_kernel: A [M, K] K- or M-contiguous, B [K, N] N- or K-contiguous (x W^T,
+dY W and dY^T x without copies); the same program order (grouped M, :func:`gemm._tile_coords`) and grid
+(min(#SMs, tiles) programs, or one per tile with ``gemm.PERSISTENT = False``). fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from . import gemm
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES) the autotuner tries; 8 consumer warps, one producer warp
+CONFIGS = [(128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 5)]
+#: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
+LOAD_REGS = gl.constexpr(40)
+
+_tile_coords = gluon.jit(gemm._tile_coords.fn)
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr):
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2] if A_K_CONTIGUOUS else a_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1] if A_K_CONTIGUOUS else a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_N_CONTIGUOUS else b_bufs.type.shape[1]
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    it = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        for ki in range(k_steps):
+            s = it % STAGES
+            # a slot starts free: its first wait (phase 1) passes at once
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            k0 = ki * BLOCK_K
+            if A_K_CONTIGUOUS:
+                tma.async_copy_global_to_shared(a_desc, [m0, k0], ready.index(s), a_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(a_desc, [k0, m0], ready.index(s), a_bufs.index(s))
+            if B_N_CONTIGUOUS:
+                tma.async_copy_global_to_shared(b_desc, [k0, n0], ready.index(s), b_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [n0, k0], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, e_ptr, M, N, K, stride_em, stride_en,
+                   HAS_RESIDUAL: gl.constexpr, A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
+                   GROUP_M: gl.constexpr):
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2] if A_K_CONTIGUOUS else a_bufs.type.shape[1]
+    NW: gl.constexpr = gl.num_warps()
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    it = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for ki in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if A_K_CONTIGUOUS:
+                a = a_bufs.index(s)
+            else:
+                a = a_bufs.index(s).permute((1, 0))
+            if B_N_CONTIGUOUS:
+                b = b_bufs.index(s)
+            else:
+                b = b_bufs.index(s).permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # one product in flight: the one before it is done, so its slot goes back to the producer
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+        if HAS_RESIDUAL:
+            rows = m0 + rm
+            cols = n0 + rn
+            e = gl.load(e_ptr + rows.to(gl.int64)[:, None] * stride_em + cols.to(gl.int64)[None, :] * stride_en,
+                        mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
+            acc = acc + e.to(gl.float32)
+        tma.store_wait(0)  # the last tile's store has read c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [m0, n0], c_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _operand(ptr, rows, cols, stride, BLOCK_ROWS: gl.constexpr, BLOCK_COLS: gl.constexpr, STAGES: gl.constexpr):
+    """The tensor descriptor of a [rows, cols] operand with a unit column stride, and a STAGES-deep
+    ring of [BLOCK_ROWS, BLOCK_COLS] tiles for it in shared memory (128-byte swizzle, 16-bit)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = tma.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[stride, 1],
+                                      block_shape=[BLOCK_ROWS, BLOCK_COLS], layout=layout)
+    return desc, gl.allocate_shared_memory(ptr.dtype.element_ty, [STAGES, BLOCK_ROWS, BLOCK_COLS], layout)
+
+
+@gluon.jit
+def _ws_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, gu_ptr, bias_ptr, e_ptr, sa_ptr, sb_ptr,  # gemm._matmul_kernel's arguments, in its order
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_gm, stride_em, stride_en,
+    HAS_RESIDUAL: gl.constexpr, A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    if A_K_CONTIGUOUS:
+        a_desc, a_bufs = _operand(a_ptr, M, K, stride_am, BLOCK_M, BLOCK_K, STAGES)
+    else:
+        a_desc, a_bufs = _operand(a_ptr, K, M, stride_ak, BLOCK_K, BLOCK_M, STAGES)
+    if B_N_CONTIGUOUS:
+        b_desc, b_bufs = _operand(b_ptr, K, N, stride_bk, BLOCK_K, BLOCK_N, STAGES)
+    else:
+        b_desc, b_bufs = _operand(b_ptr, N, K, stride_bn, BLOCK_N, BLOCK_K, STAGES)
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                        block_shape=[BLOCK_M, BLOCK_N], layout=layout)
+    c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, e_ptr, M, N, K, stride_em, stride_en,
+                          HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
+        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS,
+                           GROUP_M)),
+    ], [1], [LOAD_REGS])
+
+
+def applies(args: dict, a_dtype, c_dtype) -> bool:
+    """This kernel computes the problem gemm planned as ``args`` (gemm._gemm_plan's): the PLAIN epilogue
+    with at most a residual, no split along K, 16-bit operands and output through tensor descriptors."""
+    return (args["EPILOGUE"] == gemm.PLAIN and not (args["HAS_BIAS"] or args["ACCUMULATE"] or args["SCALED"]
+                                                     or args["FP8"])
+            and args["SPLIT_K"] == 1 and args["USE_TMA"] and args["TMA_STORE"] and args["K"] > 0
+            and a_dtype == c_dtype and a_dtype.itemsize == 2)
+
+
+def configs() -> list[triton.Config]:
+    """:data:`CONFIGS` as autotuner configs (8 consumer warps; the producer warp comes on top)."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": st, "GROUP_M": 8},
+                          num_warps=8, num_stages=1) for bm, bn, bk, st in CONFIGS]
+
+
+#: the flags of gemm._gemm_plan's arguments that this kernel takes
+FLAG_ARGS = ("HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS")
+
+_ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=["M", "N", "K", "HAS_RESIDUAL", "A_K_CONTIGUOUS",
+                                                                  "B_N_CONTIGUOUS"])(_ws_matmul_kernel)
