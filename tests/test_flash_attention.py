@@ -387,12 +387,16 @@ def test_flash_attention_gpu_long(case, dtype):
     Case("empty-rows-T17-S5-D128", 1, 2, 1, 17, 5, 128),
     Case("single-row-T1-S1-D64", 1, 2, 2, 1, 1, 64),
 ], ids=lambda c: c.name)
-def test_flash_attention_sm90_forward(case, monkeypatch):
-    """The Hopper forward (forward_sm90, the SM90_FWD knob, off by default) against the reference, its
-    output and lse beside the portable kernel's, and the backward from its lse."""
+@pytest.mark.parametrize("ws", [False, True], ids=["overlap", "warp-specialized"])
+def test_flash_attention_sm90_forward(case, ws, monkeypatch):
+    """The Hopper forward (forward_sm90, the SM90_FWD knob, off by default; its first config of each
+    schedule, WS or not) against the reference, its output and lse beside the portable kernel's, and
+    the backward from its lse."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward is for sm90 (H100, H200)")
     monkeypatch.setattr(fa_config, "SM90_FWD", True)
+    tuned = fa_forward.forward_sm90._kernel
+    monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["WS"] is ws][:1])
     _check_fwd_bwd(case, torch.bfloat16)
     q, k, v = (t.detach() for t in _inputs(case, torch.bfloat16, "packed" if case.T == case.S else "contiguous"))
     assert fa_forward.forward_sm90.supported(q, k, v, None, None)

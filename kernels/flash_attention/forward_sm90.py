@@ -1,22 +1,27 @@
-"""Flash attention forward for Hopper (sm90), written in Gluon (Triton's lower-level language): the
-score product of the next key tile and the value product of the last one are in flight on the
-tensor cores while this tile's softmax runs (FlashAttention-3's intra-warpgroup overlap). ``tl.dot``
-cannot express it: with the next tile's ``q k^T`` issued before this tile's softmax in the source,
-Triton 3.6 still waits for it right after issuing it (offline sm_90 compile, docs/perf/NOTES.md).
+"""Flash attention forward for Hopper (sm90), written in Gluon (Triton's lower-level language), in two
+schedules the autotuner picks between (:data:`CONFIGS`, ``WS``):
 
-One program: BLOCK_M query rows of one (batch, head) pair, one warpgroup per 64 rows. Per key tile
-j (BLOCK_N keys, a NUM_BUF-deep ring of k and v tiles loaded by TMA, NUM_BUF - 2 tiles ahead):
+- **overlap** (measured, docs/perf/NOTES.md): one or two warpgroups that load their own k and v tiles;
+  the score product of the next key tile and the value product of the last one are in flight on the
+  tensor cores while this tile's softmax runs (FlashAttention-3's intra-warpgroup overlap). ``tl.dot``
+  cannot express it: with the next tile's ``q k^T`` issued before this tile's softmax in the source,
+  Triton 3.6 still waits for it right after issuing it (offline sm_90 compile).
 
-    issue S_j = q k_j^T                  (async)
-    issue O += P_{j-1} v_{j-1}           (async)
-    wait S_j; mask; online softmax -> P_j, alpha_j   (overlaps the value product)
-    wait O; O *= alpha_j
+      issue S_j = q k_j^T                  (async)
+      issue O += P_{j-1} v_{j-1}           (async)
+      wait S_j; mask; online softmax -> P_j, alpha_j   (overlaps the value product)
+      wait O; O *= alpha_j
+
+- **warp-specialized** (compiled offline, not yet run): FlashAttention-3's whole schedule. A producer
+  warp fills a ring of k and v tiles (TMA, mbarriers both ways); two consumer warpgroups of 64 query
+  rows each run the loop above and take turns at the tensor cores (each waits for its turn before
+  issuing a tile's products and then passes the turn), so that one's softmax runs while the other's
+  products do.
 
 The same math as :func:`forward._attend` (base-2 online softmax, scores scaled inside the exponent),
 so the output and the natural-log ``lse`` are the portable kernel's, to rounding. Only 16-bit q, k, v
 on sm90, head dim 64 or 128, with or without the causal mask, no window and no documents
-(:func:`supported`); ``config.SM90_FWD`` turns it on (off by default: measured no faster than the
-portable kernel except at 16K tokens, see the knob).
+(:func:`supported`); ``config.SM90_FWD`` turns it on (off by default, see the knob).
 """
 
 from __future__ import annotations
@@ -35,9 +40,72 @@ from .masks import program_tile
 #: the portable kernels' program order (masks.program_tile), compiled as Gluon
 _program_tile = gluon.jit(program_tile.fn)
 
-#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF) the autotuner tries, the first one pinned (TRITONLLM_NO_AUTOTUNE=1).
-#: NUM_BUF k and v tiles in a ring, loaded NUM_BUF - 2 tiles ahead (2: when needed).
-CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2)]
+#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF, WS) the autotuner tries, the first one pinned
+#: (TRITONLLM_NO_AUTOTUNE=1). WS False: one or two warpgroups that load their own k and v tiles (a ring of
+#: NUM_BUF, loaded NUM_BUF - 2 tiles ahead); True: FlashAttention-3's warp-specialized schedule, two
+#: consumer warpgroups of 64 rows (BLOCK_M 128) taking turns at the tensor cores and a producer warp
+#: filling a NUM_BUF-deep ring (num_warps 4 is the first consumer's; the kernel runs 12).
+CONFIGS = [(64, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False),
+           (128, 128, 8, 2, False), (128, 128, 4, 2, True), (128, 64, 4, 3, True)]
+
+
+@gluon.jit
+def _bounds(m0, ROWS: gl.constexpr, T, S, shift, layout: gl.constexpr, CAUSAL: gl.constexpr):
+    """For query rows m0 .. m0 + ROWS (``layout``: the scores' row slice): ``(rows, row_end, hi,
+    full_end)``: each row sees keys [0, row_end); the rows together keys [0, hi); tiles that start
+    at or after full_end - BLOCK_N + 1 need the mask (the causal edge, keys past S)."""
+    rows = m0 + gl.arange(0, ROWS, layout=layout)
+    if CAUSAL:
+        # rows past T take row T - 1's end: they are never stored and must not widen the loop
+        row_end = gl.minimum(gl.minimum(rows, T - 1) + shift + 1, S)
+        hi = gl.minimum(gl.minimum(m0 + ROWS, T) + shift, S)
+        full_end = gl.minimum(m0 + shift + 1, S)
+    else:
+        row_end = gl.zeros_like(rows) + S
+        hi = S
+        full_end = S
+    return rows, row_end, hi, full_end
+
+
+@gluon.jit
+def _start(ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr):
+    """A consumer's loop state in the wgmma layouts of NW warps: ``(s_zero, acc, m, l, cols0)``; a row
+    starts at a finite max, so that one whose first tiles are all masked gets p = 0 and alpha = 1."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    return (gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout),
+            gl.full([ROWS], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout)),
+            gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout)),
+            gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)))
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, qk_scale, start_n, full_end, row_end, cols0):
+    """One key tile (keys start_n + cols0) of the base-2 online softmax: the masked scores ``s`` ->
+    ``(p, alpha, m, l)`` (p fp32 in s's layout, alpha the factor on the earlier accumulator)."""
+    if start_n + cols0.shape[0] > full_end:
+        s = gl.where((start_n + cols0)[None, :] < row_end[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _store_rows(acc, l_i, m_i, rows, O, LSE, b, h, T, HQ, HEAD_DIM: gl.constexpr):
+    """o = acc / l and the natural-log lse of ``rows`` (rows with no key: o = 0, lse = -inf)."""
+    o_layout: gl.constexpr = acc.type.layout
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_offs = ((b * T + o_rows) * HQ + h)[:, None] * HEAD_DIM + o_cols[None, :]
+    gl.store(O + o_offs, out.to(O.dtype.element_ty), mask=(o_rows < T)[:, None])
+    gl.store(LSE + (b * HQ + h) * T + rows, lse, mask=rows < T)
 
 
 @gluon.jit
@@ -49,33 +117,41 @@ def _sm90_fwd_kernel(
     T, S, HQ, GROUP, shift, qk_scale, group_programs,
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, WS: gl.constexpr,
 ):
-    NW: gl.constexpr = gl.num_warps()
-    dtype: gl.constexpr = Q.dtype.element_ty
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
     n_tiles = gl.cdiv(T, BLOCK_M)
     rank, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
     m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
     b = (pid_bh // HQ).to(gl.int64)
     h = (pid_bh % HQ).to(gl.int64)
     hk = h // GROUP
-
+    Q_ROWS: gl.constexpr = BLOCK_M // 2 if WS else BLOCK_M  # a q descriptor tile: one consumer's rows
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, HEAD_DIM],
-                                        strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
+                                        strides=[stride_qt, 1], block_shape=[Q_ROWS, HEAD_DIM], layout=tile_layout)
     k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
                                         strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
     v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
                                         strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], tile_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], tile_layout)
+    if WS:
+        _ws_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                 NUM_BUF, CAUSAL)
+    else:
+        _overlap_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM, BLOCK_M,
+                      BLOCK_N, NUM_BUF, CAUSAL)
+
+
+@gluon.jit
+def _overlap_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+    """WS False: every warp computes (BLOCK_M / 64 warpgroups) and loads its own k and v tiles."""
+    dtype: gl.constexpr = q_desc.dtype
+    s_zero, acc, m_i, l_i, cols0 = _start(BLOCK_M, BLOCK_N, HEAD_DIM, gl.num_warps())
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -84,16 +160,8 @@ def _sm90_fwd_kernel(
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
 
-    # keys [0, hi) for the block; tiles from full_end on need the mask (causal edge, keys past S)
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    if CAUSAL:
-        row_end = gl.minimum(gl.minimum(rows, T - 1) + shift + 1, S)
-        hi = gl.minimum(gl.minimum(m0 + BLOCK_M, T) + shift, S)
-        full_end = gl.minimum(m0 + shift + 1, S)
-    else:
-        row_end = gl.zeros_like(rows) + S
-        hi = S
-        full_end = S
+    row_layout: gl.constexpr = m_i.type.layout
+    rows, row_end, hi, full_end = _bounds(m0, BLOCK_M, T, S, shift, row_layout, CAUSAL)
     # a block that sees no key still runs one (fully masked) tile: its rows get o = 0, lse = -inf
     n_iter = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
@@ -106,22 +174,10 @@ def _sm90_fwd_kernel(
         mbarrier.expect(v_bars.index(j), TILE_BYTES, pred=j < n_iter)
         tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(j), v_smem.index(j), pred=j < n_iter)
 
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    # finite start: a row whose first tiles are all masked gets p = exp2(-inf) = 0 and alpha = 1
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_bars.index(0), 0)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
-    if BLOCK_N > full_end:
-        s = gl.where(cols0[None, :] < row_end[:, None], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p32 = gl.exp2(s * qk_scale - m_new[:, None])
-    l_i = l_i * gl.exp2(m_i - m_new) + gl.sum(p32, 1)
-    m_i = m_new
+    p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, 0, full_end, row_end, cols0)
     p = gl.convert_layout(p32.to(dtype), p_layout)
 
     for i in range(1, n_iter):
@@ -140,14 +196,7 @@ def _sm90_fwd_kernel(
         mbarrier.wait(v_bars.index(ps), ((i - 1) // NUM_BUF) & 1)
         o_tok = warpgroup_mma(p, v_smem.index(ps), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok,))
-        start_n = i * BLOCK_N
-        if start_n + BLOCK_N > full_end:
-            s = gl.where((start_n + cols0)[None, :] < row_end[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p32 = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p32, 1)
-        m_i = m_new
+        p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, i * BLOCK_N, full_end, row_end, cols0)
         acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p = gl.convert_layout(p32.to(dtype), p_layout)
@@ -155,25 +204,128 @@ def _sm90_fwd_kernel(
     ls = (n_iter - 1) % NUM_BUF
     mbarrier.wait(v_bars.index(ls), ((n_iter - 1) // NUM_BUF) & 1)
     acc = warpgroup_mma(p, v_smem.index(ls), acc)
-
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
+    _store_rows(acc, l_i, m_i, rows, O, LSE, b, h, T, HQ, HEAD_DIM)
 
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    o_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_offs = ((b * T + o_rows) * HQ + h)[:, None] * HEAD_DIM + o_cols[None, :]
-    gl.store(O + o_offs, out.to(dtype), mask=(o_rows < T)[:, None])
-    gl.store(LSE + (b * HQ + h) * T + rows, lse, mask=rows < T)
+
+@gluon.jit
+def _ws_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+    """WS True: the shared memory and barriers, then the three partitions. Each k and v slot is freed
+    by both consumers (count 2); ``turn[c]`` says consumer c may issue its products."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    if CAUSAL:
+        hi = gl.minimum(gl.minimum(m0 + BLOCK_M, T) + shift, S)
+    else:
+        hi = S
+    n_iter = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # both consumers run every tile of the block
+    smem = (q_smem, k_smem, v_smem)
+    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
+    problem = (O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, n_iter)
+    gl.warp_specialize([
+        (_ws_consumer, (smem, bars, problem, 0, HEAD_DIM, BLOCK_N, CAUSAL)),
+        (_ws_consumer, (smem, bars, problem, 1, HEAD_DIM, BLOCK_N, CAUSAL)),
+        (_ws_producer, (q_desc, k_desc, v_desc, smem, bars, m0, n_iter, BLOCK_N)),
+    ], [4, 1], [232, 40])  # registers (setmaxnreg) of the second consumer and the producer; the first gets the rest
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, smem, bars, m0, n_iter, BLOCK_N: gl.constexpr):
+    """One warp: both consumers' q rows, then tile after tile of k and v into the ring, each slot
+    once both consumers have freed it."""
+    q_smem, k_smem, v_smem = smem
+    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    HALF: gl.constexpr = q_smem.type.shape[1]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [m0 + HALF, 0], q_bar, q_smem.index(1))
+    for j in range(n_iter):
+        s = j % NUM_BUF
+        free = ((j // NUM_BUF) & 1) ^ 1  # a slot starts free: its first wait passes at once
+        mbarrier.wait(k_empty.index(s), free)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), free)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _ws_consumer(smem, bars, problem, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """Consumer C (a warpgroup): q rows m0 + 64 C .. + 64 over every key tile of the block. Before
+    issuing a tile's products it waits for its turn and then hands the turn to the other consumer,
+    so that one's softmax runs while the other's products do (FlashAttention-3's ping-pong)."""
+    q_smem, k_smem, v_smem = smem
+    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, n_iter = problem
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_zero, acc, m_i, l_i, cols0 = _start(ROWS, BLOCK_N, HEAD_DIM, 4)
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q = q_smem.index(C)
+    row_layout: gl.constexpr = m_i.type.layout
+    rows, row_end, _, full_end = _bounds(m0 + C * ROWS, ROWS, T, S, shift, row_layout, CAUSAL)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(turn.index(C), 1 - C)  # consumer 0 goes first
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - C), count=1)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, 0, full_end, row_end, cols0)
+    p = gl.convert_layout(p32.to(dtype), p_layout)
+
+    for i in range(1, n_iter):
+        cs = i % NUM_BUF
+        ps = (i - 1) % NUM_BUF
+        mbarrier.wait(turn.index(C), (i & 1) ^ (1 - C))
+        mbarrier.wait(k_ready.index(cs), (i // NUM_BUF) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(cs).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(ps), ((i - 1) // NUM_BUF) & 1)
+        o_tok = warpgroup_mma(p, v_smem.index(ps), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - C), count=1)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(cs), count=1)
+        p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, i * BLOCK_N, full_end, row_end, cols0)
+        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+        mbarrier.arrive(v_empty.index(ps), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+
+    ls = (n_iter - 1) % NUM_BUF
+    mbarrier.wait(v_ready.index(ls), ((n_iter - 1) // NUM_BUF) & 1)
+    acc = warpgroup_mma(p, v_smem.index(ls), acc)
+    mbarrier.arrive(v_empty.index(ls), count=1)
+    _store_rows(acc, l_i, m_i, rows, O, LSE, b, h, T, HQ, HEAD_DIM)
 
 
 def _smem(config: triton.Config, head_dim: int) -> int:
-    """Shared memory of a config in bytes: the q tile and the k, v ring (16-bit elements)."""
+    """Shared memory of a config in bytes: the q tile(s) and the k, v ring (16-bit elements)."""
     kw = config.kwargs
     return 2 * head_dim * (kw["BLOCK_M"] + 2 * kw["NUM_BUF"] * kw["BLOCK_N"])
 
@@ -184,8 +336,8 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if _smem(c, d) <= 227 * 1024] or configs[:1]
 
 
-_kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb}, num_warps=w, num_stages=1)
-                    for bm, bn, w, nb in CONFIGS],
+_kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "WS": ws}, num_warps=w, num_stages=1)
+                    for bm, bn, w, nb, ws in CONFIGS],
                    key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
                    prune_configs_by={"early_config_prune": _prune})(_sm90_fwd_kernel)
 
