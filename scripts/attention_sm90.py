@@ -1,6 +1,7 @@
 """Hopper forward (kernels/flash_attention/forward_sm90.py) against the portable kernel and SDPA: every
 config's error against a float64 reference at odd shapes, then each config's forward time at the bench
-shapes in CUDA graphs. JSON to $OUT/attention-sm90.json."""
+shapes in CUDA graphs. JSON to $OUT/attention-sm90.json. A config that fails prints FAILED; one that
+hangs (a warp-specialized schedule's barriers) stops the script: run it under ``timeout``."""
 
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ def run_config(q, k, v, causal, cfg):
     S, Hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
-    bm, bn, w, nb = cfg
+    bm, bn, w, nb, ws = cfg
     triton.set_allocator(tma_scratch)
     g._sm90_fwd_kernel[(triton.cdiv(T, bm) * B * Hq,)](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], T, S, Hq, Hq // Hkv, S - T,
         D ** -0.5 * fa_config.LOG2E, fa_config.group_programs("fwd"), next_pow2(T), next_pow2(S),
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, NUM_BUF=nb, CAUSAL=causal, num_warps=w)
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, NUM_BUF=nb, CAUSAL=causal, WS=ws, num_warps=w)
     return o, lse
 
 
