@@ -92,9 +92,9 @@ SPLIT_K_FILL_SLACK = 0.05
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Row and column tile of ``tile_id`` in grouped-M order: GROUP_M row tiles sweep every
-    column tile before the next group starts (shared with kernels.grouped_linear)."""
+    column tile before the next group starts (the Gluon kernel of gemm_sm90 compiles it too)."""
     tiles_per_group = GROUP_M * num_pid_n
     first_m = (tile_id // tiles_per_group) * GROUP_M
     group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -207,7 +207,7 @@ def _matmul_kernel(
     unit_c = tl.program_id(0) - tl.num_programs(0)
     for unit in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=FLAT,
                          warp_specialize=WS):
-        pid_m, pid_n = _tile_coords(unit % num_tiles, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(unit % num_tiles, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         k_first = (unit // num_tiles) * k_steps
@@ -258,7 +258,7 @@ def _matmul_kernel(
 
         # epilogue: fp32 math on the accumulators, one cast at the store
         unit_c += tl.num_programs(0)
-        pid_mc, pid_nc = _tile_coords(unit_c % num_tiles, num_pid_m, num_pid_n, GROUP_M)
+        pid_mc, pid_nc = tile_coords(unit_c % num_tiles, num_pid_m, num_pid_n, GROUP_M)
         mc = pid_mc * BLOCK_M
         nc = pid_nc * BLOCK_N
         if EPILOGUE == 0:
@@ -564,9 +564,9 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
         meta = config.all_kwargs()
     elif SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and _sm90_ws().applies(args, a.dtype, c.dtype):
         ws = _sm90_ws()
-        kernel, flags = ws._ws_matmul_kernel, ws.FLAG_ARGS
-        ws._ws_matmul_kernel_tuned[grid](*(args[k] for k in _TENSOR_ARGS + _INT_ARGS), **{k: args[k] for k in flags})
-        meta = ws._ws_matmul_kernel_tuned.best_config.all_kwargs()
+        kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
+        ws.ws_matmul_kernel_tuned[grid](*(args[k] for k in _TENSOR_ARGS + _INT_ARGS), **{k: args[k] for k in flags})
+        meta = ws.ws_matmul_kernel_tuned.best_config.all_kwargs()
     else:
         tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
         tuned[grid](**args)

@@ -10,7 +10,7 @@ into the next tile while the consumers finish this one's epilogue, which the sin
 gemm.py (``FLATTEN``) overlaps only as far as its software pipeline reaches.
 
 Same layouts as gemm._matmul_kernel: A [M, K] K- or M-contiguous, B [K, N] N- or K-contiguous (x W^T,
-dY W and dY^T x without copies); the same program order (grouped M, :func:`gemm._tile_coords`) and grid
+dY W and dY^T x without copies); the same program order (grouped M, :func:`gemm.tile_coords`) and grid
 (min(#SMs, tiles) programs, or one per tile with ``gemm.PERSISTENT = False``). fp32 accumulation.
 """
 
@@ -29,7 +29,7 @@ CONFIGS = [(128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 5)]
 #: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
 LOAD_REGS = gl.constexpr(40)
 
-_tile_coords = gluon.jit(gemm._tile_coords.fn)
+_tile_coords = gluon.jit(gemm.tile_coords.fn)
 
 
 @gluon.jit
@@ -128,7 +128,7 @@ def _operand(ptr, rows, cols, stride, BLOCK_ROWS: gl.constexpr, BLOCK_COLS: gl.c
 
 
 @gluon.jit
-def _ws_matmul_kernel(
+def ws_matmul_kernel(
     a_ptr, b_ptr, c_ptr, gu_ptr, bias_ptr, e_ptr, sa_ptr, sb_ptr,  # gemm._matmul_kernel's arguments, in its order
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_gm, stride_em, stride_en,
@@ -179,5 +179,5 @@ def configs() -> list[triton.Config]:
 #: the flags of gemm._gemm_plan's arguments that this kernel takes
 FLAG_ARGS = ("HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS")
 
-_ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=["M", "N", "K", "HAS_RESIDUAL", "A_K_CONTIGUOUS",
-                                                                  "B_N_CONTIGUOUS"])(_ws_matmul_kernel)
+ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=["M", "N", "K", "HAS_RESIDUAL", "A_K_CONTIGUOUS",
+                                                                  "B_N_CONTIGUOUS"])(ws_matmul_kernel)

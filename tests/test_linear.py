@@ -290,7 +290,7 @@ def test_gemm_sm90_warp_specialized(layout, residual, persistent, monkeypatch):
                 got[ws] = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)),
                                            residual=e)
             (plan,) = gemm_module._LAUNCH_CONFIGS.values()
-            assert (plan[0].fn.__name__ == "_ws_matmul_kernel") is ws
+            assert (plan[0].fn.__name__ == "ws_matmul_kernel") is ws
         with torch_tf32(torch.bfloat16):
             same = a @ b + (e if residual else 0)
         assert_close("sm90_ws", got[True], ref, same, atol=gemm_atol(torch.bfloat16))
