@@ -6,6 +6,9 @@ need it too), unless the environment already chooses. The interpreter cannot do 
 ``tl.dot`` (triton issue 11584), so bfloat16 is checked only on the GPU.
 Autotuned kernels run one pinned config each (``TRITONLLM_NO_AUTOTUNE=1``, unless the environment
 says otherwise), so the GPU suite compiles each kernel variant once instead of once per config.
+Under pytest-xdist (``make test``: ``-n 2`` on 2 cores) each process, the workers and what they start,
+runs one OpenMP / OpenBLAS thread (``OMP_NUM_THREADS=1``, unless the environment chooses): the
+interpreter's operations are tiny, and a pool of one thread per core per process only spins.
 """
 
 import os
@@ -13,7 +16,11 @@ import sys
 import zlib
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read once, when torch and numpy load their thread pools
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TRITONLLM_NO_AUTOTUNE", "1")
