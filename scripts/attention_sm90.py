@@ -39,11 +39,11 @@ def run_config(q, k, v, causal, cfg):
 
 
 def portable(q, k, v, causal):
-    fa_config.SM90_FWD = False
+    knob, fa_config.SM90_FWD = fa_config.SM90_FWD, ()
     try:
         return fa_forward.flash_attention_fwd(q, k, v, causal)
     finally:
-        fa_config.SM90_FWD = True
+        fa_config.SM90_FWD = knob
 
 
 def inputs(B, Hq, Hkv, T, S, D, packed=False):

@@ -135,16 +135,16 @@ def main() -> None:
     p.add_argument("--holds", default="0,8,16,32", help="SMs the hog holds (0: the op alone)")
     p.add_argument("--fractions", default="2.0,0.5", help="the hog's time as a multiple of the op's alone")
     p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--variants", default=",".join([*OURS, "cuBLAS"]),
-                   help=f"comma-separated, of: {', '.join([*OURS, 'cuBLAS'])}")
+    p.add_argument("--variants", default=";".join([*OURS, "cuBLAS"]),
+                   help=f"separated by ';' (the names hold commas), of: {'; '.join([*OURS, 'cuBLAS'])}")
     args = p.parse_args()
     holds = [int(k) for k in args.holds.split(",")]
     fractions = [float(f) for f in args.fractions.split(",")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hog = Hog(torch.cuda.Stream())
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     if any(v not in OURS and v != "cuBLAS" for v in variants):
-        p.error(f"--variants: of {', '.join([*OURS, 'cuBLAS'])}, got {args.variants!r}")
+        p.error(f"--variants: of {'; '.join([*OURS, 'cuBLAS'])}, got {args.variants!r}")
     rows = []
     print(f"{torch.cuda.get_device_name()}: {sms} SMs; hog {hog.cycles_per_ms / 1e3:.0f} cycles/us")
     print(f"{'shape':<18}{'variant':<30}{'alone ms':>9}" + "".join(

@@ -389,19 +389,19 @@ def test_flash_attention_gpu_long(case, dtype):
 ], ids=lambda c: c.name)
 @pytest.mark.parametrize("ws", [False, True], ids=["overlap", "warp-specialized"])
 def test_flash_attention_sm90_forward(case, ws, monkeypatch):
-    """The Hopper forward (forward_sm90, the SM90_FWD knob, off by default; its first config of each
+    """The Hopper forward (forward_sm90, at the head dims of the SM90_FWD knob, here both; its first config of each
     schedule, WS or not) against the reference, its output and lse beside the portable kernel's, and
     the backward from its lse."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward is for sm90 (H100, H200)")
-    monkeypatch.setattr(fa_config, "SM90_FWD", True)
+    monkeypatch.setattr(fa_config, "SM90_FWD", (64, 128))
     tuned = fa_forward.forward_sm90._kernel
     monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["WS"] is ws][:1])
     _check_fwd_bwd(case, torch.bfloat16)
     q, k, v = (t.detach() for t in _inputs(case, torch.bfloat16, "packed" if case.T == case.S else "contiguous"))
     assert fa_forward.forward_sm90.supported(q, k, v, None, None)
     out, lse = flash_attention_fwd(q, k, v, case.causal, split_kv=0)  # one pass: short T would take split-KV
-    monkeypatch.setattr(fa_config, "SM90_FWD", False)
+    monkeypatch.setattr(fa_config, "SM90_FWD", ())
     ref_out, ref_lse = flash_attention_fwd(q, k, v, case.causal, split_kv=0)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     assert_close("out", out, ref_out.double())

@@ -65,12 +65,14 @@ ONE_LOOP = {"fwd": {"causal": True, "window": True},
 #: 4.05 / 4.40 / 4.54 ms (T16384: one pair is 256 programs, two waves); dQ 0.235 / 0.220 / 0.220,
 #: 2.98 / 2.98 / 3.25 and 5.23 / 5.11 / 5.02 ms at the same shapes.
 GROUP_WAVES: dict[str, float | None] = {"fwd": 2, "dkdv": None, "dq": 2}
-#: the forward on Hopper: forward_sm90's Gluon kernel (the softmax overlapped with the tensor-core products
-#: inside one warpgroup, as FlashAttention-3 does it) wherever it applies (:func:`forward_sm90.supported`);
-#: False: the portable kernel everywhere. Off: on an H100 (scripts/attention_sm90.py, CUDA graphs) its best
-#: config ran 1.04x the portable kernel at B1 Hq32/Hkv8 T16384 D128, 0.99x at B8 T4096, 0.96x at B4
-#: Hq16/Hkv4 T2048 D128 and 0.90x at B16 Hq12 T1024 D64 (docs/perf/NOTES.md).
-SM90_FWD = False
+#: the head dims at which the forward on Hopper runs forward_sm90's Gluon kernel (wherever it applies,
+#: :func:`forward_sm90.supported`); the portable kernel runs every other forward, and everywhere with ``()``.
+#: On an H100 (scripts/attention_sm90.py, CUDA graphs, docs/perf/attention-sm90-h100.json) its
+#: warp-specialized config ran 1.26x the portable forward at B1 Hq32/Hkv8 T16384 D128 (3.73 against
+#: 4.71 ms; cuDNN 3.86), 1.16x at B8 T4096 (2.25 / 2.61; cuDNN 2.08) and 1.07x at B4 Hq16/Hkv4 T2048 D128
+#: (0.174 / 0.186; cuDNN 0.157); at B16 Hq12 T1024 D64 every Gluon config was slower (best 0.113 against
+#: 0.102 ms): D64 stays portable.
+SM90_FWD: tuple[int, ...] = (128,)
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
 #: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
 #: Forward: q tile resident, k/v tiles pipelined (Hopper: M 64 per warpgroup, so BLOCK_M 128 = 8 warps).

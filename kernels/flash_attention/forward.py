@@ -267,7 +267,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     key_lo = max(shift - window + 1, 0) if window is not None else 0
     splits = 0 if documents is not None else auto_splits(B, T, Hq, Hkv, S - key_lo) if split_kv is None else split_kv
 
-    if splits == 0 and config.SM90_FWD and forward_sm90.supported(q, k, v, window, documents):
+    if splits == 0 and q.shape[-1] in config.SM90_FWD and forward_sm90.supported(q, k, v, window, documents):
         key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), causal, "sm90")
         forward_sm90.launch(q, k, v, o, lse, causal, qk_scale, group_programs("fwd"), key)
         return o, lse

@@ -12,7 +12,7 @@ schedules the autotuner picks between (:data:`CONFIGS`, ``WS``):
       wait S_j; mask; online softmax -> P_j, alpha_j   (overlaps the value product)
       wait O; O *= alpha_j
 
-- **warp-specialized** (compiled offline, not yet run): FlashAttention-3's whole schedule. A producer
+- **warp-specialized** (measured, the fastest at D128): FlashAttention-3's whole schedule. A producer
   warp fills a ring of k and v tiles (TMA, mbarriers both ways); two consumer warpgroups of 64 query
   rows each run the loop above and take turns at the tensor cores (each waits for its turn before
   issuing a tile's products and then passes the turn), so that one's softmax runs while the other's
@@ -21,7 +21,7 @@ schedules the autotuner picks between (:data:`CONFIGS`, ``WS``):
 The same math as :func:`forward._attend` (base-2 online softmax, scores scaled inside the exponent),
 so the output and the natural-log ``lse`` are the portable kernel's, to rounding. Only 16-bit q, k, v
 on sm90, head dim 64 or 128, with or without the causal mask, no window and no documents
-(:func:`supported`); ``config.SM90_FWD`` turns it on (off by default, see the knob).
+(:func:`supported`); ``config.SM90_FWD`` names the head dims it runs (128 by default, see the knob).
 """
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ _program_tile = gluon.jit(program_tile.fn)
 #: NUM_BUF, loaded NUM_BUF - 2 tiles ahead); True: FlashAttention-3's warp-specialized schedule, two
 #: consumer warpgroups of 64 rows (BLOCK_M 128) taking turns at the tensor cores and a producer warp
 #: filling a NUM_BUF-deep ring (num_warps 4 is the first consumer's; the kernel runs 12).
-CONFIGS = [(64, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False),
-           (128, 128, 8, 2, False), (128, 128, 4, 2, True), (128, 64, 4, 3, True)]
+#: Every config is compiled at each new shape, so only these are kept (scripts/attention_sm90.py, H100): the
+#: WS ones (the fastest at every D128 bench shape) and the overlap configs fastest at D64 (128x64) and at
+#: T16384 D128 (128x128); the rest never came first (docs/perf/attention-sm90-h100.json).
+CONFIGS = [(128, 128, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 128, 8, 3, False)]
 
 
 @gluon.jit
