@@ -57,8 +57,9 @@ EPILOGUE_SUBTILE = False
 PERSISTENT = True
 #: on Hopper, run the plain and residual products of 16-bit tensor-descriptor operands through
 #: gemm_sm90's warp-specialized Gluon kernel (a producer warp streaming the tiles, two consumer
-#: warpgroups) instead of _matmul_kernel. Off: compiled offline for sm_90 (every operand layout, 168
-#: registers a thread before setmaxnreg gives the consumers 232-240), not yet run on a GPU.
+#: warpgroups) instead of _matmul_kernel. Off: correct on an H100 (test_gemm_sm90_warp_specialized), but
+#: linear fwd+bwd at void1b's four shapes ran 0.89-1.02x _matmul_kernel, both grids, alone and with 16
+#: SMs held (scripts/sm_contention.py, docs/perf/contention-ws-h100.json).
 SM90_WS = False
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
