@@ -172,6 +172,7 @@ def run_worker(argv: list[str]) -> None:
     def note(what: str) -> None:  # where a configuration's time goes, in the --log file
         if env.main:
             print(f"[rank 0, {time.monotonic() - begin:7.1f} s] {what}", flush=True)
+    note(f"process group of {env.world_size} up")
     cfg = compose_config("train", ["trainer.batch_size=4", "trainer.seq_len=2048", *overrides])
     model_cfg = model_config(cfg)
     B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
