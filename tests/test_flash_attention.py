@@ -378,15 +378,19 @@ def test_flash_attention_gpu_long(case, dtype):
     _check_fwd_bwd(case, dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [
+#: the Gluon kernels' GPU cases: GQA with ragged T, full attention with T != S, MQA, rows that see no key, one token
+SM90_CASES = [
     Case("gqa4:1-causal-B2-T1000-D128", 2, 8, 2, 1000, 1000, 128),
     Case("mha-full-T777-S1500-D128", 1, 4, 4, 777, 1500, 128, causal=False),
     Case("gqa3:1-causal-B2-T1000-D64", 2, 6, 2, 1000, 1000, 64),
     Case("mqa-causal-T257-S300-D128", 2, 8, 1, 257, 300, 128),
     Case("empty-rows-T17-S5-D128", 1, 2, 1, 17, 5, 128),
     Case("single-row-T1-S1-D64", 1, 2, 2, 1, 1, 64),
-], ids=lambda c: c.name)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("ws", [False, True], ids=["overlap", "warp-specialized"])
 def test_flash_attention_sm90_forward(case, ws, monkeypatch):
     """The Hopper forward (forward_sm90, at the head dims of the SM90_FWD knob, here both; its first config of each
@@ -406,6 +410,53 @@ def test_flash_attention_sm90_forward(case, ws, monkeypatch):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     assert_close("out", out, ref_out.double())
     assert_close("lse", lse[~torch.isneginf(lse)], ref_lse[~torch.isneginf(ref_lse)].double(), atol=1e-4)
+
+
+def test_sm90_dkdv_head_rows():
+    """backward_sm90._head_rows: the TMA matrix of one batch entry for each layout the Gluon dK/dV reads,
+    None for the others (which keep the portable kernel)."""
+    rows = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")._head_rows
+    B, L, H, D = 2, 40, 3, 64
+    base = torch.zeros(B, L, H + 2, D, dtype=torch.bfloat16)
+    assert rows(base[:, :, :H]) == (L, H * D, 0, D)  # packed qkv slice: heads side by side
+    assert rows(torch.zeros(B, L, H, D, dtype=torch.bfloat16)) == (L, H * D, 0, D)
+    assert rows(torch.zeros(B, H, L, D, dtype=torch.bfloat16).transpose(1, 2)) == (H * L, D, L, 0)
+    assert rows(torch.zeros(B, L, D, H, dtype=torch.bfloat16).transpose(2, 3)) is None  # last dim strided
+    assert rows(torch.zeros(B, L, H, D + 4, dtype=torch.bfloat16)[..., :D]) is None  # 136-byte head stride: no TMA
+    assert rows(torch.zeros(B, L, 1, D, dtype=torch.bfloat16)) == (L, D, 0, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", range(4), ids=lambda i: f"config{i}")
+def test_flash_attention_sm90_dkdv(case, config, monkeypatch):
+    """The Hopper dK/dV (backward_sm90, at the head dims of the SM90_BWD knob, here both; each of its
+    configs) against the float64 reference, beside the portable kernel's dk and dv, and bitwise the
+    same in a second run (the deterministic backward)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon dK/dV is for sm90 (H100, H200)")
+    sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
+    monkeypatch.setattr(fa_config, "SM90_BWD", (64, 128))
+    monkeypatch.setattr(sm90._kernel, "configs", [sm90._kernel.configs[config]])
+    _check_fwd_bwd(case, torch.bfloat16)
+    layout = "packed" if case.T == case.S else "contiguous"
+    side_by_side = [t.detach() for t in _inputs(case, torch.bfloat16, layout)]
+    # [B, H, L, D] storage seen as [B, L, H, D] (the benchmark's inputs): heads are row blocks
+    head_major = [randn(case.B, h, n, case.D, dtype=torch.bfloat16).transpose(1, 2)
+                  for n, h in ((case.T, case.Hq), (case.S, case.Hkv), (case.S, case.Hkv))]
+    for q, k, v in (side_by_side, head_major):
+        do = randn(case.B, case.T, case.Hq, case.D, dtype=torch.bfloat16)
+        assert sm90.supported(q, k, v, do, None, None)
+        out, lse = flash_attention_fwd(q, k, v, case.causal)
+        monkeypatch.setattr(fa_config, "SM90_BWD", (64, 128))
+        grads = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
+        again = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again))
+        monkeypatch.setattr(fa_config, "SM90_BWD", ())
+        ref = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
+        assert torch.equal(grads[0], ref[0])  # dQ: the portable kernel either way
+        for name, got, want in zip(("dk", "dv"), grads[1:], ref[1:]):
+            assert_close(name, got, want.double())
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .._common import Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2
+from . import backward_sm90, config
 from .config import (DKDV_CONFIGS, DQ_CONFIGS, KEYS, LOG2E, NEG_INF, POS_INF, PREPROCESS_BLOCK_M,
                       block_configs, check_attention_inputs, check_documents, docs_arg, group_programs,
                       kernel_flags, last_dim_contiguous, stream_flags, strides, tuned)
@@ -368,7 +369,7 @@ class AttentionBackward:
             raise ValueError(f"lse must have shape {(B, Hq, T)} [B, Hq, T], got {tuple(lse.shape)}")
         q, k, v, do = (last_dim_contiguous(t) for t in (q, k, v, do))
         o, lse = o.contiguous(), lse.contiguous()
-        self.q, self.k, self.v, self.do, self.window = q, k, v, do, window
+        self.q, self.k, self.v, self.do, self.window, self.documents = q, k, v, do, window, documents
         self.scale, self.fused = scale, not deterministic
         self.flags = kernel_flags(q, causal, window)
         # rows padded to 16 bytes, so that each (b, h) row can be a tensor descriptor
@@ -398,7 +399,12 @@ class AttentionBackward:
 
     def dkdv(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         q, k, v, do = self.q, self.k, self.v, self.do
-        B, S, Hkv, _ = k.shape
+        B, S, Hkv, D = k.shape
+        if (not self.fused and D in config.SM90_BWD
+                and backward_sm90.supported(q, k, v, do, self.window, self.documents)):
+            backward_sm90.launch(q, k, v, do, self.lse2, self.delta, dk, dv, self.flags["CAUSAL"], self.scale,
+                                 self.scales[2], group_programs("dkdv"), (self.key, dk.stride(), "sm90"))
+            return
         stream = stream_flags("dkdv", self.window, q, do)
         _dkdv_kernel.launch(
             (self.key, dk.stride(), self.fused, *stream.values()),

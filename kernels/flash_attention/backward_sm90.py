@@ -1,0 +1,234 @@
+"""Flash attention dK/dV for Hopper (sm90), written in Gluon: the backward's key-side kernel with the
+tensor-core products of one query tile in flight while the softmax gradient of the same tile runs, and
+the next tile's products issued before the last tile's accumulations are waited for.
+
+A program owns BLOCK_N keys of one KV head (one or two warpgroups, 64 keys each) and keeps k and v in
+shared memory; q and dO tiles of BLOCK_M queries stream through a NUM_BUF-deep ring (TMA, one mbarrier
+per slot), over every query head of the group and every query tile that sees these keys. Per tile, with
+scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
+
+    issue S^T = k q^T, dP^T = v dO^T                   (async; retires the last tile's dV, dK products)
+    wait S^T; P^T = exp2(S^T * scale * log2 e - lse2); mask     (overlaps dP^T)
+    issue dV += P^T dO                                  (async)
+    wait dP^T; dS^T = P^T (dP^T - delta)                (overlaps dV)
+    issue dK += dS^T q                                  (async; waited in the next tile)
+
+dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads, in a fixed order: no
+atomics, so the result is bitwise reproducible (the ``deterministic`` backward's dK/dV). The dQ kernel
+stays the portable one. Only 16-bit q, k, v, dO on sm90, head dim 64 or 128, causal or not, no window
+and no documents, q and dO with each token's heads side by side or each head's tokens in a row (a head
+is then a column or a row block of one descriptor per batch entry: :func:`_head_rows`;
+:func:`supported`); ``config.SM90_BWD`` names the head dims it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+from .._common import autotune, next_pow2, tma_scratch
+from .forward_sm90 import _sm90
+from .masks import program_tile
+
+_program_tile = gluon.jit(program_tile.fn)
+
+#: (BLOCK_N, BLOCK_M, num_warps, NUM_BUF) the autotuner tries, the first one pinned (TRITONLLM_NO_AUTOTUNE=1):
+#: BLOCK_N keys a program (64 a warpgroup), BLOCK_M queries a streamed tile, a NUM_BUF-deep ring of q and dO
+CONFIGS = [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]
+
+
+@gluon.jit
+def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it, ok, n_m, lo, h0, q_head, do_head):
+    """Issue the TMA loads of streamed tile ``it`` (query head h = h0 + it // n_m, query rows m = lo +
+    (it % n_m) * BLOCK_M, at [m + h * rows, h * cols] of a descriptor with per-head offsets
+    ``(rows, cols)`` = q_head / do_head) into ring slot it % NUM_BUF, if ``ok``."""
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.type.shape[1]
+    s = it % NUM_BUF
+    m = lo + (it % n_m) * BLOCK_M
+    h = h0 + it // n_m
+    mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(q_desc, [m + h * q_head[0], h * q_head[1]], ready.index(s), q_smem.index(s),
+                                    pred=ok)
+    tma.async_copy_global_to_shared(do_desc, [m + h * do_head[0], h * do_head[1]], ready.index(s), do_smem.index(s),
+                                    pred=ok)
+
+
+@gluon.jit
+def _sm90_dkdv_kernel(
+    Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: 16-byte aligned rows (see _head_rows)
+    LSE2, DELTA,                # [B, Hq, T(pitch)] fp32 from the preprocess kernel (lse2 +inf: a row saw no key)
+    DK, DV,                     # out [B, S, Hkv, D] (equal strides, last dim contiguous)
+    stride_qb, stride_qt, q_rows, q_cols, q_head_rows, q_head_cols,    # q of one batch entry as a [q_rows, q_cols]
+    stride_dob, stride_dot, do_rows, do_cols, do_head_rows, do_head_cols,  # matrix, head h at its (h * head_rows,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,      # h * head_cols) block (_head_rows); dO too
+    stride_dkb, stride_dks, stride_dkh,
+    T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
+    T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    GROUP = HQ // HKV
+    n_tiles = gl.cdiv(S, BLOCK_N)
+    # first key blocks first: with causal they are seen by the most queries
+    pid_n, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
+    hk = pid_bh % HKV
+    b = (pid_bh // HKV).to(gl.int64)
+    n0 = pid_n * BLOCK_N
+    NW: gl.constexpr = gl.num_warps()
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # batch b's queries (and dO) as one matrix whose blocks are the heads; this program's k and v head
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, shape=[q_rows, q_cols], strides=[stride_qt, 1],
+                                        block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob, shape=[do_rows, do_cols], strides=[stride_dot, 1],
+                                         block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
+                                        strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
+                                        strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+
+    # the query tiles that see keys n0 ..: from the one holding row n0 - shift (causal) to T; those that
+    # start at or after full_from see every key of the block (no mask)
+    if CAUSAL:
+        lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
+        full_from = n0 + BLOCK_N - 1 - shift
+    else:
+        lo = 0
+        full_from = 0
+    n_m = gl.maximum(gl.cdiv(T - lo, BLOCK_M), 0)
+    n_iter = GROUP * n_m  # may be 0: dK = dV = 0 are still stored
+    h0 = hk * GROUP
+    q_head = (q_head_rows, q_head_cols)
+    do_head = (do_head_rows, do_head_cols)
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
+    for j in gl.static_range(NUM_BUF):
+        _load_tile(q_desc, do_desc, q_smem, do_smem, ready, j, j < n_iter, gl.maximum(n_m, 1), lo, h0, q_head, do_head)
+
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    # the register operands of the last tile's dV and dK products, kept alive until those are done
+    p16 = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
+    ds16 = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
+    keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    mbarrier.wait(kv_bar, 0)
+
+    for it in range(n_iter):
+        start_m = lo + (it % n_m) * BLOCK_M
+        h = h0 + it // n_m
+        rows = start_m + offs_m
+        stat = (b * HQ + h) * stat_pitch + rows
+        lse2 = gl.load(LSE2 + stat, mask=rows < T, other=float("inf"))  # rows past T: p = 0
+        delta = gl.load(DELTA + stat, mask=rows < T, other=0.0)
+        s = it % NUM_BUF
+        mbarrier.wait(ready.index(s), (it // NUM_BUF) & 1)
+        st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # S^T done, and with it the last tile's dV and dK (issued before): its ring slot is free again
+        st, dv_r, dk_r, p16, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, p16, ds16))
+        nxt = it - 1 + NUM_BUF
+        _load_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt, (it > 0) & (nxt < n_iter), n_m, lo, h0, q_head,
+                   do_head)
+        p = gl.exp2(st * qk_scale - lse2[None, :])
+        if CAUSAL:
+            if start_m < full_from:
+                p = gl.where(keys[:, None] <= rows[None, :] + shift, p, 0.0)
+        p16 = gl.convert_layout(p.to(dtype), op_layout)
+        dv = warpgroup_mma(p16, do_smem.index(s), dv_r, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
+        ds16 = gl.convert_layout((p * (dpt - delta[None, :])).to(dtype), op_layout)
+        dk = warpgroup_mma(ds16, q_smem.index(s), dk_r, is_async=True)
+
+    dv, dk, p16, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, p16, ds16))
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(i))
+    out_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    out = b * stride_dkb + hk * stride_dkh + out_rows.to(gl.int64)[:, None] * stride_dks + out_cols[None, :]
+    keep = (out_rows < S)[:, None]
+    gl.store(DK + out, (dk * softmax_scale).to(DK.dtype.element_ty), mask=keep)
+    gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=keep)
+
+
+def _smem(config: triton.Config, head_dim: int) -> int:
+    """Shared memory of a config in bytes: k and v, and the q and dO ring (16-bit elements)."""
+    kw = config.kwargs
+    return 2 * head_dim * (2 * kw["BLOCK_N"] + 2 * kw["NUM_BUF"] * kw["BLOCK_M"])
+
+
+def _prune(configs, named_args, **kwargs):
+    """The configs whose tiles fit the shared memory (232,448 bytes a block on an H100 or H200)."""
+    d = {**named_args, **kwargs}["HEAD_DIM"]
+    return [c for c in configs if _smem(c, d) <= 227 * 1024] or configs[:1]
+
+
+_kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "NUM_BUF": nb}, num_warps=w, num_stages=1)
+                    for bn, bm, w, nb in CONFIGS],
+                   key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
+                   prune_configs_by={"early_config_prune": _prune})(_sm90_dkdv_kernel)
+
+
+def _head_rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """One batch entry of ``t`` [B, L, H, D] as a TMA matrix ``(rows, cols, head_rows, head_cols)`` whose
+    block at (h * head_rows, h * head_cols) is head h's [L, D]: each token's heads side by side (stride(2)
+    == D: [L, H * D], heads are column blocks) or each head's tokens in a row (stride(2) == L * stride(1),
+    e.g. [B, H, L, D] storage: [H * L, D], heads are row blocks; a tile past row L reads the next head's
+    rows, which the kernel weighs by 0). None: neither, or a base or row stride not 16-byte aligned."""
+    B, L, H, D = t.shape
+    if t.stride(3) != 1 or t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:3]):
+        return None
+    if t.stride(2) == D or H == 1:
+        return L, H * D, 0, D
+    if t.stride(2) == L * t.stride(1):
+        return H * L, D, L, 0
+    return None
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, window, documents) -> bool:
+    """This kernel computes dK and dV of these inputs: 16-bit on an sm90 GPU, head dim 64 or 128, no
+    window or documents, q and dO in a layout of :func:`_head_rows`, k and v with 16-byte aligned rows."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and window is None
+            and documents is None and _sm90(q.device) and _head_rows(q) is not None and _head_rows(do) is not None
+            and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (k, v)))
+
+
+def launch(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, qk_scale: float, group_programs: int,
+           key) -> None:
+    """Run the kernel into ``dk`` and ``dv`` [B, S, Hkv, D] (equal strides) from the preprocess kernel's
+    ``lse2`` and ``delta`` [B, Hq, pitch]; ``key`` determines the shapes, strides and flags (the launch
+    plan's key, see :meth:`_common._Autotuned.launch`)."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    q_head, do_head = _head_rows(q), _head_rows(do)
+    assert q_head is not None and do_head is not None, "launch only what supported() accepts"
+    grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv,)  # noqa: E731
+    triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
+    _kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, q.stride(0), q.stride(1), *q_head,
+                   do.stride(0), do.stride(1), *do_head, *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3],
+                   T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs, next_pow2(T),
+                   next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
