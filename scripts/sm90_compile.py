@@ -3,7 +3,7 @@
 ``--kernel gemm`` (default) compiles ``kernels.gemm._matmul_kernel`` for sm_90 (an H100 or H200) with
 every config of ``GPU_CONFIGS`` that the shared-memory pruning keeps for the given flags and M x N x K;
 ``--kernel attention-fwd`` the flash-attention forward with ``FWD_CONFIGS`` at ``--shape B,Hq,Hkv,T,D``;
-``--kernel attention-dkdv-sm90`` the Gluon dK/dV of ``backward_sm90`` with its ``CONFIGS`` at ``--shape``. Each is specialized as a launch would be; per config
+``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90`` with their configs at ``--shape``. Each is specialized as a launch would be; per config
 the script prints the pruning's estimate (GEMM: ``_config_smem``), the shared memory the compiled kernel
 asks for (a launch fails above 232,448 bytes), ptxas's registers per thread and bytes of spill stores,
 and the compiled kernel's warps. A config that does not compile prints its error. ``TRITON_INTERPRET`` is
@@ -15,7 +15,7 @@ To check what the GPU machines run, use their Triton version (3.6.0; from PyPI, 
     PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --dtype fp32 --tma --tma-store --residual --bias \
         --mnk 5,24,32 --all
     PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --kernel attention-fwd --shape 8,32,8,4096,128 --causal
-    PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --kernel attention-dkdv-sm90 --shape 8,32,8,4096,128 --causal
+    PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --kernel attention-bwd-sm90 --shape 8,32,8,4096,128 --causal
 """
 
 from __future__ import annotations
@@ -158,27 +158,31 @@ def attention_fwd_main(args) -> None:
     report(attn_forward._flash_attention_fwd_kernel, rows, kernel_args, flags)
 
 
-def attention_dkdv_sm90_main(args) -> None:
-    """Every config of ``backward_sm90.CONFIGS`` at ``--shape`` (contiguous bf16/fp16 [B, T, H, D], S = T)."""
+def attention_bwd_sm90_main(args) -> None:
+    """Every config of ``backward_sm90``'s dK/dV and dQ kernels at ``--shape`` (contiguous [B, T, H, D], S = T)."""
     B, Hq, Hkv, T, D = (int(v) for v in args.shape.split(","))
-    kernel_args = {**{n: f"*{args.dtype}" for n in ("Q", "K", "V", "DO", "DK", "DV")}, "LSE2": "*fp32", "DELTA": "*fp32",
-                   "stride_qb": T * Hq * D, "stride_qt": Hq * D, "q_rows": T, "q_cols": Hq * D, "q_head_rows": 0,
-                   "q_head_cols": D, "stride_dob": T * Hq * D, "stride_dot": Hq * D, "do_rows": T, "do_cols": Hq * D,
-                   "do_head_rows": 0, "do_head_cols": D, "stride_kb": T * Hkv * D, "stride_ks": Hkv * D, "stride_kh": D,
-                   "stride_vb": T * Hkv * D, "stride_vs": Hkv * D, "stride_vh": D,
-                   "stride_dkb": T * Hkv * D, "stride_dks": Hkv * D, "stride_dkh": D, "T": T, "S": T, "HQ": Hq,
-                   "HKV": Hkv, "stat_pitch": -(-T // 4) * 4, "shift": 0, "qk_scale": D ** -0.5 * attn_config.LOG2E,
-                   "softmax_scale": D ** -0.5, "group_programs": 2**31 - 1, "T_BUCKET": next_pow2(T),
-                   "S_BUCKET": next_pow2(T)}
+    matrices = {"stride_qb": T * Hq * D, "stride_qt": Hq * D, "q_rows": T, "q_cols": Hq * D, "q_head_rows": 0,
+                "q_head_cols": D, "stride_dob": T * Hq * D, "stride_dot": Hq * D, "do_rows": T, "do_cols": Hq * D,
+                "do_head_rows": 0, "do_head_cols": D, "stride_kb": T * Hkv * D, "stride_ks": Hkv * D, "stride_kh": D,
+                "stride_vb": T * Hkv * D, "stride_vs": Hkv * D, "stride_vh": D, "T": T, "S": T, "HQ": Hq, "HKV": Hkv,
+                "stat_pitch": -(-T // 4) * 4, "shift": 0, "qk_scale": D ** -0.5 * attn_config.LOG2E,
+                "softmax_scale": D ** -0.5, "group_programs": 2**31 - 1, "T_BUCKET": next_pow2(T),
+                "S_BUCKET": next_pow2(T), "LSE2": "*fp32", "DELTA": "*fp32"}
+    tensors = {n: f"*{args.dtype}" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}
+    outputs = {"dkdv": {"stride_dkb": T * Hkv * D, "stride_dks": Hkv * D, "stride_dkh": D},
+               "dq": {"stride_dqb": T * Hq * D, "stride_dqt": Hq * D, "stride_dqh": D}}
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, B,Hq,Hkv,T,D {args.shape}, causal {args.causal}")
-    rows = [("{BLOCK_N} {BLOCK_M} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}", c,
-             backward_sm90._smem(c, D) <= HOPPER_SMEM, backward_sm90._smem(c, D)) for c in backward_sm90._kernel.configs]
-    report(backward_sm90._sm90_dkdv_kernel, rows, kernel_args, {"HEAD_DIM": D, "CAUSAL": args.causal})
+    for name, tuned in (("dkdv", backward_sm90._dkdv_kernel), ("dq", backward_sm90._dq_kernel)):
+        fn = tuned.fn
+        kernel_args = {n: v for n, v in {**tensors, **matrices, **outputs[name]}.items() if n in fn.arg_names}
+        rows = [(f"{name} " + "{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}", c,
+                 backward_sm90.smem(c, D) <= HOPPER_SMEM, backward_sm90.smem(c, D)) for c in tuned.configs]
+        report(fn, rows, kernel_args, {"HEAD_DIM": D, "CAUSAL": args.causal})
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=["gemm", "attention-fwd", "attention-dkdv-sm90"], default="gemm")
+    p.add_argument("--kernel", choices=["gemm", "attention-fwd", "attention-bwd-sm90"], default="gemm")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--all", action="store_true", help="also the configs the pruning drops")
     gemm_args = p.add_argument_group("gemm")
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     attn_args.add_argument("--loops", choices=["one", "three"], help="override the ONE_LOOP knob")
     attn_args.add_argument("--documents", action="store_true", help="packed documents (HAS_DOCS)")
     args = p.parse_args(argv)
-    {"attention-fwd": attention_fwd_main, "attention-dkdv-sm90": attention_dkdv_sm90_main}.get(args.kernel, gemm_main)(args)
+    {"attention-fwd": attention_fwd_main, "attention-bwd-sm90": attention_bwd_sm90_main}.get(args.kernel, gemm_main)(args)
 
 
 if __name__ == "__main__":

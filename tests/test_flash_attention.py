@@ -412,8 +412,8 @@ def test_flash_attention_sm90_forward(case, ws, monkeypatch):
     assert_close("lse", lse[~torch.isneginf(lse)], ref_lse[~torch.isneginf(ref_lse)].double(), atol=1e-4)
 
 
-def test_sm90_dkdv_head_rows():
-    """backward_sm90._head_rows: the TMA matrix of one batch entry for each layout the Gluon dK/dV reads,
+def test_sm90_backward_head_rows():
+    """backward_sm90._head_rows: the TMA matrix of one batch entry for each layout the Gluon backward reads,
     None for the others (which keep the portable kernel)."""
     rows = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")._head_rows
     B, L, H, D = 2, 40, 3, 64
@@ -429,15 +429,16 @@ def test_sm90_dkdv_head_rows():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("config", range(4), ids=lambda i: f"config{i}")
-def test_flash_attention_sm90_dkdv(case, config, monkeypatch):
-    """The Hopper dK/dV (backward_sm90, at the head dims of the SM90_BWD knob, here both; each of its
-    configs) against the float64 reference, beside the portable kernel's dk and dv, and bitwise the
-    same in a second run (the deterministic backward)."""
+def test_flash_attention_sm90_backward(case, config, monkeypatch):
+    """The Hopper backward (backward_sm90's dK/dV and dQ, at the head dims of the SM90_BWD knob, here both;
+    each of their configs) against the float64 reference, beside the portable kernels' gradients, and
+    bitwise the same in a second run (the deterministic backward), for both head layouts."""
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon dK/dV is for sm90 (H100, H200)")
+        pytest.skip("the Gluon backward is for sm90 (H100, H200)")
     sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
     monkeypatch.setattr(fa_config, "SM90_BWD", (64, 128))
-    monkeypatch.setattr(sm90._kernel, "configs", [sm90._kernel.configs[config]])
+    for tuned in (sm90._dkdv_kernel, sm90._dq_kernel):
+        monkeypatch.setattr(tuned, "configs", [tuned.configs[config]])
     _check_fwd_bwd(case, torch.bfloat16)
     layout = "packed" if case.T == case.S else "contiguous"
     side_by_side = [t.detach() for t in _inputs(case, torch.bfloat16, layout)]
@@ -454,8 +455,7 @@ def test_flash_attention_sm90_dkdv(case, config, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(grads, again))
         monkeypatch.setattr(fa_config, "SM90_BWD", ())
         ref = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
-        assert torch.equal(grads[0], ref[0])  # dQ: the portable kernel either way
-        for name, got, want in zip(("dk", "dv"), grads[1:], ref[1:]):
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
             assert_close(name, got, want.double())
 
 

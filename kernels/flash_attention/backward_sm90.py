@@ -1,9 +1,9 @@
-"""Flash attention dK/dV for Hopper (sm90), written in Gluon: the backward's key-side kernel with the
-tensor-core products of one query tile in flight while the softmax gradient of the same tile runs, and
-the next tile's products issued before the last tile's accumulations are waited for.
+"""Flash attention backward for Hopper (sm90), written in Gluon: the deterministic backward's dK/dV and dQ
+kernels with the tensor-core products of one tile in flight while the softmax gradient of the same tile
+runs, and the next tile's products issued before the last tile's accumulation is waited for.
 
-A program owns BLOCK_N keys of one KV head (one or two warpgroups, 64 keys each) and keeps k and v in
-shared memory; q and dO tiles of BLOCK_M queries stream through a NUM_BUF-deep ring (TMA, one mbarrier
+dK/dV: a program owns BLOCK_N keys of one KV head (one or two warpgroups, 64 keys each) and keeps k and v
+in shared memory; q and dO tiles of BLOCK_M queries stream through a NUM_BUF-deep ring (TMA, one mbarrier
 per slot), over every query head of the group and every query tile that sees these keys. Per tile, with
 scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
 
@@ -13,12 +13,15 @@ scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
     wait dP^T; dS^T = P^T (dP^T - delta)                (overlaps dV)
     issue dK += dS^T q                                  (async; waited in the next tile)
 
-dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads, in a fixed order: no
-atomics, so the result is bitwise reproducible (the ``deterministic`` backward's dK/dV). The dQ kernel
-stays the portable one. Only 16-bit q, k, v, dO on sm90, head dim 64 or 128, causal or not, no window
-and no documents, q and dO with each token's heads side by side or each head's tokens in a row (a head
-is then a column or a row block of one descriptor per batch entry: :func:`_head_rows`;
-:func:`supported`); ``config.SM90_BWD`` names the head dims it runs.
+dQ: a program owns BLOCK_M queries of one head with q and dO resident, and streams k and v tiles the same
+way: issue S = q k^T and dP = dO v^T; P while dP runs; issue dQ += dS k, waited in the next tile.
+
+dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads and dQ = softmax_scale *
+sum dS k, each in a fixed order: no atomics, so the backward stays bitwise reproducible. Only 16-bit q,
+k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO with each
+token's heads side by side or each head's tokens in a row (a head is then a column or a row block of one
+descriptor per batch entry: :func:`_head_rows`; :func:`supported`); ``config.SM90_BWD`` names the head
+dims they run.
 """
 
 from __future__ import annotations
@@ -36,9 +39,29 @@ from .masks import program_tile
 
 _program_tile = gluon.jit(program_tile.fn)
 
-#: (BLOCK_N, BLOCK_M, num_warps, NUM_BUF) the autotuner tries, the first one pinned (TRITONLLM_NO_AUTOTUNE=1):
-#: BLOCK_N keys a program (64 a warpgroup), BLOCK_M queries a streamed tile, a NUM_BUF-deep ring of q and dO
-CONFIGS = [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]
+#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF) the autotuners try, the first one pinned (TRITONLLM_NO_AUTOTUNE=1).
+#: dK/dV: BLOCK_N keys a program (64 a warpgroup), q and dO tiles of BLOCK_M queries through a NUM_BUF-deep
+#: ring; dQ: BLOCK_M queries a program, k and v tiles of BLOCK_N keys through the ring
+DKDV_CONFIGS = [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)]
+DQ_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+
+
+@gluon.jit
+def _descriptors(Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA descriptors of batch entry b: its queries and dO each as one matrix whose blocks are the heads
+    (tiles of BLOCK_M rows), and KV head hk's keys and values (tiles of BLOCK_N rows)."""
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, shape=[q_rows, q_cols], strides=[stride_qt, 1],
+                                        block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob, shape=[do_rows, do_cols], strides=[stride_dot, 1],
+                                         block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
+                                        strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
+                                        strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    return q_desc, do_desc, k_desc, v_desc
 
 
 @gluon.jit
@@ -70,7 +93,7 @@ def _sm90_dkdv_kernel(
     T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, KEYS_RESIDENT: gl.constexpr,  # True (the configs' tag for the shared-memory estimate)
 ):
     GROUP = HQ // HKV
     n_tiles = gl.cdiv(S, BLOCK_N)
@@ -80,16 +103,9 @@ def _sm90_dkdv_kernel(
     b = (pid_bh // HKV).to(gl.int64)
     n0 = pid_n * BLOCK_N
     NW: gl.constexpr = gl.num_warps()
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    # batch b's queries (and dO) as one matrix whose blocks are the heads; this program's k and v head
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, shape=[q_rows, q_cols], strides=[stride_qt, 1],
-                                        block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob, shape=[do_rows, do_cols], strides=[stride_dot, 1],
-                                         block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
-                                        strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
-                                        strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    q_desc, do_desc, k_desc, v_desc = _descriptors(
+        Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -175,22 +191,135 @@ def _sm90_dkdv_kernel(
     gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=keep)
 
 
-def _smem(config: triton.Config, head_dim: int) -> int:
-    """Shared memory of a config in bytes: k and v, and the q and dO ring (16-bit elements)."""
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, it, ok):
+    """Issue the TMA loads of key tile ``it`` (k and v) into ring slot it % NUM_BUF, if ``ok``."""
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    s = it % NUM_BUF
+    mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(k_desc, [it * BLOCK_N, 0], ready.index(s), k_smem.index(s), pred=ok)
+    tma.async_copy_global_to_shared(v_desc, [it * BLOCK_N, 0], ready.index(s), v_smem.index(s), pred=ok)
+
+
+@gluon.jit
+def _sm90_dq_kernel(
+    Q, K, V, DO, LSE2, DELTA,   # as in _sm90_dkdv_kernel
+    DQ,                         # out [B, T, Hq, D] (last dim contiguous)
+    stride_qb, stride_qt, q_rows, q_cols, q_head_rows, q_head_cols,
+    stride_dob, stride_dot, do_rows, do_cols, do_head_rows, do_head_cols,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dqb, stride_dqt, stride_dqh,
+    T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
+    T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+    CAUSAL: gl.constexpr, KEYS_RESIDENT: gl.constexpr,  # False (the configs' tag for the shared-memory estimate)
+):
+    """dQ of BLOCK_M query rows of one head: q, dO resident, k and v tiles through a NUM_BUF-deep ring.
+    Per key tile: issue S = q k^T and dP = dO v^T; P while dP runs; dS = P (dP - delta); issue dQ += dS k,
+    left in flight into the next tile (whose first wait frees this tile's slot)."""
+    n_tiles = gl.cdiv(T, BLOCK_M)
+    rank, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
+    m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
+    h = pid_bh % HQ
+    b = (pid_bh // HQ).to(gl.int64)
+    q_desc, do_desc, k_desc, v_desc = _descriptors(
+        Q, K, V, DO, b, h // (HQ // HKV), stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows,
+        do_cols, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
+    dtype: gl.constexpr = q_desc.dtype
+    NW: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    qd_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(qd_bar, count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+
+    # row r sees keys [0, row_end_r); the block keys [0, hi); tiles past full_end - BLOCK_N need the mask
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    if CAUSAL:
+        row_end = gl.minimum(rows + shift + 1, S)
+        hi = gl.maximum(gl.minimum(gl.minimum(m0 + BLOCK_M, T) + shift, S), 0)
+        full_end = m0 + shift + 1
+    else:
+        row_end = gl.zeros_like(rows) + S
+        hi = S
+        full_end = S
+    n_iter = gl.cdiv(hi, BLOCK_N)  # may be 0 (rows that see no key): dQ = 0 is still stored
+    stat = (b * HQ + h) * stat_pitch + rows
+    lse2 = gl.load(LSE2 + stat, mask=rows < T, other=float("inf"))  # rows past T: p = 0
+    delta = gl.load(DELTA + stat, mask=rows < T, other=0.0)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    mbarrier.expect(qd_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0 + h * q_head_rows, h * q_head_cols], qd_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [m0 + h * do_head_rows, h * do_head_cols], qd_bar, do_smem)
+    for j in gl.static_range(NUM_BUF):
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, j, j < n_iter)
+
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+    ds16 = gl.zeros([BLOCK_M, BLOCK_N], dtype, op_layout)  # the last dQ product's register operand
+    mbarrier.wait(qd_bar, 0)
+    for it in range(n_iter):
+        s = it % NUM_BUF
+        mbarrier.wait(ready.index(s), (it // NUM_BUF) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_smem, v_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # S done, and with it the last tile's dQ product (issued before): its ring slot is free again
+        st, dq_r, ds16 = warpgroup_mma_wait(1, deps=(s_tok, dq, ds16))
+        nxt = it - 1 + NUM_BUF
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, nxt, (it > 0) & (nxt < n_iter))
+        p = gl.exp2(st * qk_scale - lse2[:, None])
+        if it * BLOCK_N + BLOCK_N > full_end:
+            p = gl.where((it * BLOCK_N + cols0)[None, :] < row_end[:, None], p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+        ds16 = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
+        dq = warpgroup_mma(ds16, k_smem.index(s), dq_r, is_async=True)
+
+    dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
+    mbarrier.invalidate(qd_bar)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(i))
+    out_rows = gl.convert_layout(rows, gl.SliceLayout(1, acc_layout))
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    out = b * stride_dqb + h * stride_dqh + out_rows.to(gl.int64)[:, None] * stride_dqt + out_cols[None, :]
+    gl.store(DQ + out, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=(out_rows < T)[:, None])
+
+
+def smem(config: triton.Config, head_dim: int) -> int:
+    """Shared memory of a config in bytes (16-bit elements): the resident tiles (k and v of the dK/dV
+    kernel, BLOCK_N rows; q and dO of the dQ kernel, BLOCK_M rows) and the ring of the streamed ones."""
     kw = config.kwargs
-    return 2 * head_dim * (2 * kw["BLOCK_N"] + 2 * kw["NUM_BUF"] * kw["BLOCK_M"])
+    resident, streamed = (kw["BLOCK_N"], kw["BLOCK_M"]) if kw["KEYS_RESIDENT"] else (kw["BLOCK_M"], kw["BLOCK_N"])
+    return 2 * head_dim * (2 * resident + 2 * kw["NUM_BUF"] * streamed)
 
 
 def _prune(configs, named_args, **kwargs):
     """The configs whose tiles fit the shared memory (232,448 bytes a block on an H100 or H200)."""
     d = {**named_args, **kwargs}["HEAD_DIM"]
-    return [c for c in configs if _smem(c, d) <= 227 * 1024] or configs[:1]
+    return [c for c in configs if smem(c, d) <= 227 * 1024] or configs[:1]
 
 
-_kernel = autotune([triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "NUM_BUF": nb}, num_warps=w, num_stages=1)
-                    for bn, bm, w, nb in CONFIGS],
-                   key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
-                   prune_configs_by={"early_config_prune": _prune})(_sm90_dkdv_kernel)
+def _tuned(kernel, configs, keys_resident: bool):
+    """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF) tuples)."""
+    return autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "KEYS_RESIDENT": keys_resident},
+                                   num_warps=w, num_stages=1) for bm, bn, w, nb in configs],
+                    key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
+                    prune_configs_by={"early_config_prune": _prune})(kernel)
+
+
+_dkdv_kernel = _tuned(_sm90_dkdv_kernel, DKDV_CONFIGS, True)
+_dq_kernel = _tuned(_sm90_dq_kernel, DQ_CONFIGS, False)
 
 
 def _head_rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -217,18 +346,35 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
             and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (k, v)))
 
 
-def launch(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, qk_scale: float, group_programs: int,
-           key) -> None:
-    """Run the kernel into ``dk`` and ``dv`` [B, S, Hkv, D] (equal strides) from the preprocess kernel's
-    ``lse2`` and ``delta`` [B, Hq, pitch]; ``key`` determines the shapes, strides and flags (the launch
-    plan's key, see :meth:`_common._Autotuned.launch`)."""
-    B, T, Hq, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
+def _common_args(q, k, v, do) -> tuple:
+    """The runtime arguments both kernels take after their outputs' strides, from q's and dO's matrices on."""
     q_head, do_head = _head_rows(q), _head_rows(do)
     assert q_head is not None and do_head is not None, "launch only what supported() accepts"
+    return (q.stride(0), q.stride(1), *q_head, do.stride(0), do.stride(1), *do_head, *k.stride()[:3],
+            *v.stride()[:3])
+
+
+def launch_dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, qk_scale: float, group_programs: int,
+                key) -> None:
+    """dK and dV into ``dk`` and ``dv`` [B, S, Hkv, D] (equal strides) from the preprocess kernel's ``lse2``
+    and ``delta`` [B, Hq, pitch]; ``key`` determines the shapes, strides and flags (the launch plan's key,
+    see :meth:`_common._Autotuned.launch`)."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
     grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
-    _kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, q.stride(0), q.stride(1), *q_head,
-                   do.stride(0), do.stride(1), *do_head, *k.stride()[:3], *v.stride()[:3], *dk.stride()[:3],
-                   T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs, next_pow2(T),
-                   next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
+    _dkdv_kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, *_common_args(q, k, v, do),
+                        *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs,
+                        next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
+
+
+def launch_dq(q, k, v, do, lse2, delta, dq, causal: bool, scale: float, qk_scale: float, group_programs: int,
+              key) -> None:
+    """dQ into ``dq`` [B, T, Hq, D]; the rest as :func:`launch_dkdv`."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,)  # noqa: E731
+    triton.set_allocator(tma_scratch)
+    _dq_kernel.launch(key, grid, q, k, v, do, lse2, delta, dq, *_common_args(q, k, v, do), *dq.stride()[:3],
+                      T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs, next_pow2(T),
+                      next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
