@@ -65,6 +65,24 @@ def _descriptors(Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, strid
 
 
 @gluon.jit
+def _buffers(a_desc, b_desc, ring_a_desc, ring_b_desc, ROWS: gl.constexpr, RING_ROWS: gl.constexpr,
+             NUM_BUF: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A program's shared memory: two resident tiles of ROWS rows (one barrier for both), and two rings of
+    NUM_BUF tiles of RING_ROWS rows (a barrier per slot for both rings' tiles), the barriers initialised."""
+    dtype: gl.constexpr = a_desc.dtype
+    a = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], a_desc.layout)
+    b = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], b_desc.layout)
+    ring_a = gl.allocate_shared_memory(dtype, [NUM_BUF, RING_ROWS, HEAD_DIM], ring_a_desc.layout)
+    ring_b = gl.allocate_shared_memory(dtype, [NUM_BUF, RING_ROWS, HEAD_DIM], ring_b_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+    return a, b, ring_a, ring_b, bar, ready
+
+
+@gluon.jit
 def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it, ok, n_m, lo, h0, q_head, do_head):
     """Issue the TMA loads of streamed tile ``it`` (query head h = h0 + it // n_m, query rows m = lo +
     (it % n_m) * BLOCK_M, at [m + h * rows, h * cols] of a descriptor with per-head offsets
@@ -113,15 +131,8 @@ def _sm90_dkdv_kernel(
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(i), count=1)
+    k_smem, v_smem, q_smem, do_smem, kv_bar, ready = _buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
+                                                              NUM_BUF, HEAD_DIM)
 
     # the query tiles that see keys n0 ..: from the one holding row n0 - shift (causal) to T; those that
     # start at or after full_from see every key of the block (no mask)
@@ -234,15 +245,8 @@ def _sm90_dq_kernel(
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
-    qd_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(qd_bar, count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(i), count=1)
+    q_smem, do_smem, k_smem, v_smem, qd_bar, ready = _buffers(q_desc, do_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
+                                                              NUM_BUF, HEAD_DIM)
 
     # row r sees keys [0, row_end_r); the block keys [0, hi); tiles past full_end - BLOCK_N need the mask
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
