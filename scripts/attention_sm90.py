@@ -1,11 +1,17 @@
-"""Hopper forward (kernels/flash_attention/forward_sm90.py) against the portable kernel and SDPA: every
-config's error against a float64 reference at odd shapes, then each config's forward time at the bench
-shapes in CUDA graphs. JSON to $OUT/attention-sm90.json. A config that fails prints FAILED; one that
-hangs (a warp-specialized schedule's barriers) stops the script: run it under ``timeout``."""
+"""Hopper attention kernels in Gluon against the portable kernels and SDPA.
+
+``--parts fwd`` (kernels/flash_attention/forward_sm90.py): every config's error against a float64
+reference at odd shapes, then each config's forward time at the bench shapes in CUDA graphs. A config
+that fails prints FAILED; one that hangs (a warp-specialized schedule's barriers) stops the script: run
+it under ``timeout``. ``--parts bwd`` (backward_sm90.py, the SM90_BWD knob): at the bench shapes (packed
+qkv, as in training), the deterministic backward with the knob off and on (autotuned), each gradient's
+difference between the two over its scale, and the backward and fwd+bwd times in CUDA graphs beside
+SDPA's. JSON to $OUT/attention-sm90.json."""
 
 from __future__ import annotations
 
 import importlib
+import argparse
 import json
 import os
 import sys
@@ -18,9 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tritonllm.bench import reference_ops as ref_ops  # noqa: E402
 from tritonllm.bench.train import host_cpu_model  # noqa: E402
 from tritonllm.kernels._common import next_pow2, tma_scratch  # noqa: E402
+from tritonllm.kernels.flash_attention import flash_attention  # noqa: E402
 
 fa_config = importlib.import_module("tritonllm.kernels.flash_attention.config")
 fa_forward = importlib.import_module("tritonllm.kernels.flash_attention.forward")
+fa_backward = importlib.import_module("tritonllm.kernels.flash_attention.backward")
+bwd_sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
 g = importlib.import_module("tritonllm.kernels.flash_attention.forward_sm90")
 
 
@@ -56,9 +65,59 @@ def inputs(B, Hq, Hkv, T, S, D, packed=False):
             torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16))
 
 
-def main():
-    res = {"gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu_model(), "torch": torch.__version__,
-           "triton": triton.__version__, "errors": [], "times": []}
+#: the bench's attention shapes (B, Hq, Hkv, T, D), causal
+SHAPES = [(16, 12, 12, 1024, 64), (4, 16, 4, 2048, 128), (8, 32, 8, 4096, 128), (1, 32, 8, 16384, 128)]
+
+
+def backward_part(res: dict) -> None:
+    """The deterministic backward with SM90_BWD off and on at SHAPES: gradient differences, times."""
+    res["backward"] = []
+    for B, Hq, Hkv, T, D in SHAPES:
+        q, k, v = inputs(B, Hq, Hkv, T, T, D, packed=True)
+        do = torch.randn_like(q)
+        out, lse = fa_forward.flash_attention_fwd(q, k, v, True)
+        flops = 4 * B * Hq * T * T * D / 2
+        row = {"shape": [B, Hq, Hkv, T, D]}
+        grads = {}
+        for name, knob in (("portable", ()), ("sm90", (64, 128))):
+            fa_config.SM90_BWD = knob
+            try:
+                grads[name] = fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True)  # autotunes
+                bwd_ms = triton.testing.do_bench_cudagraph(
+                    lambda: fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True), rep=200)
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+                def fwd_bwd():
+                    return torch.autograd.grad(flash_attention(qg, kg, vg, causal=True), (qg, kg, vg), do)
+                fwd_bwd()  # the packed backward's own plans (autotuning) before the capture
+                fwd_bwd_ms = triton.testing.do_bench_cudagraph(fwd_bwd, rep=200)
+            except Exception as e:  # noqa: BLE001  (a kernel that fails is a result)
+                row[name] = repr(e)[:300]
+                print("FAILED", name, repr(e)[:300])
+                continue
+            row[name] = {"bwd_ms": round(bwd_ms, 4), "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1),
+                         "fwd_bwd_ms": round(fwd_bwd_ms, 4)}
+        fa_config.SM90_BWD = ()
+        if len(grads) == 2:
+            row["sm90_vs_portable"] = {n: (a.double() - b.double()).abs().max().item() / b.abs().max().item()
+                                       for n, a, b in zip(("dq", "dk", "dv"), grads["sm90"], grads["portable"])}
+            row["sm90_configs"] = {n: str(t.autotuner.best_config) for n, t in
+                                   (("dkdv", bwd_sm90._dkdv_kernel), ("dq", bwd_sm90._dq_kernel))}
+        qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        dos = do.transpose(1, 2)
+
+        def sdpa():
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=Hq != Hkv)
+            return torch.autograd.grad(o, (qs, ks, vs), dos)
+        sdpa()
+        row["sdpa"] = {"fwd_bwd_ms": round(triton.testing.do_bench_cudagraph(sdpa, rep=200), 4)}
+        res["backward"].append(row)
+        print(json.dumps(row), flush=True)
+
+
+def forward_part(res: dict) -> None:
+    """forward_sm90's configs: errors at odd shapes, then forward times at SHAPES."""
+    res["errors"], res["times"] = [], []
     cases = [(2, 4, 2, 1000, 1000, 128, True, True), (1, 4, 1, 777, 1500, 128, False, False),
              (2, 6, 2, 1000, 1000, 64, True, True), (1, 2, 2, 1, 1, 64, True, False),
              (1, 2, 1, 17, 5, 128, True, False), (1, 4, 4, 64, 64, 64, False, False),
@@ -85,8 +144,7 @@ def main():
                    "nan": bool(torch.isnan(o).any().item())}
             res["errors"].append(row)
             print(row)
-    shapes = [(16, 12, 12, 1024, 64), (4, 16, 4, 2048, 128), (8, 32, 8, 4096, 128), (1, 32, 8, 16384, 128)]
-    for B, Hq, Hkv, T, D in shapes:
+    for B, Hq, Hkv, T, D in SHAPES:
         q, k, v = inputs(B, Hq, Hkv, T, T, D, packed=True)
         flops = 4 * B * Hq * T * T * D / 2
         row = {"shape": [B, Hq, Hkv, T, D]}
@@ -105,8 +163,19 @@ def main():
                 row[name] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
         res["times"].append(row)
         print(json.dumps(row))
-    out = os.environ.get("OUT", ".")
-    json.dump(res, open(os.path.join(out, "attention-sm90.json"), "w"), indent=1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="fwd,bwd", help="comma-separated: fwd, bwd")
+    parts = p.parse_args().parts.split(",")
+    res = {"gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu_model(), "torch": torch.__version__,
+           "triton": triton.__version__}
+    out = os.path.join(os.environ.get("OUT", "."), "attention-sm90.json")
+    for part, run in (("fwd", forward_part), ("bwd", backward_part)):
+        if part in parts:
+            run(res)
+            json.dump(res, open(out, "w"), indent=1)  # after each part: a later hang keeps what was measured
 
 
 if __name__ == "__main__":
