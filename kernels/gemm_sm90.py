@@ -3,11 +3,13 @@
 
 One producer warp (``_load_partition``, few registers) streams the A and B tiles of every output tile
 the program owns through a STAGES-deep ring in shared memory (TMA, an mbarrier per slot each way);
-the default partition, two consumer warpgroups splitting a 128-row tile between them as cuBLAS's
-cooperative kernels do, runs the wgmma chain with one product in flight, hands each slot back when
-the product that read it is done, and writes the tile through a TMA store. The producer runs ahead
-into the next tile while the consumers finish this one's epilogue, which the single-stream kernel of
-gemm.py (``FLATTEN``) overlaps only as far as its software pipeline reaches.
+the consumers run the wgmma chain with one product in flight, hand each slot back when the product
+that read it is done, and write the tile through a TMA store. Two schedules (``PINGPONG``, a config
+field): cooperative, two warpgroups splitting a 128-row tile between them (the producer runs ahead into
+the next tile while they finish this one's epilogue); ping-pong, two warpgroups taking the program's
+tiles in turn, one's products running while the other's epilogue does (cuBLAS ships both kinds). The
+single-stream kernel of gemm.py (``FLATTEN``) overlaps the epilogue only as far as its software
+pipeline reaches.
 
 Same layouts as gemm._matmul_kernel: A [M, K] K- or M-contiguous, B [K, N] N- or K-contiguous (x W^T,
 dY W and dY^T x without copies); the same program order (grouped M, :func:`gemm.tile_coords`) and grid
@@ -24,8 +26,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import gemm
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES) the autotuner tries; 8 consumer warps, one producer warp
-CONFIGS = [(128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 5)]
+#: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PINGPONG) the autotuner tries; one producer warp beside the consumers.
+#: PINGPONG False: one consumer partition of 8 warps (two warpgroups splitting each tile's rows); True: two
+#: consumer warpgroups taking the program's tiles in turn, each with its own c_smem slot (cuBLAS's ping-pong
+#: kernels), so that one's epilogue overlaps the other's products
+CONFIGS = [(128, 256, 64, 3, False), (128, 128, 64, 4, False), (128, 128, 64, 5, False), (128, 128, 64, 4, True),
+           (128, 128, 64, 3, True), (64, 256, 64, 4, True)]
 #: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
 LOAD_REGS = gl.constexpr(40)
 
@@ -65,55 +71,79 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, e_ptr, M, N, K, stride_em, stride_en,
-                   HAS_RESIDUAL: gl.constexpr, A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
-                   GROUP_M: gl.constexpr):
+def _mainloop(a_bufs, b_bufs, ready, empty, it, k_steps, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+              A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr):
+    """One output tile's products over the ring slots of iterations it .. it + k_steps, one product in
+    flight, each slot handed back once the product that read it is done; the fp32 tile."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1] if A_K_CONTIGUOUS else a_bufs.type.shape[2]
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    for ki in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        if A_K_CONTIGUOUS:
+            a = a_bufs.index(s)
+        else:
+            a = a_bufs.index(s).permute((1, 0))
+        if B_N_CONTIGUOUS:
+            b = b_bufs.index(s)
+        else:
+            b = b_bufs.index(s).permute((1, 0))
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+        # one product in flight: the one before it is done, so its slot goes back to the producer
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+        it += 1
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+    return acc
+
+
+@gluon.jit
+def _epilogue(acc, c_desc, c_smem, e_ptr, m0, n0, M, N, stride_em, stride_en, HAS_RESIDUAL: gl.constexpr):
+    """The tile (plus the residual) through ``c_smem`` and a TMA store, once the last store from
+    ``c_smem`` has read it."""
+    if HAS_RESIDUAL:
+        rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+        cols = n0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+        e = gl.load(e_ptr + rows.to(gl.int64)[:, None] * stride_em + cols.to(gl.int64)[None, :] * stride_en,
+                    mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
+        acc = acc + e.to(gl.float32)
+    tma.store_wait(0)  # the last tile's store has read c_smem
+    c_smem.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [m0, n0], c_smem)
+
+
+@gluon.jit
+def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+                   A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr):
+    """Consumer C of CONSUMERS. One (cooperative: its warpgroups split each tile's rows): every tile of
+    the program. Two (ping-pong, a warpgroup each): the program's tiles C, C + 2, ..., in its own c_smem
+    slot; each runs a tile's products on its turn (``turn[C]``, consumer 0 first) and hands the turn over
+    before its epilogue, so that one's epilogue runs while the other's products do."""
+    a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, e_ptr, M, N, K, stride_em, stride_en = problem
+    BLOCK_M: gl.constexpr = c_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[2]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2] if A_K_CONTIGUOUS else a_bufs.type.shape[1]
-    NW: gl.constexpr = gl.num_warps()
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-    it = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    start = gl.program_id(0) + C * gl.num_programs(0)
+    seq = C  # the tile's place in the program's sequence, which the producer loads in order
+    for tile in range(start, num_pid_m * num_pid_n, CONSUMERS * gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        for ki in range(k_steps):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if A_K_CONTIGUOUS:
-                a = a_bufs.index(s)
-            else:
-                a = a_bufs.index(s).permute((1, 0))
-            if B_N_CONTIGUOUS:
-                b = b_bufs.index(s)
-            else:
-                b = b_bufs.index(s).permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            # one product in flight: the one before it is done, so its slot goes back to the producer
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
-            it += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
-        if HAS_RESIDUAL:
-            rows = m0 + rm
-            cols = n0 + rn
-            e = gl.load(e_ptr + rows.to(gl.int64)[:, None] * stride_em + cols.to(gl.int64)[None, :] * stride_en,
-                        mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
-            acc = acc + e.to(gl.float32)
-        tma.store_wait(0)  # the last tile's store has read c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [m0, n0], c_smem)
+        if CONSUMERS > 1:
+            mbarrier.wait(turn.index(C), ((seq // CONSUMERS) & 1) ^ (1 - C))
+        acc = _mainloop(a_bufs, b_bufs, ready, empty, seq * k_steps, k_steps, acc_layout, BLOCK_N,
+                        A_K_CONTIGUOUS, B_N_CONTIGUOUS)
+        if CONSUMERS > 1:
+            mbarrier.arrive(turn.index(1 - C), count=1)
+        _epilogue(acc, c_desc, c_smem.index(C), e_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_em,
+                  stride_en, HAS_RESIDUAL)
+        seq += CONSUMERS
     tma.store_wait(0)
 
 
@@ -134,7 +164,7 @@ def ws_matmul_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_gm, stride_em, stride_en,
     HAS_RESIDUAL: gl.constexpr, A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr,
+    GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     if A_K_CONTIGUOUS:
         a_desc, a_bufs = _operand(a_ptr, M, K, stride_am, BLOCK_M, BLOCK_K, STAGES)
@@ -147,18 +177,30 @@ def ws_matmul_kernel(
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                         block_shape=[BLOCK_M, BLOCK_N], layout=layout)
-    c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], layout)
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [CONSUMERS, BLOCK_M, BLOCK_N], layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, e_ptr, M, N, K, stride_em, stride_en,
-                          HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS,
-                           GROUP_M)),
-    ], [1], [LOAD_REGS])
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    problem = (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, e_ptr, M, N, K, stride_em, stride_en)
+    FIRST: gl.constexpr = 0  # consumer indices as constexprs (a literal in the partitions' arguments is not one)
+    SECOND: gl.constexpr = 1
+    if PINGPONG:
+        gl.warp_specialize([
+            (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
+            (_mma_partition, (problem, SECOND, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS,
+                               GROUP_M))], [4, 1], [232, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS,
+                               GROUP_M))], [1], [LOAD_REGS])
 
 
 def applies(args: dict, a_dtype, c_dtype) -> bool:
@@ -171,9 +213,10 @@ def applies(args: dict, a_dtype, c_dtype) -> bool:
 
 
 def configs() -> list[triton.Config]:
-    """:data:`CONFIGS` as autotuner configs (8 consumer warps; the producer warp comes on top)."""
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": st, "GROUP_M": 8},
-                          num_warps=8, num_stages=1) for bm, bn, bk, st in CONFIGS]
+    """:data:`CONFIGS` as autotuner configs (num_warps: the first consumer partition's; the second
+    consumer warpgroup of a ping-pong config and the producer warp come on top)."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": st, "GROUP_M": 8, "PINGPONG": pp},
+                          num_warps=4 if pp else 8, num_stages=1) for bm, bn, bk, st, pp in CONFIGS]
 
 
 #: the flags of gemm._gemm_plan's arguments that this kernel takes

@@ -266,18 +266,22 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "ping-pong"])
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "tile-per-program"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
-def test_gemm_sm90_warp_specialized(layout, residual, persistent, monkeypatch):
-    """gemm_sm90's warp-specialized kernel (the SM90_WS knob, off by default) on ragged sizes (no
-    dimension a multiple of a tile, K shorter than the ring and longer than it), every operand layout,
-    with and without the residual epilogue, both grids: against float64 and the default kernel, and
-    the plan really is the Gluon kernel."""
+def test_gemm_sm90_warp_specialized(layout, residual, persistent, pingpong, monkeypatch):
+    """gemm_sm90's warp-specialized kernel (the SM90_WS knob, off by default; the first config of each
+    schedule) on ragged sizes (no dimension a multiple of a tile, K shorter than the ring and longer than
+    it), every operand layout, with and without the residual epilogue, both grids: against float64 and
+    the default kernel, and the plan really is the Gluon kernel."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
     _, make_a, make_b = layout
     monkeypatch.setattr(gemm_module, "PERSISTENT", persistent)
+    tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").ws_matmul_kernel_tuned
+    monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["PINGPONG"] is pingpong][:1])
+    monkeypatch.setattr(tuned, "cache", {})
     for M, K, N in ((1000, 1512, 2056), (312, 72, 520), (4096, 4096, 4096)):  # 16-byte aligned strides: TMA
         a, b = make_a(M, K, torch.bfloat16), make_b(K, N, torch.bfloat16)
         e = randn(M, N, dtype=torch.bfloat16) if residual else None
