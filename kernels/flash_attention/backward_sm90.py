@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                               warpgroup_mma_wait)
 
 from .._common import autotune, next_pow2, tma_scratch
-from .forward_sm90 import _sm90
+from .forward_sm90 import is_sm90
 from .masks import program_tile
 
 _program_tile = gluon.jit(program_tile.fn)
@@ -346,7 +346,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     """This kernel computes dK and dV of these inputs: 16-bit on an sm90 GPU, head dim 64 or 128, no
     window or documents, q and dO in a layout of :func:`_head_rows`, k and v with 16-byte aligned rows."""
     return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and window is None
-            and documents is None and _sm90(q.device) and _head_rows(q) is not None and _head_rows(do) is not None
+            and documents is None and is_sm90(q.device) and _head_rows(q) is not None and _head_rows(do) is not None
             and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (k, v)))
 
 
