@@ -91,8 +91,10 @@ OURS = {"ours, persistent": (True, False), "ours, one program per tile": (False,
 
 
 def graphed_op(variant: str, K: int, N: int):
-    """A CUDA graph of one linear layer's forward and backward; returns its replay."""
+    """A CUDA graph of one linear layer's forward and backward; returns its replay and the Gluon GEMM's
+    chosen configs (BLOCK_M, BLOCK_N, STAGES, PINGPONG) of its products, if it ran any."""
     gemm_module = importlib.import_module("tritonllm.kernels.gemm")
+    gemm_module._LAUNCH_CONFIGS.clear()  # this op's plans only, below
     gen = torch.Generator(device="cuda").manual_seed(K * N)
     x = torch.randn(TOKENS, K, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5).requires_grad_()
@@ -113,7 +115,8 @@ def graphed_op(variant: str, K: int, N: int):
     with torch.cuda.graph(graph):
         step()
     gemm_module.PERSISTENT, gemm_module.SM90_WS = True, False
-    return graph.replay
+    ws = [plan[0].kwargs for plan in gemm_module._LAUNCH_CONFIGS.values() if plan[0].fn.__name__ == "ws_matmul_kernel"]
+    return graph.replay, [[kw[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "PINGPONG")] for kw in ws]
 
 
 def median_ms(replay, hog: Hog, k: int, hold_ms: float, reps: int) -> float:
@@ -151,7 +154,7 @@ def main() -> None:
         f"{f'k{k} x{f}':>16}" for k in holds if k for f in fractions))
     for name, (K, N) in SHAPES.items():
         for variant in variants:
-            replay = graphed_op(variant, K, N)
+            replay, ws_configs = graphed_op(variant, K, N)
             alone = median_ms(replay, hog, 0, 0.0, args.reps)
             cells = []
             for k in (k for k in holds if k):
@@ -159,10 +162,11 @@ def main() -> None:
                     ms = median_ms(replay, hog, k, frac * alone, args.reps)
                     rows.append({"op": f"linear fwd+bwd {name}", "shape": f"{TOKENS}x{K}x{N}", "variant": variant,
                                  "held_sms": k, "hold_fraction": frac, "ms": round(ms, 4), "alone_ms": round(alone, 4),
-                                 "slowdown": round(ms / alone, 3), "sm_bound": round(sms / (sms - k), 3)})
+                                 "slowdown": round(ms / alone, 3), "sm_bound": round(sms / (sms - k), 3),
+                                 **({"ws_configs": ws_configs} if ws_configs else {})})
                     cells.append(f"{ms:7.3f} ({ms / alone:.2f}x)")
-            print(f"{f'{TOKENS}x{K}x{N}':<18}{variant:<30}{alone:>9.3f}" + "".join(f"{c:>16}" for c in cells),
-                  flush=True)
+            print(f"{f'{TOKENS}x{K}x{N}':<18}{variant:<30}{alone:>9.3f}" + "".join(f"{c:>16}" for c in cells)
+                  + (f"  WS (BLOCK_M, BLOCK_N, STAGES, PINGPONG): {ws_configs}" if ws_configs else ""), flush=True)
     print("bound with the hog throughout: " + ", ".join(f"k{k} {sms / (sms - k):.2f}x" for k in holds if k))
     if os.environ.get("OUT"):
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout
