@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [contention] [train] [trainrun] [finetune] [evolve]
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [sm90] [contention] [train] [trainrun] [finetune] [evolve]
 #        (default: tests bench)
 # contention: scripts/sm_contention.py (CONTENTION_ARGS): our GEMM against cuBLAS with some SMs held
+# sm90: the Gluon kernels' GPU tests (-k sm90: attention forward and backward, the WS GEMM), then
+#   scripts/attention_sm90.py (SM90_PARTS, default fwd,bwd) under SM90_TIMEOUT: a hung barrier stops a part,
+#   not the stage
 # trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
 # train: TRAIN_ARGS e.g. "--compiled --baselines compile" (the model under torch.compile beside eager)
 # finetune: python -m tritonllm.bench finetune (FINETUNE_ARGS; default TinyLlama shape, B4 T2048, rank 16)
@@ -35,6 +38,15 @@ for stage in $stages; do
             timeout ${BENCH_TIMEOUT:-540} python3 -m tritonllm.bench kernels ${ops:+--ops $ops} ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^--" | tail -${TAIL:-80} ;;
         tune)  # scripts/tune_attention.py (TUNE_ARGS, e.g. "--shapes causal64 --kernels fused")
             timeout ${TUNE_TIMEOUT:-300} python3 scripts/tune_attention.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -${TAIL:-80} ;;
+        sm90)
+            timeout -s INT -k 30 ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -n 8 --dist loadfile -k sm90 \
+                tests/test_flash_attention.py tests/test_linear.py -p no:cacheprovider > "$OUT/tests-sm90.log" 2>&1
+            grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-sm90.log" | head -40
+            for part in $(echo ${SM90_PARTS:-fwd,bwd} | tr , ' '); do
+                timeout ${SM90_TIMEOUT:-240} python3 scripts/attention_sm90.py --parts $part > "$OUT/attention-sm90-$part.log" 2>&1
+                echo "attention_sm90 --parts $part: rc $?"; grep -v "^{'case'" "$OUT/attention-sm90-$part.log" | tail -${TAIL:-12}
+                [ -f "$OUT/attention-sm90.json" ] && mv "$OUT/attention-sm90.json" "$OUT/attention-sm90-$part.json"
+            done ;;
         contention)
             timeout ${CONTENTION_TIMEOUT:-240} python3 scripts/sm_contention.py ${CONTENTION_ARGS:-} 2>&1 | tee "$OUT/contention.log" ;;
         train)
