@@ -176,7 +176,8 @@ def attention_bwd_sm90_main(args) -> None:
         fn = tuned.fn
         kernel_args = {n: v for n, v in {**tensors, **matrices, **outputs[name]}.items() if n in fn.arg_names}
         rows = [(f"{name} " + "{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}", c,
-                 backward_sm90.smem(c, D) <= HOPPER_SMEM, backward_sm90.smem(c, D)) for c in tuned.configs]
+                 backward_sm90.smem(c, D, name == "dkdv") <= HOPPER_SMEM, backward_sm90.smem(c, D, name == "dkdv"))
+                for c in tuned.configs]
         report(fn, rows, kernel_args, {"HEAD_DIM": D, "CAUSAL": args.causal})
 
 

@@ -46,6 +46,12 @@ DKDV_CONFIGS = [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3
 DQ_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 
 
+@gluon.constexpr_function
+def _wgmma_layout(num_warps, n):
+    """The register layout of a wgmma result with n columns over ``num_warps`` warps (64 rows a warpgroup)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _descriptors(Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM: gl.constexpr,
@@ -111,7 +117,7 @@ def _sm90_dkdv_kernel(
     T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
-    CAUSAL: gl.constexpr, KEYS_RESIDENT: gl.constexpr,  # True (the configs' tag for the shared-memory estimate)
+    CAUSAL: gl.constexpr,
 ):
     GROUP = HQ // HKV
     n_tiles = gl.cdiv(S, BLOCK_N)
@@ -125,10 +131,8 @@ def _sm90_dkdv_kernel(
         Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_M)
+    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     k_smem, v_smem, q_smem, do_smem, kv_bar, ready = _buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
@@ -224,7 +228,7 @@ def _sm90_dq_kernel(
     T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-    CAUSAL: gl.constexpr, KEYS_RESIDENT: gl.constexpr,  # False (the configs' tag for the shared-memory estimate)
+    CAUSAL: gl.constexpr,
 ):
     """dQ of BLOCK_M query rows of one head: q, dO resident, k and v tiles through a NUM_BUF-deep ring.
     Per key tile: issue S = q k^T and dP = dO v^T; P while dP runs; dS = P (dP - delta); issue dQ += dS k,
@@ -239,10 +243,8 @@ def _sm90_dq_kernel(
         do_cols, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
     dtype: gl.constexpr = q_desc.dtype
     NW: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     q_smem, do_smem, k_smem, v_smem, qd_bar, ready = _buffers(q_desc, do_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
@@ -300,26 +302,26 @@ def _sm90_dq_kernel(
     gl.store(DQ + out, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=(out_rows < T)[:, None])
 
 
-def smem(config: triton.Config, head_dim: int) -> int:
+def smem(config: triton.Config, head_dim: int, keys_resident: bool) -> int:
     """Shared memory of a config in bytes (16-bit elements): the resident tiles (k and v of the dK/dV
-    kernel, BLOCK_N rows; q and dO of the dQ kernel, BLOCK_M rows) and the ring of the streamed ones."""
+    kernel, ``keys_resident``, BLOCK_N rows; q and dO of the dQ kernel, BLOCK_M rows) and the ring of
+    the streamed ones."""
     kw = config.kwargs
-    resident, streamed = (kw["BLOCK_N"], kw["BLOCK_M"]) if kw["KEYS_RESIDENT"] else (kw["BLOCK_M"], kw["BLOCK_N"])
+    resident, streamed = (kw["BLOCK_N"], kw["BLOCK_M"]) if keys_resident else (kw["BLOCK_M"], kw["BLOCK_N"])
     return 2 * head_dim * (2 * resident + 2 * kw["NUM_BUF"] * streamed)
 
 
-def _prune(configs, named_args, **kwargs):
-    """The configs whose tiles fit the shared memory (232,448 bytes a block on an H100 or H200)."""
-    d = {**named_args, **kwargs}["HEAD_DIM"]
-    return [c for c in configs if smem(c, d) <= 227 * 1024] or configs[:1]
-
-
 def _tuned(kernel, configs, keys_resident: bool):
-    """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF) tuples)."""
-    return autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "KEYS_RESIDENT": keys_resident},
-                                   num_warps=w, num_stages=1) for bm, bn, w, nb in configs],
+    """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF) tuples), those whose
+    tiles fit the shared memory (232,448 bytes a block on an H100 or H200) kept."""
+    def prune(configs, named_args, **kwargs):
+        d = {**named_args, **kwargs}["HEAD_DIM"]
+        return [c for c in configs if smem(c, d, keys_resident) <= 227 * 1024] or configs[:1]
+
+    return autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb}, num_warps=w, num_stages=1)
+                     for bm, bn, w, nb in configs],
                     key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
-                    prune_configs_by={"early_config_prune": _prune})(kernel)
+                    prune_configs_by={"early_config_prune": prune})(kernel)
 
 
 _dkdv_kernel = _tuned(_sm90_dkdv_kernel, DKDV_CONFIGS, True)
