@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                               warpgroup_mma_wait)
 
 from .._common import autotune, next_pow2, tma_scratch
-from .forward_sm90 import is_sm90
+from .forward_sm90 import is_sm90, wgmma_layout
 from .masks import program_tile
 
 _program_tile = gluon.jit(program_tile.fn)
@@ -44,12 +44,6 @@ _program_tile = gluon.jit(program_tile.fn)
 #: ring; dQ: BLOCK_M queries a program, k and v tiles of BLOCK_N keys through the ring
 DKDV_CONFIGS = [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)]
 DQ_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
-
-
-@gluon.constexpr_function
-def _wgmma_layout(num_warps, n):
-    """The register layout of a wgmma result with n columns over ``num_warps`` warps (64 rows a warpgroup)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -131,8 +125,8 @@ def _sm90_dkdv_kernel(
         Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_M)
-    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
+    s_layout: gl.constexpr = wgmma_layout(NW, BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     k_smem, v_smem, q_smem, do_smem, kv_bar, ready = _buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
@@ -243,8 +237,8 @@ def _sm90_dq_kernel(
         do_cols, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
     dtype: gl.constexpr = q_desc.dtype
     NW: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
-    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
+    s_layout: gl.constexpr = wgmma_layout(NW, BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     q_smem, do_smem, k_smem, v_smem, qd_bar, ready = _buffers(q_desc, do_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,

@@ -51,6 +51,12 @@ _program_tile = gluon.jit(program_tile.fn)
 CONFIGS = [(128, 128, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 128, 8, 3, False)]
 
 
+@gluon.constexpr_function
+def wgmma_layout(num_warps, n):
+    """The register layout of a wgmma result with n columns over ``num_warps`` warps (64 rows a warpgroup)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _bounds(m0, ROWS: gl.constexpr, T, S, shift, layout: gl.constexpr, CAUSAL: gl.constexpr):
     """For query rows m0 .. m0 + ROWS (``layout``: the scores' row slice): ``(rows, row_end, hi,
@@ -73,10 +79,8 @@ def _bounds(m0, ROWS: gl.constexpr, T, S, shift, layout: gl.constexpr, CAUSAL: g
 def _start(ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr):
     """A consumer's loop state in the wgmma layouts of NW warps: ``(s_zero, acc, m, l, cols0)``; a row
     starts at a finite max, so that one whose first tiles are all masked gets p = 0 and alpha = 1."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(NW, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(NW, HEAD_DIM)
     return (gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout),
             gl.full([ROWS], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout)),
             gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout)),
