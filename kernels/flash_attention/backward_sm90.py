@@ -20,7 +20,7 @@ dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads an
 sum dS k, each in a fixed order: no atomics, so the backward stays bitwise reproducible. Only 16-bit q,
 k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO with each
 token's heads side by side or each head's tokens in a row (a head is then a column or a row block of one
-descriptor per batch entry: :func:`_head_rows`; :func:`supported`); ``config.SM90_BWD`` names the head
+descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD`` names the head
 dims they run.
 """
 
@@ -338,43 +338,42 @@ def _head_rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
     return None
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, window, documents) -> bool:
-    """This kernel computes dK and dV of these inputs: 16-bit on an sm90 GPU, head dim 64 or 128, no
-    window or documents, q and dO in a layout of :func:`_head_rows`, k and v with 16-byte aligned rows."""
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and window is None
-            and documents is None and is_sm90(q.device) and _head_rows(q) is not None and _head_rows(do) is not None
-            and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (k, v)))
-
-
-def _common_args(q, k, v, do) -> tuple:
-    """The runtime arguments both kernels take after their outputs' strides, from q's and dO's matrices on."""
+def matrix_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, window, documents) -> tuple | None:
+    """The runtime arguments both kernels take after their outputs' pointers, from q's and dO's TMA
+    matrices (:func:`_head_rows`) to v's strides; None where the kernels do not apply: they need 16-bit
+    inputs on an sm90 GPU, head dim 64 or 128, no window or documents, q and dO in a layout of
+    :func:`_head_rows`, k and v with 16-byte aligned rows."""
+    if not (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and window is None
+            and documents is None and is_sm90(q.device)
+            and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (k, v))):
+        return None
     q_head, do_head = _head_rows(q), _head_rows(do)
-    assert q_head is not None and do_head is not None, "launch only what supported() accepts"
+    if q_head is None or do_head is None:
+        return None
     return (q.stride(0), q.stride(1), *q_head, do.stride(0), do.stride(1), *do_head, *k.stride()[:3],
             *v.stride()[:3])
 
 
-def launch_dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, qk_scale: float, group_programs: int,
-                key) -> None:
+def launch_dkdv(q, k, v, do, lse2, delta, dk, dv, args: tuple, causal: bool, scale: float, qk_scale: float,
+                group_programs: int, key) -> None:
     """dK and dV into ``dk`` and ``dv`` [B, S, Hkv, D] (equal strides) from the preprocess kernel's ``lse2``
-    and ``delta`` [B, Hq, pitch]; ``key`` determines the shapes, strides and flags (the launch plan's key,
-    see :meth:`_common._Autotuned.launch`)."""
+    and ``delta`` [B, Hq, pitch]; ``args``: :func:`matrix_args` of the inputs; ``key`` determines the
+    shapes, strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
-    _dkdv_kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, *_common_args(q, k, v, do),
-                        *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs,
+    _dkdv_kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, *args, *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs,
                         next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
 
 
-def launch_dq(q, k, v, do, lse2, delta, dq, causal: bool, scale: float, qk_scale: float, group_programs: int,
-              key) -> None:
+def launch_dq(q, k, v, do, lse2, delta, dq, args: tuple, causal: bool, scale: float, qk_scale: float,
+              group_programs: int, key) -> None:
     """dQ into ``dq`` [B, T, Hq, D]; the rest as :func:`launch_dkdv`."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,)  # noqa: E731
     triton.set_allocator(tma_scratch)
-    _dq_kernel.launch(key, grid, q, k, v, do, lse2, delta, dq, *_common_args(q, k, v, do), *dq.stride()[:3],
+    _dq_kernel.launch(key, grid, q, k, v, do, lse2, delta, dq, *args, *dq.stride()[:3],
                       T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs, next_pow2(T),
                       next_pow2(S), HEAD_DIM=D, CAUSAL=causal)

@@ -74,7 +74,7 @@ GROUP_WAVES: dict[str, float | None] = {"fwd": 2, "dkdv": None, "dq": 2}
 #: 0.102 ms): D64 stays portable.
 SM90_FWD: tuple[int, ...] = (128,)
 #: the head dims at which the deterministic backward runs backward_sm90's Gluon dK/dV and dQ kernels on Hopper
-#: (wherever they apply, :func:`backward_sm90.supported`); ``()``: the portable kernels.
+#: (wherever they apply, :func:`backward_sm90.matrix_args`); ``()``: the portable kernels.
 #: Off until measured: compiled offline for sm_90 (Triton 3.6), not yet run on a GPU (docs/perf/NOTES.md).
 SM90_BWD: tuple[int, ...] = ()
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
