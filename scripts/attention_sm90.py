@@ -4,9 +4,9 @@
 reference at odd shapes, then each config's forward time at the bench shapes in CUDA graphs. A config
 that fails prints FAILED; one that hangs (a warp-specialized schedule's barriers) stops the script: run
 it under ``timeout``. ``--parts bwd`` (backward_sm90.py, the SM90_BWD knob): at the bench shapes (packed
-qkv, as in training), the deterministic backward with the knob off and on (autotuned), each gradient's
-difference between the two over its scale, and the backward and fwd+bwd times in CUDA graphs beside
-SDPA's. JSON to $OUT/attention-sm90.json."""
+qkv, as in training), each gradient kernel of the deterministic backward alone, portable and with each
+Gluon config (its largest difference to the portable gradients: 0.0 is bitwise equal), then the whole
+backward and fwd+bwd with the knob off and on (autotuned), in CUDA graphs beside SDPA's. JSON to $OUT/attention-sm90.json."""
 
 from __future__ import annotations
 
@@ -70,19 +70,50 @@ SHAPES = [(16, 12, 12, 1024, 64), (4, 16, 4, 2048, 128), (8, 32, 8, 4096, 128), 
 
 
 def backward_part(res: dict) -> None:
-    """The deterministic backward with SM90_BWD off and on at SHAPES: gradient differences, times."""
+    """The deterministic backward at SHAPES: each gradient kernel (dK/dV, dQ) alone, portable and each
+    Gluon config, with its largest gradient difference to the portable kernel's; then the whole backward
+    and fwd+bwd, portable and with both Gluon kernels autotuned, beside SDPA's fwd+bwd."""
     res["backward"] = []
+    kernels = {"dkdv": bwd_sm90._dkdv_kernel, "dq": bwd_sm90._dq_kernel}
+    all_configs = {name: list(t.configs) for name, t in kernels.items()}
+    off = {"dkdv": (), "dq": ()}
     for B, Hq, Hkv, T, D in SHAPES:
         q, k, v = inputs(B, Hq, Hkv, T, T, D, packed=True)
         do = torch.randn_like(q)
         out, lse = fa_forward.flash_attention_fwd(q, k, v, True)
         flops = 4 * B * Hq * T * T * D / 2
-        row = {"shape": [B, Hq, Hkv, T, D]}
-        grads = {}
-        for name, knob in (("portable", ()), ("sm90", (64, 128))):
+        row = {"shape": [B, Hq, Hkv, T, D], "kernels": {}}
+
+        def one_kernel(name):
+            """ms of the gradient kernel ``name`` alone (CUDA graph) and its outputs."""
+            bwd = fa_backward.AttentionBackward(do, q, k, v, out, lse, True, None, None)
+            grads = [torch.empty_like(t) for t in ((q,) if name == "dq" else (k, v))]
+            fn = (lambda: bwd.dq(*grads)) if name == "dq" else (lambda: bwd.dkdv(*grads))
+            fn()
+            return triton.testing.do_bench_cudagraph(fn, rep=200), grads
+
+        for name, tuned in kernels.items():
+            fa_config.SM90_BWD = off
+            ms, want = one_kernel(name)
+            times = {"portable": round(ms, 4)}
+            for cfg in all_configs[name]:
+                fa_config.SM90_BWD = {**off, name: (D,)}
+                tuned.configs = [cfg]
+                label = "sm90 {BLOCK_M}x{BLOCK_N} w{w} buf{NUM_BUF}".format(w=cfg.num_warps, **cfg.kwargs)
+                try:
+                    ms, got = one_kernel(name)
+                except Exception as e:  # noqa: BLE001  (a config that fails is a result)
+                    times[label] = repr(e)[:200]
+                    continue
+                diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(got, want))
+                times[label] = {"ms": round(ms, 4), "max_diff": diff}
+            tuned.configs = all_configs[name]
+            row["kernels"][name] = times
+        fa_config.SM90_BWD = off
+        for variant, knob in (("portable", off), ("sm90", {"dkdv": (D,), "dq": (D,)})):
             fa_config.SM90_BWD = knob
             try:
-                grads[name] = fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True)  # autotunes
+                fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True)  # autotunes
                 bwd_ms = triton.testing.do_bench_cudagraph(
                     lambda: fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True), rep=200)
                 qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
@@ -91,18 +122,14 @@ def backward_part(res: dict) -> None:
                     return torch.autograd.grad(flash_attention(qg, kg, vg, causal=True), (qg, kg, vg), do)
                 fwd_bwd()  # the packed backward's own plans (autotuning) before the capture
                 fwd_bwd_ms = triton.testing.do_bench_cudagraph(fwd_bwd, rep=200)
-            except Exception as e:  # noqa: BLE001  (a kernel that fails is a result)
-                row[name] = repr(e)[:300]
-                print("FAILED", name, repr(e)[:300])
+            except Exception as e:  # noqa: BLE001
+                row[variant] = repr(e)[:300]
+                print("FAILED", variant, repr(e)[:300])
                 continue
-            row[name] = {"bwd_ms": round(bwd_ms, 4), "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1),
-                         "fwd_bwd_ms": round(fwd_bwd_ms, 4)}
-        fa_config.SM90_BWD = ()
-        if len(grads) == 2:
-            row["sm90_vs_portable"] = {n: (a.double() - b.double()).abs().max().item() / b.abs().max().item()
-                                       for n, a, b in zip(("dq", "dk", "dv"), grads["sm90"], grads["portable"])}
-            row["sm90_configs"] = {n: str(t.autotuner.best_config) for n, t in
-                                   (("dkdv", bwd_sm90._dkdv_kernel), ("dq", bwd_sm90._dq_kernel))}
+            row[variant] = {"bwd_ms": round(bwd_ms, 4), "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1),
+                            "fwd_bwd_ms": round(fwd_bwd_ms, 4)}
+        row["sm90_configs"] = {n: str(t.autotuner.best_config) for n, t in kernels.items()}
+        fa_config.SM90_BWD = off
         qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
         dos = do.transpose(1, 2)
 

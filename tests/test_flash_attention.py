@@ -436,7 +436,7 @@ def test_flash_attention_sm90_backward(case, config, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is for sm90 (H100, H200)")
     sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
-    monkeypatch.setattr(fa_config, "SM90_BWD", (64, 128))
+    monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (64, 128), "dq": (64, 128)})
     for tuned in (sm90._dkdv_kernel, sm90._dq_kernel):
         monkeypatch.setattr(tuned, "configs", [tuned.configs[config]])
     _check_fwd_bwd(case, torch.bfloat16)
@@ -449,11 +449,11 @@ def test_flash_attention_sm90_backward(case, config, monkeypatch):
         do = randn(case.B, case.T, case.Hq, case.D, dtype=torch.bfloat16)
         assert sm90.matrix_args(q, k, v, do, None, None) is not None
         out, lse = flash_attention_fwd(q, k, v, case.causal)
-        monkeypatch.setattr(fa_config, "SM90_BWD", (64, 128))
+        monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (64, 128), "dq": (64, 128)})
         grads = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
         again = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
         assert all(torch.equal(a, b) for a, b in zip(grads, again))
-        monkeypatch.setattr(fa_config, "SM90_BWD", ())
+        monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (), "dq": ()})
         ref = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
             assert_close(name, got, want.double())

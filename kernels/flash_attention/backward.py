@@ -388,9 +388,11 @@ class AttentionBackward:
         self.common = (*strides(q), *strides(k), *strides(v), *do_strides, T, S, Hq, pitch)
         self.scales = (S - T, window or 0, scale * LOG2E, scale, next_pow2(T), next_pow2(S), docs_arg(documents))
         self.flags["HAS_DOCS"] = documents is not None
-        #: the arguments of backward_sm90's kernels where they run the deterministic gradients (the SM90_BWD knob)
-        self.sm90 = (backward_sm90.matrix_args(q, k, v, do, window, documents)
-                     if not self.fused and D in config.SM90_BWD else None)
+        #: the gradient kernels ("dkdv", "dq") that run backward_sm90's Gluon kernel here (the SM90_BWD knob),
+        #: each with the arguments both take
+        gluon = [] if self.fused else [name for name, dims in config.SM90_BWD.items() if D in dims]
+        args = backward_sm90.matrix_args(q, k, v, do, window, documents) if gluon else None
+        self.sm90 = dict.fromkeys(gluon, args) if args is not None else {}
         #: what, besides the streamed tensors' alignment (USE_TMA), fixes the gradient kernels' plans
         self.key = (B, D, Hkv, self.common, causal, window, q.dtype, documents is None)
 
@@ -403,8 +405,8 @@ class AttentionBackward:
     def dkdv(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         q, k, v, do = self.q, self.k, self.v, self.do
         B, S, Hkv, _ = k.shape
-        if self.sm90 is not None:
-            backward_sm90.launch_dkdv(q, k, v, do, self.lse2, self.delta, dk, dv, self.sm90, self.flags["CAUSAL"],
+        if "dkdv" in self.sm90:
+            backward_sm90.launch_dkdv(q, k, v, do, self.lse2, self.delta, dk, dv, self.sm90["dkdv"], self.flags["CAUSAL"],
                                       self.scale, self.scales[2], group_programs("dkdv"), (self.key, dk.stride(), "sm90"))
             return
         stream = stream_flags("dkdv", self.window, q, do)
@@ -426,8 +428,8 @@ class AttentionBackward:
                 num_warps=1 if interpreting() else 4))
             finalize(self.dq_acc, dq, *strides(dq), T, Hq, self.scale)
             return
-        if self.sm90 is not None:
-            backward_sm90.launch_dq(q, k, v, do, self.lse2, self.delta, dq, self.sm90, self.flags["CAUSAL"],
+        if "dq" in self.sm90:
+            backward_sm90.launch_dq(q, k, v, do, self.lse2, self.delta, dq, self.sm90["dq"], self.flags["CAUSAL"],
                                     self.scale, self.scales[2], group_programs("dq"), (self.key, dq.stride(), "sm90"))
             return
         stream = stream_flags("dq", self.window, k, v)

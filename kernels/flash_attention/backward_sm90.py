@@ -20,8 +20,8 @@ dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads an
 sum dS k, each in a fixed order: no atomics, so the backward stays bitwise reproducible. Only 16-bit q,
 k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO with each
 token's heads side by side or each head's tokens in a row (a head is then a column or a row block of one
-descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD`` names the head
-dims they run.
+descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD`` names, per
+kernel, the head dims it runs at.
 """
 
 from __future__ import annotations

@@ -73,10 +73,12 @@ GROUP_WAVES: dict[str, float | None] = {"fwd": 2, "dkdv": None, "dq": 2}
 #: (0.174 / 0.186; cuDNN 0.157); at B16 Hq12 T1024 D64 every Gluon config was slower (best 0.113 against
 #: 0.102 ms): D64 stays portable.
 SM90_FWD: tuple[int, ...] = (128,)
-#: the head dims at which the deterministic backward runs backward_sm90's Gluon dK/dV and dQ kernels on Hopper
-#: (wherever they apply, :func:`backward_sm90.matrix_args`); ``()``: the portable kernels.
-#: Off until measured: compiled offline for sm_90 (Triton 3.6), not yet run on a GPU (docs/perf/NOTES.md).
-SM90_BWD: tuple[int, ...] = ()
+#: per gradient kernel of the deterministic backward ("dkdv", "dq"), the head dims at which it runs
+#: backward_sm90's Gluon kernel on Hopper (wherever they apply, :func:`backward_sm90.matrix_args`);
+#: ``()``: the portable kernel. Off: on an H100 both Gluon kernels together (correct, bitwise the portable
+#: gradients) ran the backward at 0.81x the portable kernels at B8 Hq32/Hkv8 T4096 and B1 T16384 D128,
+#: 0.84x at B4 Hq16/Hkv4 T2048 D128, 0.92x at B16 Hq12 T1024 D64 (docs/perf/attention-sm90-h100.json).
+SM90_BWD: dict[str, tuple[int, ...]] = {"dkdv": (), "dq": ()}
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
 #: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
 #: Forward: q tile resident, k/v tiles pipelined (Hopper: M 64 per warpgroup, so BLOCK_M 128 = 8 warps).
