@@ -107,8 +107,9 @@ def test_lora_checkpoint_generates_with_its_adapters(lora_run, tmp_path, monkeyp
     idx = torch.tensor([prompt_ids(tok, PROMPT, chat=True)], device=DEVICE)
     with torch.no_grad():
         assert (model(idx) - base(idx)).abs().max() > 1e-2  # the adapters change the model
+    # the CLI prints the adapted model's text (its loader is the one checked above; the base model's greedy
+    # tokens may coincide with the adapted model's on random weights, so they are not compared)
     tuned = generate_text(model, tok, PROMPT, 6, temperature=0.0, chat=True)
-    assert tuned != generate_text(base, tok, PROMPT, 6, temperature=0.0, chat=True)
     assert cli([f"ckpt={out}", f"prompt={PROMPT}", "chat=true", "temperature=0", "max_new_tokens=6"],
                tmp_path, monkeypatch, capsys) == tuned + "\n"
     with torch.no_grad():  # B = 0: the base model again
