@@ -100,6 +100,15 @@ def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it, ok, n_m, lo, h0, q_h
 
 
 @gluon.jit
+def _row_stats(LSE2, DELTA, bh, stat_pitch, rows, T, ok):
+    """lse2 and delta of query ``rows`` of the (batch, head) row ``bh`` of the preprocess kernel's
+    statistics; rows past T, or all where not ``ok``: lse2 = +inf (so p = 0) and delta = 0."""
+    keep = (rows < T) & ok
+    stat = bh * stat_pitch + rows
+    return (gl.load(LSE2 + stat, mask=keep, other=float("inf")), gl.load(DELTA + stat, mask=keep, other=0.0))
+
+
+@gluon.jit
 def _sm90_dkdv_kernel(
     Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: 16-byte aligned rows (see _head_rows)
     LSE2, DELTA,                # [B, Hq, T(pitch)] fp32 from the preprocess kernel (lse2 +inf: a row saw no key)
@@ -160,15 +169,14 @@ def _sm90_dkdv_kernel(
     ds16 = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
     keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    # the first tile's row statistics; each tile loads the next one's after issuing its last product, so
+    # that the loads' latency passes under that product and the next tile's first two
+    lse2, delta = _row_stats(LSE2, DELTA, b * HQ + h0, stat_pitch, lo + offs_m, T, n_iter > 0)
     mbarrier.wait(kv_bar, 0)
 
     for it in range(n_iter):
         start_m = lo + (it % n_m) * BLOCK_M
-        h = h0 + it // n_m
         rows = start_m + offs_m
-        stat = (b * HQ + h) * stat_pitch + rows
-        lse2 = gl.load(LSE2 + stat, mask=rows < T, other=float("inf"))  # rows past T: p = 0
-        delta = gl.load(DELTA + stat, mask=rows < T, other=0.0)
         s = it % NUM_BUF
         mbarrier.wait(ready.index(s), (it // NUM_BUF) & 1)
         st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -187,6 +195,8 @@ def _sm90_dkdv_kernel(
         dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
         ds16 = gl.convert_layout((p * (dpt - delta[None, :])).to(dtype), op_layout)
         dk = warpgroup_mma(ds16, q_smem.index(s), dk_r, is_async=True)
+        lse2, delta = _row_stats(LSE2, DELTA, b * HQ + h0 + (it + 1) // n_m, stat_pitch,
+                                 lo + ((it + 1) % n_m) * BLOCK_M + offs_m, T, it + 1 < n_iter)
 
     dv, dk, p16, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, p16, ds16))
     mbarrier.invalidate(kv_bar)
