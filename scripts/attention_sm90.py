@@ -99,7 +99,8 @@ def backward_part(res: dict) -> None:
             for cfg in all_configs[name]:
                 fa_config.SM90_BWD = {**off, name: (D,)}
                 tuned.configs = [cfg]
-                label = "sm90 {BLOCK_M}x{BLOCK_N} w{w} buf{NUM_BUF}".format(w=cfg.num_warps, **cfg.kwargs)
+                label = ("sm90 {BLOCK_M}x{BLOCK_N} w{w} buf{NUM_BUF}".format(w=cfg.num_warps, **cfg.kwargs)
+                         + (" dv_wait" if cfg.kwargs.get("DV_WAIT") else ""))
                 try:
                     ms, got = one_kernel(name)
                 except Exception as e:  # noqa: BLE001  (a config that fails is a result)

@@ -175,7 +175,8 @@ def attention_bwd_sm90_main(args) -> None:
     for name, tuned in (("dkdv", backward_sm90._dkdv_kernel), ("dq", backward_sm90._dq_kernel)):
         fn = tuned.fn
         kernel_args = {n: v for n, v in {**tensors, **matrices, **outputs[name]}.items() if n in fn.arg_names}
-        rows = [(f"{name} " + "{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}", c,
+        rows = [(f"{name} " + "{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}"
+                 + (" dv_wait" if c.kwargs.get("DV_WAIT") else ""), c,
                  backward_sm90.smem(c, D, name == "dkdv") <= HOPPER_SMEM, backward_sm90.smem(c, D, name == "dkdv"))
                 for c in tuned.configs]
         report(fn, rows, kernel_args, {"HEAD_DIM": D, "CAUSAL": args.causal})

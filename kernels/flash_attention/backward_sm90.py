@@ -39,10 +39,12 @@ from .masks import program_tile
 
 _program_tile = gluon.jit(program_tile.fn)
 
-#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF) the autotuners try, the first one pinned (TRITONLLM_NO_AUTOTUNE=1).
-#: dK/dV: BLOCK_N keys a program (64 a warpgroup), q and dO tiles of BLOCK_M queries through a NUM_BUF-deep
-#: ring; dQ: BLOCK_M queries a program, k and v tiles of BLOCK_N keys through the ring
-DKDV_CONFIGS = [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)]
+#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF[, DV_WAIT]) the autotuners try, the first one pinned
+#: (TRITONLLM_NO_AUTOTUNE=1). dK/dV: BLOCK_N keys a program (64 a warpgroup), q and dO tiles of BLOCK_M
+#: queries through a NUM_BUF-deep ring; DV_WAIT: see the kernel. dQ: BLOCK_M queries a program, k and v
+#: tiles of BLOCK_N keys through the ring. Offline sm_90 compile at D128, causal: 32x128 228 registers
+#: with DV_WAIT, 235 without, no spills; 64x128 spills 72-88 bytes with DV_WAIT, 188-228 without.
+DKDV_CONFIGS = [(32, 128, 8, 3, False), (64, 128, 8, 3, True), (32, 128, 8, 3, True), (64, 128, 8, 2, True)]
 DQ_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 
 
@@ -120,6 +122,7 @@ def _sm90_dkdv_kernel(
     T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
+    DV_WAIT: gl.constexpr,      # wait for a tile's dV product before its dS: P's registers freed, less overlap
     CAUSAL: gl.constexpr,
 ):
     GROUP = HQ // HKV
@@ -164,7 +167,8 @@ def _sm90_dkdv_kernel(
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
-    # the register operands of the last tile's dV and dK products, kept alive until those are done
+    # the register operands of the last tile's dV and dK products, kept alive until those are done (P's
+    # only into the next tile without DV_WAIT)
     p16 = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
     ds16 = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
     keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -182,7 +186,10 @@ def _sm90_dkdv_kernel(
         st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # S^T done, and with it the last tile's dV and dK (issued before): its ring slot is free again
-        st, dv_r, dk_r, p16, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, p16, ds16))
+        if DV_WAIT:  # the last tile's dV product was waited for in that tile: P's registers are free
+            st, dv_r, dk_r, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, ds16))
+        else:
+            st, dv_r, dk_r, p16, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, p16, ds16))
         nxt = it - 1 + NUM_BUF
         _load_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt, (it > 0) & (nxt < n_iter), n_m, lo, h0, q_head,
                    do_head)
@@ -192,13 +199,19 @@ def _sm90_dkdv_kernel(
                 p = gl.where(keys[:, None] <= rows[None, :] + shift, p, 0.0)
         p16 = gl.convert_layout(p.to(dtype), op_layout)
         dv = warpgroup_mma(p16, do_smem.index(s), dv_r, is_async=True)
-        dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
+        if DV_WAIT:
+            dpt, dv_done, p16_done = warpgroup_mma_wait(0, deps=(dpt_tok, dv, p16))
+        else:
+            dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
         ds16 = gl.convert_layout((p * (dpt - delta[None, :])).to(dtype), op_layout)
         dk = warpgroup_mma(ds16, q_smem.index(s), dk_r, is_async=True)
         lse2, delta = _row_stats(LSE2, DELTA, b * HQ + h0 + (it + 1) // n_m, stat_pitch,
                                  lo + ((it + 1) % n_m) * BLOCK_M + offs_m, T, it + 1 < n_iter)
 
-    dv, dk, p16, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, p16, ds16))
+    if DV_WAIT:
+        dv, dk, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, ds16))
+    else:
+        dv, dk, p16, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, p16, ds16))
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(i))
@@ -315,20 +328,21 @@ def smem(config: triton.Config, head_dim: int, keys_resident: bool) -> int:
     return 2 * head_dim * (2 * resident + 2 * kw["NUM_BUF"] * streamed)
 
 
-def _tuned(kernel, configs, keys_resident: bool):
-    """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF) tuples), those whose
-    tiles fit the shared memory (232,448 bytes a block on an H100 or H200) kept."""
+def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = ()):
+    """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF, *values of the
+    constexprs ``flags``) tuples), those whose tiles fit the shared memory (232,448 bytes a block on an
+    H100 or H200) kept."""
     def prune(configs, named_args, **kwargs):
         d = {**named_args, **kwargs}["HEAD_DIM"]
         return [c for c in configs if smem(c, d, keys_resident) <= 227 * 1024] or configs[:1]
 
-    return autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb}, num_warps=w, num_stages=1)
-                     for bm, bn, w, nb in configs],
+    return autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, **dict(zip(flags, rest))},
+                                   num_warps=w, num_stages=1) for bm, bn, w, nb, *rest in configs],
                     key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
                     prune_configs_by={"early_config_prune": prune})(kernel)
 
 
-_dkdv_kernel = _tuned(_sm90_dkdv_kernel, DKDV_CONFIGS, True)
+_dkdv_kernel = _tuned(_sm90_dkdv_kernel, DKDV_CONFIGS, True, ("DV_WAIT",))
 _dq_kernel = _tuned(_sm90_dq_kernel, DQ_CONFIGS, False)
 
 
