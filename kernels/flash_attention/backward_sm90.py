@@ -42,9 +42,11 @@ _program_tile = gluon.jit(program_tile.fn)
 #: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF[, DV_WAIT]) the autotuners try, the first one pinned
 #: (TRITONLLM_NO_AUTOTUNE=1). dK/dV: BLOCK_N keys a program (64 a warpgroup), q and dO tiles of BLOCK_M
 #: queries through a NUM_BUF-deep ring; DV_WAIT: see the kernel. dQ: BLOCK_M queries a program, k and v
-#: tiles of BLOCK_N keys through the ring. Offline sm_90 compile at D128, causal: 32x128 228 registers
-#: with DV_WAIT, 235 without, no spills; 64x128 spills 72-88 bytes with DV_WAIT, 188-228 without.
-DKDV_CONFIGS = [(32, 128, 8, 3, False), (64, 128, 8, 3, True), (32, 128, 8, 3, True), (64, 128, 8, 2, True)]
+#: tiles of BLOCK_N keys through the ring. Offline sm_90 compile at D128, causal: 32x128 227 registers, no
+#: spills; with DV_WAIT 64x128 spills 20 (b3) and 40 (b2) bytes, 188-228 without; 64x64 w4 b2 (98 KB of
+#: shared memory and 255 registers: two programs an SM) 16 bytes. H100, B8 Hq32/Hkv8 T4096 D128, before
+#: delta moved out of the prefetch: 32x128 5.48 ms, 64x128 b2 DV_WAIT 5.18, portable dK/dV 4.43.
+DKDV_CONFIGS = [(32, 128, 8, 3, False), (64, 128, 8, 3, True), (64, 64, 4, 2, True), (64, 128, 8, 2, True)]
 DQ_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 
 
@@ -99,15 +101,6 @@ def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it, ok, n_m, lo, h0, q_h
                                     pred=ok)
     tma.async_copy_global_to_shared(do_desc, [m + h * do_head[0], h * do_head[1]], ready.index(s), do_smem.index(s),
                                     pred=ok)
-
-
-@gluon.jit
-def _row_stats(LSE2, DELTA, bh, stat_pitch, rows, T, ok):
-    """lse2 and delta of query ``rows`` of the (batch, head) row ``bh`` of the preprocess kernel's
-    statistics; rows past T, or all where not ``ok``: lse2 = +inf (so p = 0) and delta = 0."""
-    keep = (rows < T) & ok
-    stat = bh * stat_pitch + rows
-    return (gl.load(LSE2 + stat, mask=keep, other=float("inf")), gl.load(DELTA + stat, mask=keep, other=0.0))
 
 
 @gluon.jit
@@ -173,9 +166,10 @@ def _sm90_dkdv_kernel(
     ds16 = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
     keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    # the first tile's row statistics; each tile loads the next one's after issuing its last product, so
-    # that the loads' latency passes under that product and the next tile's first two
-    lse2, delta = _row_stats(LSE2, DELTA, b * HQ + h0, stat_pitch, lo + offs_m, T, n_iter > 0)
+    # the first tile's lse2 (rows past T: +inf, so p = 0); each tile loads the next one's after issuing its
+    # last product, so that the load's latency passes under that product and the next tile's first two
+    lse2 = gl.load(LSE2 + (b * HQ + h0) * stat_pitch + lo + offs_m, mask=(lo + offs_m < T) & (n_iter > 0),
+                   other=float("inf"))
     mbarrier.wait(kv_bar, 0)
 
     for it in range(n_iter):
@@ -193,6 +187,9 @@ def _sm90_dkdv_kernel(
         nxt = it - 1 + NUM_BUF
         _load_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt, (it > 0) & (nxt < n_iter), n_m, lo, h0, q_head,
                    do_head)
+        # delta, first needed after dP^T: loaded here, not with lse2, which would keep it in registers
+        # through the loop's end (spills at 64x128)
+        delta = gl.load(DELTA + (b * HQ + h0 + it // n_m) * stat_pitch + rows, mask=rows < T, other=0.0)
         p = gl.exp2(st * qk_scale - lse2[None, :])
         if CAUSAL:
             if start_m < full_from:
@@ -205,8 +202,9 @@ def _sm90_dkdv_kernel(
             dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
         ds16 = gl.convert_layout((p * (dpt - delta[None, :])).to(dtype), op_layout)
         dk = warpgroup_mma(ds16, q_smem.index(s), dk_r, is_async=True)
-        lse2, delta = _row_stats(LSE2, DELTA, b * HQ + h0 + (it + 1) // n_m, stat_pitch,
-                                 lo + ((it + 1) % n_m) * BLOCK_M + offs_m, T, it + 1 < n_iter)
+        rows_next = lo + ((it + 1) % n_m) * BLOCK_M + offs_m
+        lse2 = gl.load(LSE2 + (b * HQ + h0 + (it + 1) // n_m) * stat_pitch + rows_next,
+                       mask=(rows_next < T) & (it + 1 < n_iter), other=float("inf"))
 
     if DV_WAIT:
         dv, dk, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, ds16))
