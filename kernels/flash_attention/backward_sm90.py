@@ -10,8 +10,10 @@ scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
     issue S^T = k q^T, dP^T = v dO^T                   (async; retires the last tile's dV, dK products)
     wait S^T; P^T = exp2(S^T * scale * log2 e - lse2); mask     (overlaps dP^T)
     issue dV += P^T dO                                  (async)
-    wait dP^T; dS^T = P^T (dP^T - delta)                (overlaps dV)
+    wait dP^T; dS^T = P^T (dP^T - delta)                (overlaps dV; with DV_WAIT, dV is waited for
+                                                         here too, freeing P^T's registers)
     issue dK += dS^T q                                  (async; waited in the next tile)
+    load the next tile's lse2                           (its latency under dK and the next S^T)
 
 dQ: a program owns BLOCK_M queries of one head with q and dO resident, and streams k and v tiles the same
 way: issue S = q k^T and dP = dO v^T; P while dP runs; issue dQ += dS k, waited in the next tile.
