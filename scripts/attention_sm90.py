@@ -6,7 +6,8 @@ that fails prints FAILED; one that hangs (a warp-specialized schedule's barriers
 it under ``timeout``. ``--parts bwd`` (backward_sm90.py, the SM90_BWD knob): at the bench shapes (packed
 qkv, as in training), each gradient kernel of the deterministic backward alone, portable and with each
 Gluon config (its largest difference to the portable gradients: 0.0 is bitwise equal), then the whole
-backward and fwd+bwd with the knob off and on (autotuned), in CUDA graphs beside SDPA's. JSON to $OUT/attention-sm90.json."""
+backward and fwd+bwd with the knob off, on for both kernels (autotuned) and as shipped ("default"), in
+CUDA graphs beside SDPA's. JSON to $OUT/attention-sm90.json."""
 
 from __future__ import annotations
 
@@ -72,11 +73,13 @@ SHAPES = [(16, 12, 12, 1024, 64), (4, 16, 4, 2048, 128), (8, 32, 8, 4096, 128), 
 def backward_part(res: dict) -> None:
     """The deterministic backward at SHAPES: each gradient kernel (dK/dV, dQ) alone, portable and each
     Gluon config, with its largest gradient difference to the portable kernel's; then the whole backward
-    and fwd+bwd, portable and with both Gluon kernels autotuned, beside SDPA's fwd+bwd."""
+    and fwd+bwd, portable, with both Gluon kernels autotuned and as shipped (config.SM90_BWD), beside SDPA's
+    fwd+bwd; the knob is left as shipped."""
     res["backward"] = []
     kernels = {"dkdv": bwd_sm90._dkdv_kernel, "dq": bwd_sm90._dq_kernel}
     all_configs = {name: list(t.configs) for name, t in kernels.items()}
     off = {"dkdv": (), "dq": ()}
+    default = dict(fa_config.SM90_BWD)
     for B, Hq, Hkv, T, D in SHAPES:
         q, k, v = inputs(B, Hq, Hkv, T, T, D, packed=True)
         do = torch.randn_like(q)
@@ -110,8 +113,7 @@ def backward_part(res: dict) -> None:
                 times[label] = {"ms": round(ms, 4), "max_diff": diff}
             tuned.configs = all_configs[name]
             row["kernels"][name] = times
-        fa_config.SM90_BWD = off
-        for variant, knob in (("portable", off), ("sm90", {"dkdv": (D,), "dq": (D,)})):
+        for variant, knob in (("portable", off), ("sm90", {"dkdv": (D,), "dq": (D,)}), ("default", default)):
             fa_config.SM90_BWD = knob
             try:
                 fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True)  # autotunes
@@ -130,7 +132,7 @@ def backward_part(res: dict) -> None:
             row[variant] = {"bwd_ms": round(bwd_ms, 4), "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1),
                             "fwd_bwd_ms": round(fwd_bwd_ms, 4)}
         row["sm90_configs"] = {n: str(t.autotuner.best_config) for n, t in kernels.items()}
-        fa_config.SM90_BWD = off
+        fa_config.SM90_BWD = default
         qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
         dos = do.transpose(1, 2)
 
