@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                               warpgroup_mma_wait)
 
 from .._common import autotune, next_pow2, tma_scratch
-from .forward_sm90 import is_sm90, wgmma_layout
+from .forward_sm90 import supported, wgmma_layout
 from .masks import program_tile
 
 _program_tile = gluon.jit(program_tile.fn)
@@ -366,11 +366,10 @@ def _head_rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
 def matrix_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, window, documents) -> tuple | None:
     """The runtime arguments both kernels take after their outputs' pointers, from q's and dO's TMA
     matrices (:func:`_head_rows`) to v's strides; None where the kernels do not apply: they need 16-bit
-    inputs on an sm90 GPU, head dim 64 or 128, no window or documents, q and dO in a layout of
-    :func:`_head_rows`, k and v with 16-byte aligned rows."""
-    if not (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and window is None
-            and documents is None and is_sm90(q.device)
-            and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (k, v))):
+    inputs on an sm90 GPU, head dim 64 or 128, no window or documents, k and v with 16-byte aligned rows
+    (what the Gluon forward needs: :func:`forward_sm90.supported`), q and dO in a layout of
+    :func:`_head_rows`."""
+    if not supported(q, k, v, window, documents):
         return None
     q_head, do_head = _head_rows(q), _head_rows(do)
     if q_head is None or do_head is None:

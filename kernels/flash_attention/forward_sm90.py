@@ -349,7 +349,7 @@ _kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, 
 
 
 @functools.lru_cache(maxsize=None)
-def is_sm90(device: torch.device) -> bool:
+def _sm90(device: torch.device) -> bool:
     """A Hopper GPU (H100, H200): what the Gluon kernels are written for."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
@@ -358,7 +358,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window, documen
     """This kernel computes the forward of these inputs: 16-bit on an sm90 GPU, head dim 64 or 128, no
     window or documents, TMA-addressable k and v (16-byte aligned base and strides)."""
     return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and window is None
-            and documents is None and is_sm90(q.device)
+            and documents is None and _sm90(q.device)
             and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (q, k, v)))
 
 
