@@ -50,7 +50,7 @@ _program_tile = gluon.jit(program_tile.fn)
 #: H100, dK/dV at B8 Hq32/Hkv8 T4096 / B1 T16384 D128 (attention-sm90-h100.json): 64x64 w4 b2 4.26 /
 #: 7.11 ms, 64x128 b2 4.53 / 8.06, 64x128 b3 4.53 / 8.17, 32x128 5.93 / 10.51; the portable one 4.36 / 8.21.
 DKDV_CONFIGS = [(64, 64, 4, 2, True), (64, 128, 8, 2, True), (64, 128, 8, 3, True), (32, 128, 8, 3, False)]
-DQ_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2)]
+DQ_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
 
 
 @gluon.jit
