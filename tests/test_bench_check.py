@@ -1,10 +1,14 @@
 """The kernel benchmark's correctness check (harness.check_case): ours' forward against the case's
-float64 reference from tritonllm.bench.reference_ops, PyTorch in the case's dtype as the yardstick."""
+float64 reference from tritonllm.bench.reference_ops, PyTorch in the case's dtype as the yardstick; and how
+write_results merges new rows into a results file."""
+
+import json
 
 import torch
 
 from _checks import DEVICE, randn
 from tritonllm.bench import reference_ops as ref
+from tritonllm.bench import harness
 from tritonllm.bench.harness import Case, check_case
 from tritonllm.kernels import rms_norm, rope, rope_cos_sin
 
@@ -45,3 +49,20 @@ def test_sdpa_backend_is_named_from_its_kernels():
     assert sdpa_backend(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"]) == "cuDNN"
     assert sdpa_backend(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention"]) == "memory-efficient"
     assert sdpa_backend(["ampere_bf16_s16816gemm_bf16_128x64", "softmax_warp_forward"]) == "math"
+
+
+def test_write_results_replaces_only_rows_of_the_same_run(tmp_path, monkeypatch):
+    """A one-GPU training row replaces the model's earlier one-GPU row and leaves its FSDP and DDP rows, and
+    the kernel rows of other shapes, alone."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(harness, "git_commit", lambda: "abc1234")
+    old = [{"model": "void1b", "batch": 16, "seq_len": 1024, "nproc": 1, "parallel": "none", "step_ms": 9.0},
+           {"model": "void1b", "batch": 4, "seq_len": 2048, "nproc": 4, "parallel": "fsdp", "step_ms": 5.0},
+           {"model": "void1b", "batch": 4, "seq_len": 2048, "nproc": 2, "parallel": "ddp", "step_ms": 6.0},
+           {"op": "linear", "shape": "8x8x8", "dtype": "bf16", "pass": "fwd", "ms": 1.0}]
+    (tmp_path / "train-h100.json").write_text(json.dumps({"results": old}))
+    new = {"model": "void1b", "batch": 16, "seq_len": 1024, "nproc": 1, "parallel": "none", "step_ms": 8.0}
+    path = harness.write_results("train", [new], str(tmp_path))
+    rows = json.load(open(path))["results"]
+    assert [r["step_ms"] for r in rows if "model" in r] == [5.0, 6.0, 8.0]
+    assert rows[-1]["commit"] == "abc1234" and any(r.get("op") == "linear" for r in rows)

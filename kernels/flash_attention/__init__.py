@@ -26,8 +26,8 @@ On Hopper, at the head dims of ``config.SM90_FWD`` (128 by default), the forward
 FlashAttention-3's warp-specialized schedule instead, written in Gluon (``forward_sm90``: a producer
 warp loading k and v tiles, two consumer warpgroups taking turns at the tensor cores, each overlapping
 its softmax with its own products); ``config.SM90_BWD`` names, per kernel of the deterministic
-backward, the head dims that run its Gluon version (``backward_sm90``): by default the dK/dV kernel at
-D128, faster there as measured; the dQ kernel stays portable.
+backward, the head dims that run its Gluon version (``backward_sm90``): by default both kernels at
+D128, faster there as measured; D64 stays portable.
 Decode (``T <= 16``, or too few query blocks to fill the GPU) uses a split-KV (flash-decoding)
 kernel instead: programs over (KV split, block of the group's query rows, batch x KV head) put
 all ``Hq / Hkv`` query heads of a KV head in the M dimension of the tile, so each K/V tile is read

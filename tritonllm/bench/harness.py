@@ -383,8 +383,9 @@ def git_commit() -> str:
 
 
 def write_results(kind: str, rows: list[dict], out_dir: str, extra: dict | None = None) -> str:
-    """Merge ``rows`` into ``<out_dir>/<kind>-<gpu>.json`` (rows with the same op, shape, dtype
-    and pass are replaced; each new row records the commit it was measured at) and return the path."""
+    """Merge ``rows`` into ``<out_dir>/<kind>-<gpu>.json`` (rows with the same op, shape, dtype, pass,
+    model, batch, sequence length, GPU count and parallel mode are replaced: a one-GPU training row leaves
+    the model's multi-GPU rows alone; each new row records the commit it was measured at) and return the path."""
     import triton
 
     os.makedirs(out_dir, exist_ok=True)
@@ -393,7 +394,8 @@ def write_results(kind: str, rows: list[dict], out_dir: str, extra: dict | None 
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f).get("results", [])
-    key = lambda r: (r.get("op"), r.get("shape"), r.get("dtype"), r.get("pass"), r.get("model"))  # noqa: E731
+    key = lambda r: (r.get("op"), r.get("shape"), r.get("dtype"), r.get("pass"), r.get("model"), r.get("batch"),  # noqa: E731
+                     r.get("seq_len"), r.get("nproc", 1), r.get("parallel", "none"))
     new_keys = {key(r) for r in rows}
     commit = git_commit()
     merged = [r for r in old if key(r) not in new_keys] + [{**r, "commit": r.get("commit", commit)} for r in rows]
