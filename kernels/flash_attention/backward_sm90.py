@@ -18,15 +18,8 @@ scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
 dQ: a program owns BLOCK_M queries of one head with q and dO resident, and streams k and v tiles the same
 way: issue S = q k^T and dP = dO v^T; P while dP runs; issue dQ += dS k, waited in the next tile.
 
-With ``DQ_REDUCE`` (the backward of ``deterministic=False``) the dK/dV kernel also computes each tile's
-share of dQ, FlashAttention's fifth product, and no dQ kernel runs: dS^T goes to shared memory, dQ_tile =
-dS k is issued from there (before dK, so that dK runs while dQ_tile is staged), and dQ_tile (fp32) is added
-into a zeroed ``[B, Hq, T, D]`` accumulator by a TMA bulk reduce (``cp.reduce.async.bulk.tensor``, the
-adds done in L2, the program not waiting for them); ``backward.py``'s finalize kernel scales it into dQ.
-Five products per tile pair instead of seven, but the order in which key blocks' adds land varies.
-
 dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads and dQ = softmax_scale *
-sum dS k, each in a fixed order without DQ_REDUCE: no atomics, so the backward stays bitwise reproducible. Only 16-bit q,
+sum dS k, each in a fixed order: no atomics, so the backward stays bitwise reproducible. Only 16-bit q,
 k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO with each
 token's heads side by side or each head's tokens in a row (a head is then a column or a row block of one
 descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD`` names, per
@@ -37,12 +30,10 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
 
 from .._common import autotune, next_pow2, tma_scratch
 from .forward_sm90 import supported, wgmma_layout
@@ -59,19 +50,7 @@ _program_tile = gluon.jit(program_tile.fn)
 #: H100, dK/dV at B8 Hq32/Hkv8 T4096 / B1 T16384 D128 (attention-sm90-h100.json): 64x64 w4 b2 4.26 /
 #: 7.11 ms, 64x128 b2 4.53 / 8.06, 64x128 b3 4.53 / 8.17, 32x128 5.93 / 10.51; the portable one 4.36 / 8.21.
 DKDV_CONFIGS = [(64, 64, 4, 2, True), (64, 128, 8, 2, True), (64, 128, 8, 3, True), (32, 128, 8, 3, False)]
-#: the dK/dV kernel with DQ_REDUCE: 64 queries a tile (the dQ tile's rows: one warpgroup's wgmma height); with
-#: its dS^T and fp32 dQ staging tiles, 64x64 takes 136 KB (one program an SM); 64x128 halves the reduces.
-DKDV_REDUCE_CONFIGS = [(64, 128, 8, 2, True), (64, 64, 4, 2, True), (64, 128, 8, 3, True)]
 DQ_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Add shared-memory tile ``src`` into the global block of ``tensor_desc`` at ``coord`` (a TMA bulk reduce,
-    ``cp.reduce.async.bulk.tensor.add``): issued by one thread, done in L2, tracked like a TMA store
-    (``tma.store_wait``). Triton 3.6's Gluon builds the op but exports no function for it on Hopper."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -132,7 +111,6 @@ def _sm90_dkdv_kernel(
     Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: 16-byte aligned rows (see _head_rows)
     LSE2, DELTA,                # [B, Hq, T(pitch)] fp32 from the preprocess kernel (lse2 +inf: a row saw no key)
     DK, DV,                     # out [B, S, Hkv, D] (equal strides, last dim contiguous)
-    DQ_ACC,                     # DQ_REDUCE: [B, Hq, T, D] fp32, zeroed: dQ / softmax_scale is added into it
     stride_qb, stride_qt, q_rows, q_cols, q_head_rows, q_head_cols,    # q of one batch entry as a [q_rows, q_cols]
     stride_dob, stride_dot, do_rows, do_cols, do_head_rows, do_head_cols,  # matrix, head h at its (h * head_rows,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,      # h * head_cols) block (_head_rows); dO too
@@ -142,7 +120,6 @@ def _sm90_dkdv_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
     DV_WAIT: gl.constexpr,      # wait for a tile's dV product before its dS: P's registers freed, less overlap
     CAUSAL: gl.constexpr,
-    DQ_REDUCE: gl.constexpr,    # also add each tile's dS k into DQ_ACC (BLOCK_M 64; see the module doc)
 ):
     GROUP = HQ // HKV
     n_tiles = gl.cdiv(S, BLOCK_N)
@@ -162,20 +139,6 @@ def _sm90_dkdv_kernel(
 
     k_smem, v_smem, q_smem, do_smem, kv_bar, ready = _buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                               NUM_BUF, HEAD_DIM)
-    if DQ_REDUCE:
-        gl.static_assert(DV_WAIT and BLOCK_M == 64, "DQ_REDUCE needs DV_WAIT and BLOCK_M 64")
-        # dQ in column chunks [BLOCK_M, DQ_N]: one warpgroup's 64 rows, the columns split between warpgroups
-        DQ_N: gl.constexpr = 64
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
-                                                            instr_shape=[16, DQ_N // (NW // 4), 16])
-        staging_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * HQ * T * HEAD_DIM, shape=[HQ * T, HEAD_DIM],
-                                             strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, DQ_N],
-                                             layout=staging_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=16, rank=2))
-        staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_N], staging_layout)
-        dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout)
 
     # the query tiles that see keys n0 ..: from the one holding row n0 - shift (causal) to T; those that
     # start at or after full_from see every key of the block (no mask)
@@ -220,9 +183,7 @@ def _sm90_dkdv_kernel(
         st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # S^T done, and with it the last tile's dV and dK (issued before): its ring slot is free again
-        if DQ_REDUCE:  # as DV_WAIT, and dK's operand dS^T is in shared memory
-            st, dv_r, dk_r = warpgroup_mma_wait(1, deps=(st_tok, dv, dk))
-        elif DV_WAIT:  # the last tile's dV product was waited for in that tile: P's registers are free
+        if DV_WAIT:  # the last tile's dV product was waited for in that tile: P's registers are free
             st, dv_r, dk_r, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, ds16))
         else:
             st, dv_r, dk_r, p16, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, p16, ds16))
@@ -242,35 +203,13 @@ def _sm90_dkdv_kernel(
             dpt, dv_done, p16_done = warpgroup_mma_wait(0, deps=(dpt_tok, dv, p16))
         else:
             dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
-        ds = (p * (dpt - delta[None, :])).to(dtype)
-        if DQ_REDUCE:  # dS^T through shared memory, the A operand of both dQ (transposed) and dK
-            ds_smem.store(ds)
-            fence_async_shared()
-            # rows past T have P = 0, so their dQ rows are 0 and may land in the next head's rows harmlessly
-            dq_row = (h0 + it // n_m) * T + start_m
-            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_N, dim=1), dq_zero, use_acc=False,
-                                   is_async=True)
-            dk = warpgroup_mma(ds_smem, q_smem.index(s), dk_r, is_async=True)
-            for c in gl.static_range(HEAD_DIM // DQ_N):
-                if c > 0:
-                    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_N, DQ_N, dim=1), dq_zero,
-                                           use_acc=False, is_async=True)
-                dq_tile = warpgroup_mma_wait(1 if c == 0 else 0, deps=(dq_tok,))
-                tma.store_wait(1)  # the reduce before last has read this staging slot
-                staging.index(c % 2).store(dq_tile)
-                fence_async_shared()
-                _tma_reduce_add(dq_desc, [dq_row, c * DQ_N], staging.index(c % 2))
-        else:
-            ds16 = gl.convert_layout(ds, op_layout)
-            dk = warpgroup_mma(ds16, q_smem.index(s), dk_r, is_async=True)
+        ds16 = gl.convert_layout((p * (dpt - delta[None, :])).to(dtype), op_layout)
+        dk = warpgroup_mma(ds16, q_smem.index(s), dk_r, is_async=True)
         rows_next = lo + ((it + 1) % n_m) * BLOCK_M + offs_m
         lse2 = gl.load(LSE2 + (b * HQ + h0 + (it + 1) // n_m) * stat_pitch + rows_next,
                        mask=(rows_next < T) & (it + 1 < n_iter), other=float("inf"))
 
-    if DQ_REDUCE:
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        tma.store_wait(0)
-    elif DV_WAIT:
+    if DV_WAIT:
         dv, dk, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, ds16))
     else:
         dv, dk, p16, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, p16, ds16))
@@ -381,23 +320,22 @@ def _sm90_dq_kernel(
     gl.store(DQ + out, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=(out_rows < T)[:, None])
 
 
-def smem(config: triton.Config, head_dim: int, keys_resident: bool, dq_reduce: bool = False) -> int:
+def smem(config: triton.Config, head_dim: int, keys_resident: bool) -> int:
     """Shared memory of a config in bytes (16-bit elements): the resident tiles (k and v of the dK/dV
     kernel, ``keys_resident``, BLOCK_N rows; q and dO of the dQ kernel, BLOCK_M rows) and the ring of
-    the streamed ones; with ``dq_reduce`` also the dS^T tile and the fp32 dQ staging tile."""
+    the streamed ones."""
     kw = config.kwargs
     resident, streamed = (kw["BLOCK_N"], kw["BLOCK_M"]) if keys_resident else (kw["BLOCK_M"], kw["BLOCK_N"])
-    extra = 2 * kw["BLOCK_N"] * kw["BLOCK_M"] + 4 * kw["BLOCK_M"] * 128 if dq_reduce else 0
-    return 2 * head_dim * (2 * resident + 2 * kw["NUM_BUF"] * streamed) + extra
+    return 2 * head_dim * (2 * resident + 2 * kw["NUM_BUF"] * streamed)
 
 
-def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = (), dq_reduce: bool = False):
+def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = ()):
     """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF, *values of the
     constexprs ``flags``) tuples), those whose tiles fit the shared memory (232,448 bytes a block on an
-    H100 or H200) kept; ``dq_reduce``: the dK/dV kernel's DQ_REDUCE variant (a separate autotuner)."""
+    H100 or H200) kept."""
     def prune(configs, named_args, **kwargs):
         d = {**named_args, **kwargs}["HEAD_DIM"]
-        return [c for c in configs if smem(c, d, keys_resident, dq_reduce) <= 227 * 1024] or configs[:1]
+        return [c for c in configs if smem(c, d, keys_resident) <= 227 * 1024] or configs[:1]
 
     return autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, **dict(zip(flags, rest))},
                                    num_warps=w, num_stages=1) for bm, bn, w, nb, *rest in configs],
@@ -406,7 +344,6 @@ def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = (), dq
 
 
 _dkdv_kernel = _tuned(_sm90_dkdv_kernel, DKDV_CONFIGS, True, ("DV_WAIT",))
-_dkdv_reduce_kernel = _tuned(_sm90_dkdv_kernel, DKDV_REDUCE_CONFIGS, True, ("DV_WAIT",), dq_reduce=True)
 _dq_kernel = _tuned(_sm90_dq_kernel, DQ_CONFIGS, False)
 
 
@@ -442,19 +379,16 @@ def matrix_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
 
 
 def launch_dkdv(q, k, v, do, lse2, delta, dk, dv, args: tuple, causal: bool, scale: float, qk_scale: float,
-                group_programs: int, key, dq_acc: torch.Tensor | None = None) -> None:
+                group_programs: int, key) -> None:
     """dK and dV into ``dk`` and ``dv`` [B, S, Hkv, D] (equal strides) from the preprocess kernel's ``lse2``
     and ``delta`` [B, Hq, pitch]; ``args``: :func:`matrix_args` of the inputs; ``key`` determines the
-    shapes, strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`). With ``dq_acc``
-    (zeroed, [B, Hq, T, D] fp32, contiguous) the DQ_REDUCE kernel also adds dQ / scale into it."""
+    shapes, strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
-    kernel = _dkdv_kernel if dq_acc is None else _dkdv_reduce_kernel
-    kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, dk if dq_acc is None else dq_acc, *args,
-                  *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs,
-                  next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal, DQ_REDUCE=dq_acc is not None)
+    _dkdv_kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, *args, *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs,
+                        next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
 
 
 def launch_dq(q, k, v, do, lse2, delta, dq, args: tuple, causal: bool, scale: float, qk_scale: float,
