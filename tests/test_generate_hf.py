@@ -112,7 +112,10 @@ def test_lora_checkpoint_generates_with_its_adapters(lora_run, tmp_path, monkeyp
     tuned = generate_text(model, tok, PROMPT, 6, temperature=0.0, chat=True)
     assert cli([f"ckpt={out}", f"prompt={PROMPT}", "chat=true", "temperature=0", "max_new_tokens=6"],
                tmp_path, monkeypatch, capsys) == tuned + "\n"
-    with torch.no_grad():  # B = 0: the base model again
+    with torch.no_grad():  # B = 0: the base model again, with its weights as the run kept them: trainer.dtype=auto
+        # trains bf16 weights on a GPU (fp32 masters), so the checkpoint holds the frozen ones rounded to bf16
+        for p in base.parameters():
+            p.copy_(p.to(torch.bfloat16 if device.type == "cuda" else torch.float32).float())
         for m in layers:
             m.lora_B.zero_()
         assert torch.allclose(model(idx), base(idx), atol=1e-5)
