@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from .._common import autotune, next_pow2, tma_scratch
+from .._common import autotune, next_pow2, smem_budget, tma_scratch
 from .forward_sm90 import supported, wgmma_layout
 from .masks import program_tile
 
@@ -331,11 +331,11 @@ def smem(config: triton.Config, head_dim: int, keys_resident: bool) -> int:
 
 def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = ()):
     """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF, *values of the
-    constexprs ``flags``) tuples), those whose tiles fit the shared memory (232,448 bytes a block on an
-    H100 or H200) kept."""
+    constexprs ``flags``) tuples), those whose tiles fit the shared memory (``_common.smem_budget``: 227 KiB
+    a block on an H100 or H200) kept."""
     def prune(configs, named_args, **kwargs):
         d = {**named_args, **kwargs}["HEAD_DIM"]
-        return [c for c in configs if smem(c, d, keys_resident) <= 227 * 1024] or configs[:1]
+        return [c for c in configs if smem(c, d, keys_resident) <= smem_budget(0)] or configs[:1]
 
     return autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, **dict(zip(flags, rest))},
                                    num_warps=w, num_stages=1) for bm, bn, w, nb, *rest in configs],

@@ -34,7 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .._common import autotune, next_pow2, tma_scratch
+from .._common import autotune, next_pow2, smem_budget, tma_scratch
 from .masks import program_tile
 
 #: the portable kernels' program order (masks.program_tile), compiled as Gluon
@@ -337,9 +337,10 @@ def _smem(config: triton.Config, head_dim: int) -> int:
 
 
 def _prune(configs, named_args, **kwargs):
-    """The configs whose tiles fit the shared memory (232,448 bytes a block on an H100 or H200)."""
+    """The configs whose tiles fit the shared memory (``_common.smem_budget``: 227 KiB a block on an H100 or
+    H200)."""
     d = {**named_args, **kwargs}["HEAD_DIM"]
-    return [c for c in configs if _smem(c, d) <= 227 * 1024] or configs[:1]
+    return [c for c in configs if _smem(c, d) <= smem_budget(0)] or configs[:1]
 
 
 _kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "WS": ws}, num_warps=w, num_stages=1)
