@@ -7,7 +7,8 @@ it under ``timeout``. ``--parts bwd`` (backward_sm90.py, the SM90_BWD knob): at 
 qkv, as in training), each gradient kernel of the deterministic backward alone, portable and with each
 Gluon config (its largest difference to the portable gradients: 0.0 is bitwise equal), then the whole
 backward and fwd+bwd with the knob off, on for both kernels (autotuned) and as shipped ("default"), in
-CUDA graphs beside SDPA's. JSON to $OUT/attention-sm90.json."""
+CUDA graphs beside SDPA's; and the ``deterministic=False`` backward with the Gluon dK/dV kernel adding dQ
+by TMA bulk reduces ("fused": each config, autotuned, fwd+bwd). JSON to $OUT/attention-sm90.json."""
 
 from __future__ import annotations
 
@@ -68,6 +69,48 @@ def inputs(B, Hq, Hkv, T, S, D, packed=False):
 
 #: the bench's attention shapes (B, Hq, Hkv, T, D), causal
 SHAPES = [(16, 12, 12, 1024, 64), (4, 16, 4, 2048, 128), (8, 32, 8, 4096, 128), (1, 32, 8, 16384, 128)]
+
+
+def fused_backward(q, k, v, do, out, lse, flops: float, off: dict) -> dict:
+    """The backward of ``deterministic=False`` with backward_sm90's dK/dV kernel in its DQ_REDUCE variant
+    (config.SM90_FUSED; dQ by a writer warp's TMA bulk reduces, then the finalize kernel): ms of the whole backward in CUDA graphs for each
+    config and autotuned, the largest difference of its gradients to the portable deterministic ones, and
+    the autotuned fwd+bwd."""
+    D = q.shape[-1]
+    fa_config.SM90_BWD = off
+    want = fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True)
+    fa_config.SM90_BWD, fused_default = {"dkdv": (D,), "dq": (D,)}, fa_config.SM90_FUSED
+    fa_config.SM90_FUSED = (D,)
+    tuned = bwd_sm90._dkdv_reduce_kernel
+    configs, res = list(tuned.configs), {}
+
+    def run():
+        return fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True, deterministic=False)
+    for cfg in configs + [None]:
+        tuned.configs = configs if cfg is None else [cfg]
+        label = "autotuned" if cfg is None else "{BLOCK_M}x{BLOCK_N} w{w} buf{NUM_BUF}".format(
+            w=cfg.num_warps, **cfg.kwargs)
+        try:
+            got = run()
+            ms = triton.testing.do_bench_cudagraph(run, rep=200)
+        except Exception as e:  # noqa: BLE001  (a config that fails is a result)
+            res[label] = repr(e)[:300]
+            print("FAILED fused", label, repr(e)[:300])
+            continue
+        diff = {n: (a.double() - b.double()).abs().max().item() for n, a, b in zip(("dq", "dk", "dv"), got, want)}
+        res[label] = {"bwd_ms": round(ms, 4), "bwd_tflops": round(2.5 * flops / ms / 1e9, 1), "max_diff": diff}
+    res["config"] = str(tuned.autotuner.best_config)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def fwd_bwd():
+        return torch.autograd.grad(flash_attention(qg, kg, vg, causal=True, deterministic=False), (qg, kg, vg), do)
+    try:
+        fwd_bwd()
+        res["fwd_bwd_ms"] = round(triton.testing.do_bench_cudagraph(fwd_bwd, rep=200), 4)
+    except Exception as e:  # noqa: BLE001
+        res["fwd_bwd_ms"] = repr(e)[:300]
+    fa_config.SM90_FUSED = fused_default
+    return res
 
 
 def backward_part(res: dict) -> None:
@@ -131,6 +174,7 @@ def backward_part(res: dict) -> None:
                 continue
             row[variant] = {"bwd_ms": round(bwd_ms, 4), "bwd_tflops": round(2.5 * flops / bwd_ms / 1e9, 1),
                             "fwd_bwd_ms": round(fwd_bwd_ms, 4)}
+        row["fused"] = fused_backward(q, k, v, do, out, lse, flops, off)
         row["sm90_configs"] = {n: str(t.autotuner.best_config) for n, t in kernels.items()}
         fa_config.SM90_BWD = default
         qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))

@@ -3,7 +3,7 @@
 ``--kernel gemm`` (default) compiles ``kernels.gemm._matmul_kernel`` for sm_90 (an H100 or H200) with
 every config of ``GPU_CONFIGS`` that the shared-memory pruning keeps for the given flags and M x N x K;
 ``--kernel attention-fwd`` the flash-attention forward with ``FWD_CONFIGS`` at ``--shape B,Hq,Hkv,T,D``;
-``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90`` with their configs at ``--shape``. Each is specialized as a launch would be; per config
+``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90``, and dK/dV with the dQ reduce, with their configs at ``--shape``. Each is specialized as a launch would be; per config
 the script prints the pruning's estimate (GEMM: ``_config_smem``), the shared memory the compiled kernel
 asks for (a launch fails above 232,448 bytes), ptxas's registers per thread and bytes of spill stores,
 and the compiled kernel's warps. A config that does not compile prints its error. ``TRITON_INTERPRET`` is
@@ -168,18 +168,20 @@ def attention_bwd_sm90_main(args) -> None:
                 "stat_pitch": -(-T // 4) * 4, "shift": 0, "qk_scale": D ** -0.5 * attn_config.LOG2E,
                 "softmax_scale": D ** -0.5, "group_programs": 2**31 - 1, "T_BUCKET": next_pow2(T),
                 "S_BUCKET": next_pow2(T), "LSE2": "*fp32", "DELTA": "*fp32"}
-    tensors = {n: f"*{args.dtype}" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}
+    tensors = {**{n: f"*{args.dtype}" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}, "DQ_ACC": "*fp32"}
     outputs = {"dkdv": {"stride_dkb": T * Hkv * D, "stride_dks": Hkv * D, "stride_dkh": D},
                "dq": {"stride_dqb": T * Hq * D, "stride_dqt": Hq * D, "stride_dqh": D}}
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, B,Hq,Hkv,T,D {args.shape}, causal {args.causal}")
-    for name, tuned in (("dkdv", backward_sm90._dkdv_kernel), ("dq", backward_sm90._dq_kernel)):
+    for name, tuned, reduce in (("dkdv", backward_sm90._dkdv_kernel, False), ("dq", backward_sm90._dq_kernel, False),
+                                ("dkdv+dq", backward_sm90._dkdv_reduce_kernel, True)):
         fn = tuned.fn
-        kernel_args = {n: v for n, v in {**tensors, **matrices, **outputs[name]}.items() if n in fn.arg_names}
+        kernel_args = {n: v for n, v in {**tensors, **matrices, **outputs[name[:4]]}.items() if n in fn.arg_names}
+        need = lambda c: backward_sm90.smem(c, D, name != "dq", reduce)  # noqa: E731
         rows = [(f"{name} " + "{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}"
-                 + (" dv_wait" if c.kwargs.get("DV_WAIT") else ""), c,
-                 backward_sm90.smem(c, D, name == "dkdv") <= HOPPER_SMEM, backward_sm90.smem(c, D, name == "dkdv"))
+                 + (" dv_wait" if c.kwargs.get("DV_WAIT") else ""), c, need(c) <= HOPPER_SMEM, need(c))
                 for c in tuned.configs]
-        report(fn, rows, kernel_args, {"HEAD_DIM": D, "CAUSAL": args.causal})
+        flags = {"HEAD_DIM": D, "CAUSAL": args.causal, **({"DQ_REDUCE": reduce} if name != "dq" else {})}
+        report(fn, rows, kernel_args, flags)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -460,6 +460,29 @@ def test_flash_attention_sm90_backward(case, config, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", range(3), ids=lambda i: f"config{i}")
+def test_flash_attention_sm90_fused_backward(case, config, monkeypatch):
+    """deterministic=False on Hopper: backward_sm90's dK/dV kernel with DQ_REDUCE (a writer warp adding dQ by
+    TMA bulk reduces into the fp32 accumulator), each of its configs, against the float64 reference, and
+    within rounding of the deterministic backward (the adds' order varies, so not bitwise)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is for sm90 (H100, H200)")
+    sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
+    monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (64, 128), "dq": (64, 128)})
+    monkeypatch.setattr(fa_config, "SM90_FUSED", (64, 128))
+    monkeypatch.setattr(sm90._dkdv_reduce_kernel, "configs", [sm90._dkdv_reduce_kernel.configs[config]])
+    _check_fwd_bwd(case, torch.bfloat16, deterministic=False)
+    q, k, v = (t.detach() for t in _inputs(case, torch.bfloat16, "contiguous"))
+    do = randn(case.B, case.T, case.Hq, case.D, dtype=torch.bfloat16)
+    out, lse = flash_attention_fwd(q, k, v, case.causal)
+    fused = flash_attention_bwd(do, q, k, v, out, lse, case.causal, deterministic=False)
+    exact = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
+    for name, got, want in zip(("dq", "dk", "dv"), fused, exact):
+        assert_close(name, got, want.double())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [
     Case("decode-gqa4:1-B8-T1-S4096", 8, 32, 8, 1, 4096, 128),
     Case("decode-mqa-B4-T4-S3001", 4, 8, 1, 4, 3001, 64),

@@ -390,7 +390,9 @@ class AttentionBackward:
         self.flags["HAS_DOCS"] = documents is not None
         #: the gradient kernels ("dkdv", "dq") that run backward_sm90's Gluon kernel here (the SM90_BWD knob),
         #: each with the arguments both take
-        gluon = [] if self.fused else [name for name, dims in config.SM90_BWD.items() if D in dims]
+        #: (the fused backward: its dK/dV kernel's DQ_REDUCE variant, dQ by TMA bulk reduces, where SM90_FUSED names D)
+        gluon = ([name for name in ("dkdv",) if D in config.SM90_FUSED] if self.fused else
+                 [name for name, dims in config.SM90_BWD.items() if D in dims])
         args = backward_sm90.matrix_args(q, k, v, do, window, documents) if gluon else None
         self.sm90 = dict.fromkeys(gluon, args) if args is not None else {}
         #: what, besides the streamed tensors' alignment (USE_TMA), fixes the gradient kernels' plans
@@ -407,7 +409,8 @@ class AttentionBackward:
         B, S, Hkv, _ = k.shape
         if "dkdv" in self.sm90:
             backward_sm90.launch_dkdv(q, k, v, do, self.lse2, self.delta, dk, dv, self.sm90["dkdv"], self.flags["CAUSAL"],
-                                      self.scale, self.scales[2], group_programs("dkdv"), (self.key, dk.stride(), "sm90"))
+                                      self.scale, self.scales[2], group_programs("dkdv"), (self.key, dk.stride(), "sm90"),
+                                      self.dq_acc if self.fused else None)
             return
         stream = stream_flags("dkdv", self.window, q, do)
         _dkdv_kernel.launch(

@@ -18,8 +18,17 @@ scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
 dQ: a program owns BLOCK_M queries of one head with q and dO resident, and streams k and v tiles the same
 way: issue S = q k^T and dP = dO v^T; P while dP runs; issue dQ += dS k, waited in the next tile.
 
+With ``DQ_REDUCE`` (the backward of ``deterministic=False``) the dK/dV kernel also computes each tile's
+share of dQ, FlashAttention's fifth product, and no dQ kernel runs, in FlashAttention-3's arrangement: dS^T
+goes to shared memory and is the A operand of dK and (transposed) of dQ_tile = dS k, issued in DQ_CHUNK-column
+chunks; the compute warps stage each chunk (fp32) in a ring of DQ_SLOTS slots and hand it by mbarrier to a
+writer warp of its own (``gl.warp_specialize``), which adds it into a zeroed ``[B, Hq, T, D]`` accumulator by a
+TMA bulk reduce (``cp.reduce.async.bulk.tensor.add``: the adds done in L2) and frees the slot once the
+reduce has read it; ``backward.py``'s finalize kernel scales the accumulator into dQ. Five products per
+tile pair instead of seven; the order in which the key blocks' adds land varies between runs.
+
 dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads and dQ = softmax_scale *
-sum dS k, each in a fixed order: no atomics, so the backward stays bitwise reproducible. Only 16-bit q,
+sum dS k, each in a fixed order without DQ_REDUCE: no atomics, so the backward stays bitwise reproducible. Only 16-bit q,
 k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO with each
 token's heads side by side or each head's tokens in a row (a head is then a column or a row block of one
 descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD`` names, per
@@ -30,10 +39,12 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
 from .._common import autotune, next_pow2, smem_budget, tma_scratch
 from .forward_sm90 import supported, wgmma_layout
@@ -51,6 +62,24 @@ _program_tile = gluon.jit(program_tile.fn)
 #: 7.11 ms, 64x128 b2 4.53 / 8.06, 64x128 b3 4.53 / 8.17, 32x128 5.93 / 10.51; the portable one 4.36 / 8.21.
 DKDV_CONFIGS = [(64, 64, 4, 2, True), (64, 128, 8, 2, True), (64, 128, 8, 3, True), (32, 128, 8, 3, False)]
 DQ_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
+#: the dK/dV kernel with DQ_REDUCE (64 queries a tile: the dQ chunk's rows, one warpgroup's wgmma height).
+#: 64x128 halves the reduces of 64x64. Not yet measured (NOTES.md).
+DKDV_REDUCE_CONFIGS = [(64, 128, 8, 2, True), (64, 128, 8, 3, True), (64, 64, 4, 2, True)]
+#: DQ_REDUCE: the columns of a dQ chunk (a 128-byte swizzle atom of the k tile: the B operand's slice) ...
+DQ_CHUNK = gl.constexpr(64)
+#: ... the staging slots between the compute warps and the writer warp ...
+DQ_SLOTS = gl.constexpr(2)
+#: ... and the writer warp's registers (setmaxnreg; the compute warps get the rest)
+DQ_WRITER_REGS = gl.constexpr(24)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add shared-memory tile ``src`` into the global block of ``tensor_desc`` at ``coord`` (a TMA bulk reduce,
+    ``cp.reduce.async.bulk.tensor.add``): issued by one thread, done in L2, tracked like a TMA store
+    (``tma.store_wait``). Triton 3.6's Gluon builds the op but exports no function for it on Hopper."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -111,6 +140,7 @@ def _sm90_dkdv_kernel(
     Q, K, V, DO,                # q, dO [B, T, Hq, D], k, v [B, S, Hkv, D]: 16-byte aligned rows (see _head_rows)
     LSE2, DELTA,                # [B, Hq, T(pitch)] fp32 from the preprocess kernel (lse2 +inf: a row saw no key)
     DK, DV,                     # out [B, S, Hkv, D] (equal strides, last dim contiguous)
+    DQ_ACC,                     # DQ_REDUCE: [B, Hq, T, D] fp32, zeroed: dQ / softmax_scale is added into it
     stride_qb, stride_qt, q_rows, q_cols, q_head_rows, q_head_cols,    # q of one batch entry as a [q_rows, q_cols]
     stride_dob, stride_dot, do_rows, do_cols, do_head_rows, do_head_cols,  # matrix, head h at its (h * head_rows,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,      # h * head_cols) block (_head_rows); dO too
@@ -120,6 +150,7 @@ def _sm90_dkdv_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
     DV_WAIT: gl.constexpr,      # wait for a tile's dV product before its dS: P's registers freed, less overlap
     CAUSAL: gl.constexpr,
+    DQ_REDUCE: gl.constexpr,    # also add each tile's dS k into DQ_ACC through a writer warp (see the module doc)
 ):
     GROUP = HQ // HKV
     n_tiles = gl.cdiv(S, BLOCK_N)
@@ -128,15 +159,9 @@ def _sm90_dkdv_kernel(
     hk = pid_bh % HKV
     b = (pid_bh // HKV).to(gl.int64)
     n0 = pid_n * BLOCK_N
-    NW: gl.constexpr = gl.num_warps()
     q_desc, do_desc, k_desc, v_desc = _descriptors(
         Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = wgmma_layout(NW, BLOCK_M)
-    acc_layout: gl.constexpr = wgmma_layout(NW, HEAD_DIM)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-
     k_smem, v_smem, q_smem, do_smem, kv_bar, ready = _buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                               NUM_BUF, HEAD_DIM)
 
@@ -151,8 +176,73 @@ def _sm90_dkdv_kernel(
     n_m = gl.maximum(gl.cdiv(T - lo, BLOCK_M), 0)
     n_iter = GROUP * n_m  # may be 0: dK = dV = 0 are still stored
     h0 = hk * GROUP
+    descs = (q_desc, do_desc, k_desc, v_desc)
+    smem = (k_smem, v_smem, q_smem, do_smem, kv_bar, ready)
+    problem = (LSE2, DELTA, DK, DV, b, hk, n0, lo, full_from, n_m, n_iter, h0, q_head_rows, q_head_cols,
+               do_head_rows, do_head_cols, stride_dkb, stride_dks, stride_dkh, T, S, HQ, stat_pitch, shift, qk_scale,
+               softmax_scale)
+    if DQ_REDUCE:
+        gl.static_assert(DV_WAIT and BLOCK_M == 64, "DQ_REDUCE needs DV_WAIT and BLOCK_M 64")
+        staging_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * HQ * T * HEAD_DIM, shape=[HQ * T, HEAD_DIM],
+                                             strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, DQ_CHUNK],
+                                             layout=staging_layout)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        staging = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, BLOCK_M, DQ_CHUNK], staging_layout)
+        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(DQ_SLOTS):
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
+        dq = (ds_smem, staging, dq_full, dq_empty)
+        gl.warp_specialize([
+            (_dkdv_body, (descs, smem, problem, dq, HEAD_DIM, BLOCK_N, BLOCK_M, NUM_BUF, DV_WAIT, CAUSAL, True)),
+            (_dq_writer, (dq_desc, staging, dq_full, dq_empty, n_iter, n_m, lo, h0, T, HEAD_DIM)),
+        ], [1], [DQ_WRITER_REGS])
+    else:
+        _dkdv_body(descs, smem, problem, (0, 0, 0, 0), HEAD_DIM, BLOCK_N, BLOCK_M, NUM_BUF, DV_WAIT, CAUSAL, False)
+
+
+@gluon.jit
+def _dq_writer(dq_desc, staging, dq_full, dq_empty, n_iter, n_m, lo, h0, T, HEAD_DIM: gl.constexpr):
+    """The DQ_REDUCE writer warp: chunk after chunk (a tile's HEAD_DIM / DQ_CHUNK column chunks in turn), wait
+    until the consumers have staged it, add it into the accumulator by a TMA bulk reduce, and free its slot
+    once the reduce has read it (the adds complete in L2 on their own)."""
+    BLOCK_M: gl.constexpr = staging.type.shape[1]
+    CHUNKS: gl.constexpr = HEAD_DIM // DQ_CHUNK
+    for i in range(n_iter * CHUNKS):
+        it = i // CHUNKS
+        slot = i % DQ_SLOTS
+        mbarrier.wait(dq_full.index(slot), (i // DQ_SLOTS) & 1)
+        _tma_reduce_add(dq_desc, [(h0 + it // n_m) * T + lo + (it % n_m) * BLOCK_M, (i % CHUNKS) * DQ_CHUNK],
+                        staging.index(slot))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(slot), count=1)
+
+
+@gluon.jit
+def _dkdv_body(descs, smem, problem, dq, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+               NUM_BUF: gl.constexpr, DV_WAIT: gl.constexpr, CAUSAL: gl.constexpr, DQ_REDUCE: gl.constexpr):
+    """The dK/dV kernel's work (all its warps; with DQ_REDUCE the default partition beside the writer warp):
+    the tile loop of the module doc, then dK and dV stored."""
+    q_desc, do_desc, k_desc, v_desc = descs
+    k_smem, v_smem, q_smem, do_smem, kv_bar, ready = smem
+    (LSE2, DELTA, DK, DV, b, hk, n0, lo, full_from, n_m, n_iter, h0, q_head_rows, q_head_cols, do_head_rows,
+     do_head_cols, stride_dkb, stride_dks, stride_dkh, T, S, HQ, stat_pitch, shift, qk_scale, softmax_scale) = problem
+    NW: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = wgmma_layout(NW, BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(NW, HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     q_head = (q_head_rows, q_head_cols)
     do_head = (do_head_rows, do_head_cols)
+    if DQ_REDUCE:
+        ds_smem, staging, dq_full, dq_empty = dq
+        # a dQ chunk [BLOCK_M, DQ_CHUNK]: one warpgroup's 64 rows, its columns split between warpgroups
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4],
+                                                            instr_shape=[16, DQ_CHUNK // (NW // 4), 16])
+        dq_zero = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, dq_layout)
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
@@ -183,7 +273,9 @@ def _sm90_dkdv_kernel(
         st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # S^T done, and with it the last tile's dV and dK (issued before): its ring slot is free again
-        if DV_WAIT:  # the last tile's dV product was waited for in that tile: P's registers are free
+        if DQ_REDUCE:  # as DV_WAIT, and dK's operand dS^T is in shared memory
+            st, dv_r, dk_r = warpgroup_mma_wait(1, deps=(st_tok, dv, dk))
+        elif DV_WAIT:  # the last tile's dV product was waited for in that tile: P's registers are free
             st, dv_r, dk_r, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, ds16))
         else:
             st, dv_r, dk_r, p16, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, p16, ds16))
@@ -203,13 +295,36 @@ def _sm90_dkdv_kernel(
             dpt, dv_done, p16_done = warpgroup_mma_wait(0, deps=(dpt_tok, dv, p16))
         else:
             dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
-        ds16 = gl.convert_layout((p * (dpt - delta[None, :])).to(dtype), op_layout)
-        dk = warpgroup_mma(ds16, q_smem.index(s), dk_r, is_async=True)
+        ds = (p * (dpt - delta[None, :])).to(dtype)
+        if DQ_REDUCE:  # dS^T through shared memory: the A operand of dQ (transposed) and of dK
+            ds_smem.store(ds)
+            fence_async_shared()
+            # rows past T have P = 0: their dQ rows are 0, and may land in the next head's rows harmlessly
+            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, DQ_CHUNK, dim=1), dq_zero,
+                                   use_acc=False, is_async=True)
+            dk = warpgroup_mma(ds_smem, q_smem.index(s), dk_r, is_async=True)
+            for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
+                if c > 0:
+                    dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1),
+                                           dq_zero, use_acc=False, is_async=True)
+                dq_chunk = warpgroup_mma_wait(1 if c == 0 else 0, deps=(dq_tok,))
+                i = it * (HEAD_DIM // DQ_CHUNK) + c  # the writer's chunk count
+                slot = i % DQ_SLOTS
+                mbarrier.wait(dq_empty.index(slot), ((i // DQ_SLOTS) & 1) ^ 1)  # a slot starts free
+                staging.index(slot).store(dq_chunk)
+                fence_async_shared()
+                gl.thread_barrier()  # every consumer thread's part of the chunk is stored
+                mbarrier.arrive(dq_full.index(slot), count=1)
+        else:
+            ds16 = gl.convert_layout(ds, op_layout)
+            dk = warpgroup_mma(ds16, q_smem.index(s), dk_r, is_async=True)
         rows_next = lo + ((it + 1) % n_m) * BLOCK_M + offs_m
         lse2 = gl.load(LSE2 + (b * HQ + h0 + (it + 1) // n_m) * stat_pitch + rows_next,
                        mask=(rows_next < T) & (it + 1 < n_iter), other=float("inf"))
 
-    if DV_WAIT:
+    if DQ_REDUCE:
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    elif DV_WAIT:
         dv, dk, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, ds16))
     else:
         dv, dk, p16, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, p16, ds16))
@@ -320,30 +435,34 @@ def _sm90_dq_kernel(
     gl.store(DQ + out, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=(out_rows < T)[:, None])
 
 
-def smem(config: triton.Config, head_dim: int, keys_resident: bool) -> int:
+def smem(config: triton.Config, head_dim: int, keys_resident: bool, dq_reduce: bool = False) -> int:
     """Shared memory of a config in bytes (16-bit elements): the resident tiles (k and v of the dK/dV
     kernel, ``keys_resident``, BLOCK_N rows; q and dO of the dQ kernel, BLOCK_M rows) and the ring of
-    the streamed ones."""
+    the streamed ones; with ``dq_reduce`` also the dS^T tile and the fp32 dQ staging slots."""
     kw = config.kwargs
     resident, streamed = (kw["BLOCK_N"], kw["BLOCK_M"]) if keys_resident else (kw["BLOCK_M"], kw["BLOCK_N"])
-    return 2 * head_dim * (2 * resident + 2 * kw["NUM_BUF"] * streamed)
+    staged = 2 * kw["BLOCK_N"] * kw["BLOCK_M"] + 4 * DQ_SLOTS.value * kw["BLOCK_M"] * DQ_CHUNK.value if dq_reduce else 0
+    return 2 * head_dim * (2 * resident + 2 * kw["NUM_BUF"] * streamed) + staged
 
 
-def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = ()):
+def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = (), dq_reduce: bool = False):
     """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF, *values of the
     constexprs ``flags``) tuples), those whose tiles fit the shared memory (``_common.smem_budget``: 227 KiB
-    a block on an H100 or H200) kept."""
+    a block on an H100 or H200) kept; ``dq_reduce``: the dK/dV kernel's DQ_REDUCE variant, whose accumulator
+    the autotuner zeroes before each timed run and before the real one (``reset_to_zero``)."""
     def prune(configs, named_args, **kwargs):
         d = {**named_args, **kwargs}["HEAD_DIM"]
-        return [c for c in configs if smem(c, d, keys_resident) <= smem_budget(0)] or configs[:1]
+        return [c for c in configs if smem(c, d, keys_resident, dq_reduce) <= smem_budget(0)] or configs[:1]
 
     return autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, **dict(zip(flags, rest))},
                                    num_warps=w, num_stages=1) for bm, bn, w, nb, *rest in configs],
                     key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
-                    prune_configs_by={"early_config_prune": prune})(kernel)
+                    prune_configs_by={"early_config_prune": prune},
+                    **({"reset_to_zero": ["DQ_ACC"]} if dq_reduce else {}))(kernel)
 
 
 _dkdv_kernel = _tuned(_sm90_dkdv_kernel, DKDV_CONFIGS, True, ("DV_WAIT",))
+_dkdv_reduce_kernel = _tuned(_sm90_dkdv_kernel, DKDV_REDUCE_CONFIGS, True, ("DV_WAIT",), dq_reduce=True)
 _dq_kernel = _tuned(_sm90_dq_kernel, DQ_CONFIGS, False)
 
 
@@ -379,16 +498,19 @@ def matrix_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
 
 
 def launch_dkdv(q, k, v, do, lse2, delta, dk, dv, args: tuple, causal: bool, scale: float, qk_scale: float,
-                group_programs: int, key) -> None:
+                group_programs: int, key, dq_acc: torch.Tensor | None = None) -> None:
     """dK and dV into ``dk`` and ``dv`` [B, S, Hkv, D] (equal strides) from the preprocess kernel's ``lse2``
     and ``delta`` [B, Hq, pitch]; ``args``: :func:`matrix_args` of the inputs; ``key`` determines the
-    shapes, strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`)."""
+    shapes, strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`). With ``dq_acc``
+    (zeroed, [B, Hq, T, D] fp32, contiguous) the DQ_REDUCE kernel also adds dQ / scale into it."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
-    _dkdv_kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, *args, *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs,
-                        next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
+    kernel = _dkdv_kernel if dq_acc is None else _dkdv_reduce_kernel
+    kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, dk if dq_acc is None else dq_acc, *args,
+                  *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs,
+                  next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal, DQ_REDUCE=dq_acc is not None)
 
 
 def launch_dq(q, k, v, do, lse2, delta, dq, args: tuple, causal: bool, scale: float, qk_scale: float,

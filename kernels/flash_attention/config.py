@@ -81,6 +81,11 @@ SM90_FWD: tuple[int, ...] = (128,)
 #: (4.26 / 7.11 / 0.262 ms), 0.88x at B16 Hq12 T1024 D64; the Gluon dQ's 64x64 4-warp tile (two programs an
 #: SM) 1.08x / 1.09x / 1.05x at those D128 shapes (2.83 / 4.99 / 0.214 ms), 0.91x at D64.
 SM90_BWD: dict[str, tuple[int, ...]] = {"dkdv": (128,), "dq": (128,)}
+#: the head dims at which ``deterministic=False`` runs on Hopper as backward_sm90's dK/dV kernel with DQ_REDUCE
+#: (dQ added by a writer warp's TMA bulk reduces; FlashAttention-3's arrangement) instead of the portable fused
+#: kernel. Off until measured: the same kernel without the writer warp (each reduce between CTA barriers of
+#: the compute warps) ran 0.71x the deterministic Gluon pair at B8 Hq32/Hkv8 T4096 D128 (NOTES.md).
+SM90_FUSED: tuple[int, ...] = ()
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
 #: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
 #: Forward: q tile resident, k/v tiles pipelined (Hopper: M 64 per warpgroup, so BLOCK_M 128 = 8 warps).
