@@ -19,20 +19,21 @@ dQ: a program owns BLOCK_M queries of one head with q and dO resident, and strea
 way: issue S = q k^T and dP = dO v^T; P while dP runs; issue dQ += dS k, waited in the next tile.
 
 With ``DQ_REDUCE`` (the backward of ``deterministic=False``) the dK/dV kernel also computes each tile's
-share of dQ, FlashAttention's fifth product, and no dQ kernel runs, in FlashAttention-3's arrangement: dS^T
-goes to shared memory and is the A operand of dK and (transposed) of dQ_tile = dS k, issued in DQ_CHUNK-column
-chunks; the compute warps stage each chunk (fp32) in a ring of DQ_SLOTS slots and hand it by mbarrier to a
-writer warp of its own (``gl.warp_specialize``), which adds it into a zeroed ``[B, Hq, T, D]`` accumulator by a
-TMA bulk reduce (``cp.reduce.async.bulk.tensor.add``: the adds done in L2) and frees the slot once the
-reduce has read it; ``backward.py``'s finalize kernel scales the accumulator into dQ. Five products per
-tile pair instead of seven; the order in which the key blocks' adds land varies between runs.
+share of dQ, FlashAttention's fifth product, and no dQ kernel runs, in FlashAttention-3's arrangement:
+dS^T goes to shared memory and is the A operand of dK and (transposed) of dQ_tile = dS k, issued in
+DQ_CHUNK-column chunks; the compute warps stage each chunk (fp32) in a ring of DQ_SLOTS slots and hand it
+by mbarrier to a writer warp of its own (``gl.warp_specialize``), which adds it into a zeroed
+``[B, Hq, T, D]`` accumulator by a TMA bulk reduce (``cp.reduce.async.bulk.tensor.add``: the adds done in
+L2) and frees the slot once the reduce has read it; ``backward.py``'s finalize kernel scales the
+accumulator into dQ. Five products per tile pair instead of seven; the order in which the key blocks' adds
+land varies between runs.
 
 dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads and dQ = softmax_scale *
-sum dS k, each in a fixed order without DQ_REDUCE: no atomics, so the backward stays bitwise reproducible. Only 16-bit q,
-k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO with each
-token's heads side by side or each head's tokens in a row (a head is then a column or a row block of one
-descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD`` names, per
-kernel, the head dims it runs at.
+sum dS k, each in a fixed order without DQ_REDUCE: no atomics, so the backward stays bitwise reproducible.
+Only 16-bit q, k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO
+with each token's heads side by side or each head's tokens in a row (a head is then a column or a row
+block of one descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD``
+names, per kernel, the head dims it runs at, ``config.SM90_FUSED`` those of DQ_REDUCE.
 """
 
 from __future__ import annotations
