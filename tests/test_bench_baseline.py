@@ -319,12 +319,14 @@ def test_host_profile_attributes_self_time_to_areas_and_functions(monkeypatch):
             next_pow2(n)
         torch.zeros(8).sum()
 
-    prof = host_profile(step, 3, top=5)
+    # every function (top=10**6): where next_pow2 ranks by self time depends on the machine's load
+    prof = host_profile(step, 3, top=10**6)
     assert set(prof["areas"]) >= {"tritonllm", "other"} and sum(prof["areas"].values()) == pytest.approx(1, abs=0.01)
-    assert prof["host_ms"] > 0 and len(prof["top"]) == 5
+    assert prof["host_ms"] > 0 and len(prof["top"]) > 5
     assert [r["ms"] for r in prof["top"]] == sorted((r["ms"] for r in prof["top"]), reverse=True)
     pow2 = next(r for r in prof["top"] if "next_pow2" in r["fn"])
     assert pow2["calls"] == 2000 and "_common.py" in pow2["fn"]
+    assert len(host_profile(step, 1, top=5)["top"]) == 5
     assert _parse(["--host-profile", "3"])[0].host_profile == 3 and _parse([])[0].host_profile == 0
 
 
