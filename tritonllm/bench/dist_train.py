@@ -378,15 +378,16 @@ def _efficiency(f: dict, one: dict):
 
 
 def write_rows(path: str, rows: list[dict], header: dict) -> None:
-    """Merge ``rows`` into the results file ``path``: rows of the same model, batch, seq_len, nproc and
-    parallel are replaced; the header is written only when the file is new."""
+    """Merge ``rows`` into the results file ``path``: rows of the same :func:`harness.row_key` (model, batch,
+    seq_len, nproc, parallel) are replaced; the header is written only when the file is new."""
+    from tritonllm.bench.harness import row_key
+
     doc = {**header, "results": []}
     if os.path.exists(path):
         with open(path) as f:
             doc = json.load(f)
-    key = lambda r: (r.get("model"), r.get("batch"), r.get("seq_len"), r.get("nproc", 1), r.get("parallel", "none"))  # noqa: E731
-    new = {key(r) for r in rows}
-    doc["results"] = [r for r in doc.get("results", []) if key(r) not in new] + rows
+    new = {row_key(r) for r in rows}
+    doc["results"] = [r for r in doc.get("results", []) if row_key(r) not in new] + rows
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

@@ -382,10 +382,17 @@ def git_commit() -> str:
         return os.environ.get("TRITONLLM_COMMIT", "unknown")
 
 
+def row_key(r: dict) -> tuple:
+    """What makes two result rows the same measurement, so that a new one replaces the old: op, shape,
+    dtype, pass, model, batch, sequence length, GPU count and parallel mode (a one-GPU training row leaves
+    the model's multi-GPU rows alone)."""
+    return (r.get("op"), r.get("shape"), r.get("dtype"), r.get("pass"), r.get("model"), r.get("batch"),
+            r.get("seq_len"), r.get("nproc", 1), r.get("parallel", "none"))
+
+
 def write_results(kind: str, rows: list[dict], out_dir: str, extra: dict | None = None) -> str:
-    """Merge ``rows`` into ``<out_dir>/<kind>-<gpu>.json`` (rows with the same op, shape, dtype, pass,
-    model, batch, sequence length, GPU count and parallel mode are replaced: a one-GPU training row leaves
-    the model's multi-GPU rows alone; each new row records the commit it was measured at) and return the path."""
+    """Merge ``rows`` into ``<out_dir>/<kind>-<gpu>.json`` (rows of the same :func:`row_key` are replaced;
+    each new row records the commit it was measured at) and return the path."""
     import triton
 
     os.makedirs(out_dir, exist_ok=True)
@@ -394,11 +401,9 @@ def write_results(kind: str, rows: list[dict], out_dir: str, extra: dict | None 
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f).get("results", [])
-    key = lambda r: (r.get("op"), r.get("shape"), r.get("dtype"), r.get("pass"), r.get("model"), r.get("batch"),  # noqa: E731
-                     r.get("seq_len"), r.get("nproc", 1), r.get("parallel", "none"))
-    new_keys = {key(r) for r in rows}
+    new_keys = {row_key(r) for r in rows}
     commit = git_commit()
-    merged = [r for r in old if key(r) not in new_keys] + [{**r, "commit": r.get("commit", commit)} for r in rows]
+    merged = [r for r in old if row_key(r) not in new_keys] + [{**r, "commit": r.get("commit", commit)} for r in rows]
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "commit": commit, "date": datetime.date.today().isoformat()}
     doc.update(extra or {})
