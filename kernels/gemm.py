@@ -62,6 +62,8 @@ PERSISTENT = True
 #: SMs held (scripts/sm_contention.py, docs/perf/contention-ws-h100.json).
 SM90_WS = False
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
+#: 256x128: 8192^3's forward ran 1.03x cuBLAS with it, 0.98x with 128x256 (H100, scripts/tune_linear.py
+#: splits); gated epilogues skip it (:func:`gated_too_large`).
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
     (128, 256, 64, 4, 8),
@@ -69,6 +71,7 @@ GPU_CONFIGS = [
     (128, 128, 64, 4, 8),
     (128, 128, 32, 4, 4),
     (64, 128, 64, 4, 4),
+    (256, 128, 64, 3, 8),
 ]
 #: the same for fp8 operands (one byte each: twice the K per stage of the bf16 configs)
 FP8_GPU_CONFIGS = [
@@ -88,8 +91,12 @@ SMEM_RESERVE = 7 * 1024
 SPLIT_K_MIN_K = 2048
 #: ... at most this many splits ...
 SPLIT_K_MAX = 8
-#: ... and the fewest splits whose programs fill the GPU within this fraction of the best fill.
-SPLIT_K_FILL_SLACK = 0.05
+#: ... and the count :func:`split_cost` estimates fastest, which charges the fp32 partials' traffic
+#: (written by the GEMM, read back by the sum) at this many bytes per 128x128x64 product step of
+#: one SM. Measured on an H100 (scripts/tune_linear.py splits, docs/perf/NOTES.md): a step took
+#: 0.4 us and the partials cost about 1.9 TB/s, so that dW of 16384x768x2304 ran 27% slower split
+#: 6 ways (the best fill of its 108 tiles) than unsplit.
+SPLIT_K_STEP_BYTES = 760_000
 
 
 @triton.jit
@@ -351,6 +358,12 @@ def _shrink_to_fit(cfg: triton.Config, args: dict) -> triton.Config:
     return triton.Config(kw, num_stages=stages, num_warps=cfg.num_warps)
 
 
+def gated_too_large(meta: dict) -> bool:
+    """A tile whose two gated accumulators would spill registers: more than 128x128 (256 fp32
+    registers a thread at 8 warps)."""
+    return meta["BLOCK_M"] * meta["BLOCK_N"] > 128 * 128
+
+
 def prune_configs(configs, named_args, **kwargs):
     """Drop configs that overflow shared memory (:func:`_config_smem` over ``smem_budget(SMEM_RESERVE)``) or (gated
     epilogues, two accumulators) whose accumulators would spill registers; when none is left, the
@@ -358,7 +371,7 @@ def prune_configs(configs, named_args, **kwargs):
     kernels.grouped_linear (no TMA_STORE / STORE_GU arguments there)."""
     args = {**named_args, **kwargs}
     gated, budget = args["EPILOGUE"] != PLAIN, smem_budget(SMEM_RESERVE)
-    keep = [c for c in configs if _config_smem(c, args) <= budget and not (gated and c.kwargs["BLOCK_N"] > 128)]
+    keep = [c for c in configs if _config_smem(c, args) <= budget and not (gated and gated_too_large(c.kwargs))]
     return keep or [_shrink_to_fit(min(configs, key=lambda c: _config_smem(c, args)), args)]
 
 
@@ -434,15 +447,24 @@ def split_fill(M: int, N: int, splits: int, sms: int) -> float:
     return units / (triton.cdiv(units, sms) * sms)
 
 
+def split_cost(M: int, N: int, K: int, splits: int, sms: int) -> float:
+    """:func:`split_k_for`'s estimate of an M x N x K product's time split ``splits`` ways along K,
+    in 128x128x64 steps of one SM: the waves of its 128x128 tiles' programs times each program's K
+    steps, plus the fp32 partials' 8 bytes an element a split (written, then read by the sum)."""
+    units = triton.cdiv(M, 128) * triton.cdiv(N, 128) * splits
+    steps = triton.cdiv(triton.cdiv(K, 64), splits)
+    traffic = 8 * splits * M * N if splits > 1 else 0
+    return triton.cdiv(units, sms) * steps + traffic / SPLIT_K_STEP_BYTES
+
+
 def split_k_for(M: int, N: int, K: int, sms: int) -> int:
     """Splits along K for a product with too few output tiles to fill ``sms`` SMs (tiles counted
-    at 128x128): the fewest splits whose fill (:func:`split_fill`) is within SPLIT_K_FILL_SLACK of
-    the best, each split keeping at least SPLIT_K_MIN_K of K. 1 when the tiles already fill the GPU."""
+    at 128x128): the fewest splits of least :func:`split_cost`, each split keeping at least
+    SPLIT_K_MIN_K of K. 1 when the tiles already fill the GPU."""
     most = min(SPLIT_K_MAX, K // SPLIT_K_MIN_K)
     if triton.cdiv(M, 128) * triton.cdiv(N, 128) >= sms or most < 2:
         return 1
-    fills = [split_fill(M, N, s, sms) for s in range(1, most + 1)]
-    return next(s for s, f in enumerate(fills, 1) if f >= max(fills) - SPLIT_K_FILL_SLACK)
+    return min(range(1, most + 1), key=lambda s: split_cost(M, N, K, s, sms))
 
 
 def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None,

@@ -22,6 +22,10 @@ Sections, in this order:
   lce      linear_cross_entropy 16384x768x32000 fwd+bwd ms and peak memory for sets of
            DEFAULT_CHUNK / DW_FP32 / GRAD_IN_PLACE, against Liger-Kernel and eager PyTorch.
   configs  stage B: every candidate config with each problem's best knob set.
+  splits   the three GEMMs of linear (fwd, dx, dW) at every benchmark shape, each replayed in a CUDA
+           graph, the best of CANDIDATES with the default knobs against cuBLAS, and dW once per
+           split count along K (1, 2, 3, 4, 6, 8 and split_k_for's choice): which GEMM of the
+           backward trails cuBLAS, and what each split costs (its fp32 partials and their sum).
 The e2e sections (host .. lce) autotune over the two best configs of the best knob set of stage
 A (or the GPU_CONFIGS when stage A did not run). Every variant's output is compared with the
 default variant's (first config, knobs off, itself checked against cuBLAS; for lce the module's
@@ -42,7 +46,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tritonllm.bench.harness import pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
+from tritonllm.bench.harness import graph_ms, pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
+from tritonllm.bench.ops_linear import SHAPES
 from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu, swiglu
 from tritonllm.kernels._common import smem_budget
 
@@ -147,11 +152,11 @@ def plan(prob, config, tma_store):
 
 
 def valid(prob, cfg, knob):
-    """The variant fits shared memory and, for the gated epilogue, has BLOCK_N <= 128 (linear's pruning)."""
+    """The variant fits shared memory and, for the gated epilogue, is at most 128x128 (gemm's pruning)."""
     config, tma_store = variant(cfg, knob)
     args, _ = plan(prob, config, tma_store)
-    gated_too_wide = prob.kw.get("epilogue") and config.kwargs["BLOCK_N"] > 128
-    return L._config_smem(config, args) <= smem_budget(L.SMEM_RESERVE) and not gated_too_wide
+    gated_too_large = prob.kw.get("epilogue") and L.gated_too_large(config.kwargs)
+    return L._config_smem(config, args) <= smem_budget(L.SMEM_RESERVE) and not gated_too_large
 
 
 def _msg(e: BaseException) -> str:
@@ -472,8 +477,77 @@ def section_configs(state):
     RESULTS["gemm_stage_b"] = out
 
 
+def section_splits(state):
+    default_knob = next(k for k in KNOBS if k[0] == "flat+tmaS")
+    probs, splits_of = [], {}
+    for M, K, N in SHAPES["default"]["linear"] + SHAPES["large"]["linear"] + [(16384, 768, 768)]:
+        x, w, dy = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, N)
+        s = f"{M}x{K}x{N}"
+        probs += [Problem(f"{s} fwd", x, w.t(), (M, N), cublas=lambda x=x, w=w: F.linear(x, w)),
+                  Problem(f"{s} dx", dy, w, (M, K), cublas=lambda dy=dy, w=w: torch.mm(dy, w))]
+        chosen = L.split_k_for(N, K, M, L.num_sms())
+        splits_of[s] = chosen
+        probs.append(Problem(f"{s} dW", dy.t(), x, (N, K), cublas=lambda dy=dy, x=x: torch.mm(dy.t(), x)))
+        for sk in sorted({1, 2, 3, 4, 6, 8, chosen}):
+            probs.append(Problem(f"{s} dW split{sk}", dy.t(), x, (N, K), split_k=sk,
+                                 cublas=lambda dy=dy, x=x: torch.mm(dy.t(), x)))
+    auto = [p for p in probs if "split" not in p.name]  # also timed through gemm's autotuner, plain and WS
+    sweep = [p for p in probs if p.name.split()[-1] != "dW"]  # timed per config
+    jobs = [(p, cfg, default_knob) for p in sweep
+            for cfg in (CANDIDATES if "split" not in p.name else L.GPU_CONFIGS) if valid(p, tuple(cfg), default_knob)]
+    jobs = [(p, tuple(cfg), k) for p, cfg, k in jobs]
+    t = time.time()
+    failed = precompile(jobs)
+    print(f"\n== splits: {len(jobs)} variants compiled in {time.time() - t:.0f} s ({len(failed)} failed); "
+          "ms replayed in CUDA graphs, ours = the best config", flush=True)
+    print(f"{'problem':<34}{'cuBLAS':>9}{'ours':>9}{'ratio':>7}  best config / autotuned: ratio plain, WS")
+    out = {}
+    for p in probs:
+        if left() < 5:
+            print(f"  {p.name}: skipped (time budget)")
+            continue
+        res, ref = {}, None
+        for cfg, k in [(c, k) for q, c, k in jobs if q is p]:
+            if (p.name, cfg, k[0]) in failed:
+                res[cfg] = "compile: " + failed[(p.name, cfg, k[0])]
+                continue
+            config, tma_store = variant(cfg, k)
+            L.TMA_STORE = tma_store
+            c, gu = p.new_out()
+            p.call(c, gu, config)
+            ref = c.clone() if ref is None else ref
+            err = rel_err(c, ref)
+            res[cfg] = graph_ms(lambda c=c, config=config: lambda: p.call(c, None, config)) if err < 2e-2 \
+                else f"BAD err {err:.1e}"
+        if p in auto:
+            for ws in (False, True):
+                L.SM90_WS = ws
+                c, gu = p.new_out()
+                p.call(c, gu, None)
+                ref = c.clone() if ref is None else ref
+                err = rel_err(c, ref)
+                res["ws" if ws else "autotuned"] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) \
+                    if err < 2e-2 else f"BAD err {err:.1e}"
+            L.SM90_WS = False
+        times = {cfg: v for cfg, v in res.items() if isinstance(v, float)}
+        base = graph_ms(lambda: p.cublas)
+        if ref is not None:
+            err = rel_err(ref, p.cublas())
+            if err > 2e-2:
+                print(f"  BAD: {p.name} vs cuBLAS rel err {err:.1e}")
+        if times:
+            best = min(times, key=times.get)
+            tuned = "  ".join(f"{base / times[k]:.3f}" if k in times else str(res.get(k, "-"))[:12]
+                              for k in ("autotuned", "ws") if k in res)
+            print(f"{p.name:<34}{base:9.4f}{times[best]:9.4f}{base / times[best]:7.3f}  {best}  {tuned}")
+        out[p.name] = {"cublas_ms": base, **{str(c): v for c, v in res.items()}}
+    L.TMA_STORE = default_knob[4]
+    RESULTS["splits"] = {"split_k_for": splits_of, "problems": out}
+
+
 SECTIONS = {"gemm": section_gemm, "host": section_host, "linear": section_linear, "swiglu": section_swiglu,
-            "lce": section_lce, "configs": section_configs}
+            "lce": section_lce, "configs": section_configs,
+            "splits": section_splits}
 
 
 def main(argv):
