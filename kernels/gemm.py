@@ -57,13 +57,12 @@ EPILOGUE_SUBTILE = False
 PERSISTENT = True
 #: on Hopper, run the plain and residual products of 16-bit tensor-descriptor operands through
 #: gemm_sm90's warp-specialized Gluon kernel (a producer warp streaming the tiles, two consumer
-#: warpgroups) instead of _matmul_kernel. Off: correct on an H100 (test_gemm_sm90_warp_specialized), but
-#: linear fwd+bwd at void1b's four shapes ran 0.89-1.02x _matmul_kernel, both grids, alone and with 16
-#: SMs held (scripts/sm_contention.py, docs/perf/contention-ws-h100.json).
-SM90_WS = False
+#: warpgroups, cooperative or ping-pong) instead of _matmul_kernel. On: each GEMM of linear (fwd, dx,
+#: dW) at the nine benchmark shapes, alone in CUDA graphs, ran 1.00-1.09x _matmul_kernel (the best of
+#: both through their autotuners; 0.998x at 8192^3's dW), 0.82-1.06x cuBLAS (scripts/tune_linear.py
+#: splits, H100, docs/perf/NOTES.md).
+SM90_WS = True
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
-#: 256x128: 8192^3's forward ran 1.03x cuBLAS with it, 0.98x with 128x256 (H100, scripts/tune_linear.py
-#: splits); gated epilogues skip it (:func:`gated_too_large`).
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
     (128, 256, 64, 4, 8),
@@ -71,7 +70,6 @@ GPU_CONFIGS = [
     (128, 128, 64, 4, 8),
     (128, 128, 32, 4, 4),
     (64, 128, 64, 4, 4),
-    (256, 128, 64, 3, 8),
 ]
 #: the same for fp8 operands (one byte each: twice the K per stage of the bf16 configs)
 FP8_GPU_CONFIGS = [

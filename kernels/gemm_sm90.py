@@ -1,5 +1,5 @@
 """A warp-specialized GEMM for Hopper (sm90), written in Gluon: the plain and residual products of
-:func:`gemm.gemm` with 16-bit tensor-descriptor operands, behind ``gemm.SM90_WS`` (off by default).
+:func:`gemm.gemm` with 16-bit tensor-descriptor operands, behind ``gemm.SM90_WS`` (on by default).
 
 One producer warp (``_load_partition``, few registers) streams the A and B tiles of every output tile
 the program owns through a STAGES-deep ring in shared memory (TMA, an mbarrier per slot each way);

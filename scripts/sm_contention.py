@@ -95,6 +95,7 @@ def graphed_op(variant: str, K: int, N: int):
     chosen configs (BLOCK_M, BLOCK_N, STAGES, PINGPONG) of its products, if it ran any."""
     gemm_module = importlib.import_module("tritonllm.kernels.gemm")
     gemm_module._LAUNCH_CONFIGS.clear()  # this op's plans only, below
+    knobs = gemm_module.PERSISTENT, gemm_module.SM90_WS
     gen = torch.Generator(device="cuda").manual_seed(K * N)
     x = torch.randn(TOKENS, K, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5).requires_grad_()
@@ -114,7 +115,7 @@ def graphed_op(variant: str, K: int, N: int):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    gemm_module.PERSISTENT, gemm_module.SM90_WS = True, False
+    gemm_module.PERSISTENT, gemm_module.SM90_WS = knobs
     ws = [plan[0].kwargs for plan in gemm_module._LAUNCH_CONFIGS.values() if plan[0].fn.__name__ == "ws_matmul_kernel"]
     return graph.replay, [[kw[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "PINGPONG")] for kw in ws]
 

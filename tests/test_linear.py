@@ -276,7 +276,7 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
 def test_gemm_sm90_warp_specialized(layout, residual, persistent, pingpong, monkeypatch):
-    """gemm_sm90's warp-specialized kernel (the SM90_WS knob, off by default; the first config of each
+    """gemm_sm90's warp-specialized kernel (the SM90_WS knob, on by default; the first config of each
     schedule) on ragged sizes (no dimension a multiple of a tile, K shorter than the ring and longer than
     it), every operand layout, with and without the residual epilogue, both grids: against float64 and
     the default kernel, and the plan really is the Gluon kernel."""
