@@ -17,7 +17,7 @@ from _checks import DEVICE, assert_close
 from reference_model import ReferenceTransformer
 from tritonllm.bench import baseline_model
 from tritonllm.bench.baseline_model import BaselineTransformer
-from tritonllm.bench.train import (_parse, host_ms, host_profile, interleaved_ratio, parse_cpu_model, wall_ms,
+from tritonllm.bench.train import (OUR_KERNEL, _parse, host_ms, host_profile, interleaved_ratio, parse_cpu_model, wall_ms,
                                    with_speedup)
 from tritonllm.models import ModelConfig, build_model
 
@@ -336,3 +336,14 @@ def test_speedup_is_against_the_fastest_baseline_that_ran():
         "max-autotune": {"error": "OutOfMemoryError: ..."}}}
     assert with_speedup(row)["speedup"] == 1.25 and row["fastest_baseline"] == "reduce-overhead"
     assert with_speedup({"step_ms": 20.0, "speedup": None, "baselines": {}})["speedup"] is None
+
+
+def test_our_kernel_names():
+    """triton_share counts tritonllm's Triton and Gluon kernels (by their bare names), not CUDA library
+    kernels (a C++ signature) nor torch.compile's Triton kernels."""
+    for name in ("_matmul_kernel", "ws_matmul_kernel", "_sm90_dq_kernel", "_rms_norm_fwd_kernel_0d1d"):
+        assert OUR_KERNEL.match(name), name
+    for name in ("void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<float> >(int)",
+                 "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "triton_poi_fused_add_0", "triton_red_fused_kernel_1",
+                 "Memset (Device)"):
+        assert not OUR_KERNEL.match(name), name

@@ -80,8 +80,10 @@ from typing import Callable
 
 import torch
 
-#: Triton kernels of tritonllm.kernels: `_<op>_..._kernel` (a compiled name may carry a suffix)
-OUR_KERNEL = re.compile(r"^_\w*_kernel")
+#: Triton and Gluon kernels of tritonllm.kernels: a bare `..._kernel` identifier (`_matmul_kernel`,
+#: gemm_sm90's `ws_matmul_kernel`; a compiled name may carry a suffix), where CUDA libraries' kernels
+#: show a signature (`void at::native::..._kernel<...>(...)`) and torch.compile's are `triton_...`
+OUR_KERNEL = re.compile(r"^(?!triton_)\w*_kernel")
 EXCLUDED = ("Memcpy", "Memset", "memcpy", "memset")
 #: --baselines name -> torch.compile mode
 #: (timed in this order: the slowest to compile last)
