@@ -494,8 +494,7 @@ def section_splits(state):
     auto = [p for p in probs if "split" not in p.name]  # also timed through gemm's autotuner, plain and WS
     sweep = [p for p in probs if p.name.split()[-1] != "dW"]  # timed per config
     jobs = [(p, cfg, default_knob) for p in sweep
-            for cfg in (CANDIDATES if "split" not in p.name else L.GPU_CONFIGS) if valid(p, tuple(cfg), default_knob)]
-    jobs = [(p, tuple(cfg), k) for p, cfg, k in jobs]
+            for cfg in (CANDIDATES if "split" not in p.name else L.GPU_CONFIGS) if valid(p, cfg, default_knob)]
     t = time.time()
     failed = precompile(jobs)
     print(f"\n== splits: {len(jobs)} variants compiled in {time.time() - t:.0f} s ({len(failed)} failed); "
