@@ -375,15 +375,21 @@ def rows_view(x: torch.Tensor, n: int) -> torch.Tensor:
 
 #: tensor-descriptor scratch per (device, stream), see :func:`tma_scratch`
 _TMA_SCRATCH: dict[tuple, torch.Tensor] = {}
+#: the buffers a grown scratch replaced: never freed (see :func:`tma_scratch`)
+_TMA_SCRATCH_OUTGROWN: list[torch.Tensor] = []
 
 
 def tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for the tensor descriptors kernels build (``triton.set_allocator``): one
     buffer per (device, stream), grown on demand. Kernels on one stream run in order, so one buffer
-    serves them all: no allocation per launch."""
+    serves them all: no allocation per launch. A buffer a larger one replaces stays allocated: a
+    kernel captured in a CUDA graph keeps its address and writes its descriptors there at every
+    replay, so freeing it would let the graph write into whatever tensor takes the memory next."""
     key = (torch.cuda.current_device(), stream)
     buf = _TMA_SCRATCH.get(key)
     if buf is None or buf.numel() < size:
+        if buf is not None:
+            _TMA_SCRATCH_OUTGROWN.append(buf)
         buf = _TMA_SCRATCH[key] = torch.empty(max(size, 1 << 16), device="cuda", dtype=torch.int8)
     return buf
 

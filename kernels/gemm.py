@@ -530,7 +530,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     TMA where it can. ``split_k`` splits K over that many programs per output tile (PLAIN with no
     bias, residual or accumulate; fp32 partials summed in a fixed order); None picks it
     (:func:`split_k_for`). ``config`` launches that config instead of the autotuner's choice
-    (scripts/tune_linear.py). fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
+    (scripts/tune_linear.py); one of ``gemm_sm90.configs()`` (it has ``PINGPONG``) runs the
+    warp-specialized Hopper kernel. fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
     ``b_scale`` [N] (fp32, ``PLAIN``): c = a_scale[m] b_scale[n] (a @ b), fp32 accumulation
     promoted once per BLOCK_K.
     """
@@ -583,6 +584,11 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
         meta = _interpreter_config(*key[:3])
     elif config is not None:
         meta = config.all_kwargs()
+        if "PINGPONG" in meta:  # a gemm_sm90 config: its kernel, where it applies
+            ws = _sm90_ws()
+            if not ws.applies(args, a.dtype, c.dtype):
+                raise ValueError("config: a gemm_sm90 config (PINGPONG) for a problem its kernel does not take")
+            kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
     elif SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and _sm90_ws().applies(args, a.dtype, c.dtype):
         ws = _sm90_ws()
         kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS

@@ -23,9 +23,10 @@ Sections, in this order:
            DEFAULT_CHUNK / DW_FP32 / GRAD_IN_PLACE, against Liger-Kernel and eager PyTorch.
   configs  stage B: every candidate config with each problem's best knob set.
   splits   the three GEMMs of linear (fwd, dx, dW) at every benchmark shape, each replayed in a CUDA
-           graph, the best of CANDIDATES with the default knobs against cuBLAS, and dW once per
-           split count along K (1, 2, 3, 4, 6, 8 and split_k_for's choice): which GEMM of the
-           backward trails cuBLAS, and what each split costs (its fp32 partials and their sum).
+           graph, the best of CANDIDATES with the default knobs and (on Hopper) of gemm_sm90's WS
+           configs against cuBLAS, and dW once per split count along K (1, 2, 3, 4, 6, 8 and
+           split_k_for's choice): which GEMM of the backward trails cuBLAS, and what each split
+           costs (its fp32 partials and their sum).
 The e2e sections (host .. lce) autotune over the two best configs of the best knob set of stage
 A (or the GPU_CONFIGS when stage A did not run). Every variant's output is compared with the
 default variant's (first config, knobs off, itself checked against cuBLAS; for lce the module's
@@ -53,6 +54,7 @@ from tritonllm.kernels._common import smem_budget
 
 L = importlib.import_module("tritonllm.kernels.gemm")
 LCE = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
+WS = importlib.import_module("tritonllm.kernels.gemm_sm90")
 
 T0 = time.time()
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "110"))
@@ -477,6 +479,12 @@ def section_configs(state):
     RESULTS["gemm_stage_b"] = out
 
 
+def ws_name(config) -> str:
+    """A gemm_sm90 config as a short name: ws BMxBNxBK sSTAGES, + pp for ping-pong."""
+    k = config.kwargs
+    return f"ws {k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} s{k['STAGES']}" + (" pp" if k["PINGPONG"] else "")
+
+
 def section_splits(state):
     default_knob = next(k for k in KNOBS if k[0] == "flat+tmaS")
     probs, splits_of = [], {}
@@ -528,6 +536,17 @@ def section_splits(state):
                 res["ws" if ws else "autotuned"] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) \
                     if err < 2e-2 else f"BAD err {err:.1e}"
             L.SM90_WS = False
+            if torch.cuda.get_device_capability()[0] == 9:  # and the WS kernel at each of its configs
+                for wcfg in WS.configs():
+                    c, gu = p.new_out()
+                    try:
+                        p.call(c, gu, wcfg)
+                    except Exception as e:  # noqa: BLE001  (a config that cannot compile is reported, not fatal)
+                        res[ws_name(wcfg)] = "error: " + _msg(e)
+                        continue
+                    err = rel_err(c, ref)
+                    res[ws_name(wcfg)] = graph_ms(lambda c=c, wcfg=wcfg: lambda: p.call(c, None, wcfg)) \
+                        if err < 2e-2 else f"BAD err {err:.1e}"
         times = {cfg: v for cfg, v in res.items() if isinstance(v, float)}
         base = graph_ms(lambda: p.cublas)
         if ref is not None:

@@ -211,3 +211,23 @@ def test_checks_name_the_mismatch():
     assert _common.needs_grad(a.requires_grad_(), None)
     with torch.no_grad():
         assert not _common.needs_grad(a)
+
+
+def test_tma_scratch_grows_without_freeing(monkeypatch):
+    """The descriptor scratch grows per (device, stream); the buffer it outgrows stays allocated (a
+    kernel captured in a CUDA graph writes its descriptors there at every replay)."""
+    import weakref
+
+    empty = torch.empty
+    monkeypatch.setattr(_common.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_common.torch, "empty", lambda n, device, dtype: empty(n, dtype=dtype))
+    monkeypatch.setattr(_common, "_TMA_SCRATCH", {})
+    monkeypatch.setattr(_common, "_TMA_SCRATCH_OUTGROWN", [])
+    small = _common.tma_scratch(128, 128, 7)
+    assert small.numel() == 1 << 16 and _common.tma_scratch(1 << 16, 128, 7) is small
+    assert _common.tma_scratch(64, 128, 8) is not small  # another stream, another buffer
+    outgrown = weakref.ref(small)
+    del small
+    big = _common.tma_scratch((1 << 16) + 1, 128, 7)
+    assert big.numel() == (1 << 16) + 1 and _common.tma_scratch(4096, 128, 7) is big
+    assert outgrown() is not None and _common._TMA_SCRATCH_OUTGROWN == [outgrown()]

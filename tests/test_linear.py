@@ -306,6 +306,29 @@ def test_gemm_sm90_warp_specialized(layout, residual, persistent, pingpong, monk
         assert_close("default", got[False], ref, same, atol=gemm_atol(torch.bfloat16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
+def test_gemm_sm90_every_config(layout):
+    """Every config of gemm_sm90 (the autotuner may pick any), launched through ``gemm(config=...)``,
+    on a ragged problem in every operand layout, against float64; a WS config for a problem its
+    kernel does not take (a bias) is refused by name."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
+    ws = importlib.import_module("tritonllm.kernels.gemm_sm90")
+    _, make_a, make_b = layout
+    M, K, N = 1000, 1512, 2056
+    a, b = make_a(M, K, torch.bfloat16), make_b(K, N, torch.bfloat16)
+    ref = a.double() @ b.double()
+    with torch_tf32(torch.bfloat16):
+        same = a @ b
+    for config in ws.configs():
+        got = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)), config=config)
+        assert_close(f"sm90_ws {config.kwargs}", got, ref, same, atol=gemm_atol(torch.bfloat16))
+    with pytest.raises(ValueError, match="config"):
+        gemm_module.gemm(a, b, torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE),
+                         bias=torch.zeros(N, dtype=torch.bfloat16, device=DEVICE), config=ws.configs()[0])
+
+
 def test_configs_follow_the_devices_shared_memory(monkeypatch):
     """On a GPU with less shared memory per block (99 KiB: most consumer cards), the pruning keeps
     only configs that fit it, and shrinks one when none does."""
