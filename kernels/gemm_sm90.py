@@ -30,8 +30,8 @@ from . import gemm
 #: PINGPONG False: one consumer partition of 8 warps (two warpgroups splitting each tile's rows); True: two
 #: consumer warpgroups taking the program's tiles in turn, each with its own c_smem slot (cuBLAS's ping-pong
 #: kernels), so that one's epilogue overlaps the other's products
-CONFIGS = [(128, 256, 64, 3, False), (128, 192, 64, 4, False), (128, 128, 64, 4, False), (128, 128, 64, 5, False),
-           (128, 128, 64, 4, True), (128, 128, 64, 3, True), (64, 256, 64, 4, True)]
+CONFIGS = [(128, 256, 64, 3, False), (128, 128, 64, 4, False), (128, 128, 64, 5, False), (128, 128, 64, 4, True),
+           (128, 128, 64, 3, True), (64, 256, 64, 4, True)]
 #: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
 LOAD_REGS = gl.constexpr(40)
 
