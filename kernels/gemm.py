@@ -587,7 +587,8 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
         if "PINGPONG" in meta:  # a gemm_sm90 config: its kernel, where it applies
             ws = _sm90_ws()
             if not ws.applies(args, a.dtype, c.dtype):
-                raise ValueError("config: a gemm_sm90 config (PINGPONG) for a problem its kernel does not take")
+                raise ValueError("config: a gemm_sm90 config (PINGPONG) needs a problem its kernel takes: "
+                                 "16-bit, PLAIN with at most a residual, unsplit, through tensor descriptors")
             kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
     elif SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and _sm90_ws().applies(args, a.dtype, c.dtype):
         ws = _sm90_ws()
