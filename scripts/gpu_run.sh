@@ -34,7 +34,7 @@ for stage in $stages; do
                 # PYTEST_ARGS: more pytest options (-v names every test and its worker)
             files=${TESTS:-tests}
             if [ -n "${TEST_SHARD:-}" ]; then
-                files=$(ls tests/test_*.py | awk -v i="${TEST_SHARD%/*}" -v n="${TEST_SHARD#*/}" '(NR - 1) % n == i')
+                files=$(LC_ALL=C ls tests/test_*.py | awk -v i="${TEST_SHARD%/*}" -v n="${TEST_SHARD#*/}" '(NR - 1) % n == i')
             fi
             timeout -s INT -k 30 ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=line -n 8 --dist loadfile ${PYTEST_ARGS:-} $files -p no:cacheprovider \
                 > "$OUT/tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed|/tests/.*Error" "$OUT/tests.log" | head -60 ;;
