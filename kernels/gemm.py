@@ -586,30 +586,27 @@ def stream_k_applies(M: int, N: int, K: int, sms: int, block_m: int, block_n: in
     return triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < sms and K >= SPLIT_K_MIN_K
 
 
-def _stream_k_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, a_scale):
+def _stream_k_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, a_scale, b_scale):
     """``(stream-K Launch, fixup Launch, integer arguments, programs, scratch numel, uses TMA)`` for a
-    PLAIN product without epilogue inputs that :func:`stream_k_applies` to, else None."""
-    if (epilogue != PLAIN or bias is not None or residual is not None or gu is not None or accumulate
-            or a_scale is not None or a.dtype in FP8_DTYPES):
+    PLAIN product without epilogue inputs that :func:`stream_k_applies` to, else None; operand layouts,
+    TMA and precision as :func:`_gemm_plan` decides them for the unsplit product."""
+    args = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, 1, a_scale, b_scale)[0]
+    if args["EPILOGUE"] != PLAIN or any(args[k] for k in ("HAS_BIAS", "HAS_RESIDUAL", "ACCUMULATE", "SCALED", "FP8")):
         return None
-    (M, K), N = a.shape, c.shape[1]
     bm, bn, bk, stages, warps = (32, 32, 16, 1, 4) if interpreting() else STREAM_K_CONFIG
-    sms = num_sms()
+    M, N, K, sms = args["M"], args["N"], args["K"], num_sms()
     if not stream_k_applies(M, N, K, sms, bm, bn):
         return None
-    a_k, b_n = _tma_operand(a), _tma_operand(b)
-    tma = use_tma is not False and a_k is not None and b_n is not None and _tma_supported(a.device)
-    if use_tma and not tma:
-        return None  # gemm's own plan says why use_tma=True cannot be honoured
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     programs = min(sms, tiles * triton.cdiv(K, bk))
     options = {} if interpreting() else {"num_stages": stages, "num_warps": warps}
     blocks = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
-    main = Launch(_stream_k_kernel, (programs,), USE_TMA=tma, A_K_CONTIGUOUS=bool(a_k), B_N_CONTIGUOUS=bool(b_n),
-                  PRECISION="ieee" if (a.dtype == torch.float32 and not allow_tf32) else "tf32", **blocks, **options)
+    main = Launch(_stream_k_kernel, (programs,), **{k: args[k] for k in ("USE_TMA", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS",
+                                                                          "PRECISION")}, **blocks, **options)
     fixup = Launch(_stream_k_fixup_kernel, (tiles,), **blocks, **({} if interpreting() else {"num_warps": warps}))
-    ints = (M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    return main, fixup, ints, programs, programs * 2 * bm * bn, tma
+    ints = tuple(args[k] for k in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
+                                   "stride_cn"))
+    return main, fixup, ints, programs, programs * 2 * bm * bn, args["USE_TMA"] and not interpreting()
 
 
 def gemm_stream_k(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, plan: tuple) -> torch.Tensor:
@@ -704,7 +701,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
         stream_k = _STREAM_K_PLANS.get(key, False)
         if stream_k is False:
             stream_k = _STREAM_K_PLANS.add(key, _stream_k_plan(a, b, c, bias, residual, gu, epilogue, accumulate,
-                                                               allow_tf32, use_tma, a_scale))
+                                                               allow_tf32, use_tma, a_scale, b_scale))
         if stream_k is not None:
             return gemm_stream_k(a, b, c, stream_k)
     plan = None if key is None else _LAUNCH_CONFIGS.get(key)
