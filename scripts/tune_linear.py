@@ -487,6 +487,7 @@ def ws_name(config) -> str:
 
 def section_splits(state):
     default_knob = next(k for k in KNOBS if k[0] == "flat+tmaS")
+    ws_default = L.SM90_WS
     probs, splits_of = [], {}
     for M, K, N in SHAPES["default"]["linear"] + SHAPES["large"]["linear"] + [(16384, 768, 768)]:
         x, w, dy = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, N)
@@ -536,7 +537,7 @@ def section_splits(state):
                 err = rel_err(c, ref)
                 res["ws" if ws else "autotuned"] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) \
                     if err < 2e-2 else f"BAD err {err:.1e}"
-            L.SM90_WS = False
+            L.SM90_WS = ws_default
             (M, K), N = p.a.shape, p.c_shape[1]
             if L.stream_k_applies(M, N, K, L.num_sms(), *L.STREAM_K_CONFIG[:2]):  # and stream-K (gemm.STREAM_K)
                 L.STREAM_K = True
