@@ -62,12 +62,6 @@ PERSISTENT = True
 #: both through their autotuners; 0.998x at 8192^3's dW), 0.82-1.06x cuBLAS (scripts/tune_linear.py
 #: splits, H100, docs/perf/NOTES.md).
 SM90_WS = True
-#: deterministic stream-K (:func:`gemm_stream_k`) for the PLAIN products whose STREAM_K_CONFIG tiles are
-#: fewer than the SMs (the dW GEMMs of void125m: 4096x768 is 96 tiles of 128x256 on 132 SMs). Off until
-#: timed on a GPU (prediction in docs/perf/NOTES.md: 16384x768x4096 dW 0.84x -> 0.94-1.0x cuBLAS).
-STREAM_K = False
-#: stream-K's launch config on a GPU: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)
-STREAM_K_CONFIG = (128, 256, 64, 3, 8)
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
@@ -312,103 +306,6 @@ def _matmul_kernel(
 
 
 @triton.jit
-def _k_step(a_desc, b_desc, a_ptr, b_ptr, m0, n0, k0, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-            USE_TMA: tl.constexpr, A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The A [BLOCK_M, BLOCK_K] and B [BLOCK_K, BLOCK_N] tiles at (m0, k0) and (k0, n0): through the
-    tensor descriptors (USE_TMA; the layout flags say which dim is contiguous) or masked pointers."""
-    if USE_TMA:
-        a = a_desc.load([m0, k0]) if A_K_CONTIGUOUS else a_desc.load([k0, m0]).T
-        b = b_desc.load([k0, n0]) if B_N_CONTIGUOUS else b_desc.load([n0, k0]).T
-    else:
-        rm = m0 + tl.arange(0, BLOCK_M)
-        rn = n0 + tl.arange(0, BLOCK_N)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk.to(tl.int64)[None, :] * stride_ak,
-                    mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
-        b = tl.load(b_ptr + rk.to(tl.int64)[:, None] * stride_bk + rn.to(tl.int64)[None, :] * stride_bn,
-                    mask=(rk < K)[:, None] & (rn < N)[None, :], other=0.0)
-    return a, b
-
-
-@triton.jit
-def _stream_k_kernel(
-    a_ptr, b_ptr,  # A [M, K], B [K, N], any strides (USE_TMA: one unit stride each, as _matmul_kernel)
-    c_ptr,  # C [M, N] out, strides (stride_cm, stride_cn)
-    p_ptr,  # fp32 scratch [num_programs, 2, BLOCK_M, BLOCK_N]: the partial tiles
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    USE_TMA: tl.constexpr, A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """Stream-K: the tiles x K-steps iterations split evenly over the programs; program p runs
-    ``[p T // P, (p + 1) T // P)`` of the ``T`` iterations, tile after tile. A tile it runs whole is
-    stored in C; the first and last segments of its range may be parts of a tile, whose fp32 sums go
-    to its scratch slots 0 and 1 for :func:`_stream_k_fixup_kernel` to add in program order."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    total = (num_pid_m * num_pid_n).to(tl.int64) * k_tiles
-    pid = tl.program_id(0).to(tl.int64)
-    start = pid * total // tl.num_programs(0)
-    end = (pid + 1) * total // tl.num_programs(0)
-    a_desc = a_ptr
-    b_desc = b_ptr
-    if USE_TMA:
-        a_desc, b_desc = _operand_descs(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                        A_K_CONTIGUOUS, B_N_CONTIGUOUS, BLOCK_M, BLOCK_N, BLOCK_K)
-    tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    it = start
-    while it < end:
-        tile = it // k_tiles
-        k_first = (it - tile * k_tiles).to(tl.int32)
-        k_last = tl.minimum(k_tiles, k_first + (end - it)).to(tl.int32)
-        pid_m, pid_n = tile_coords(tile.to(tl.int32), num_pid_m, num_pid_n, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_first, k_last):
-            a, b = _k_step(a_desc, b_desc, a_ptr, b_ptr, m0, n0, ki * BLOCK_K, M, N, K, stride_am, stride_ak,
-                           stride_bk, stride_bn, USE_TMA, A_K_CONTIGUOUS, B_N_CONTIGUOUS, BLOCK_M, BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if k_first == 0 and k_last == k_tiles:
-            _store_tile(c_ptr, c_ptr, stride_cm, stride_cn, acc, m0, n0, M, N, False, False)
-        else:
-            slot = (pid * 2 + (it != start).to(tl.int64)) * (BLOCK_M * BLOCK_N)
-            tl.store(p_ptr + slot + tile_offs, acc)
-        it += k_last - k_first
-
-
-@triton.jit
-def _stream_k_fixup_kernel(
-    p_ptr, c_ptr,  # _stream_k_kernel's scratch and output
-    M, N, K, P,  # P: _stream_k_kernel's number of programs, at most its iterations
-    stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """One program per output tile (``tile_coords`` order, as the stream-K kernel): a tile that more
-    than one program ran is the sum of their partials, in program order (deterministic); iteration i
-    belongs to program ``((i + 1) P - 1) // T``."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    total = (num_pid_m * num_pid_n).to(tl.int64) * k_tiles
-    tile = tl.program_id(0).to(tl.int64)
-    first = tile * k_tiles
-    p_first = ((first + 1) * P - 1) // total
-    p_last = ((first + k_tiles) * P - 1) // total
-    if p_first != p_last:
-        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        # the first owner's range starts at this tile (its slot 0) or before it (slot 1)
-        slot = p_first * 2 + (p_first * total // P < first).to(tl.int64)
-        acc = tl.load(p_ptr + slot * (BLOCK_M * BLOCK_N) + tile_offs)
-        for p in range(p_first + 1, p_last + 1):  # P <= T: every program has an iteration
-            acc += tl.load(p_ptr + (p * 2) * (BLOCK_M * BLOCK_N) + tile_offs)
-        pid_m, pid_n = tile_coords(tile.to(tl.int32), num_pid_m, num_pid_n, GROUP_M)
-        _store_tile(c_ptr, c_ptr, stride_cm, stride_cn, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, False, False)
-
-
-@triton.jit
 def _sum_splits_kernel(
     p_ptr,  # [S, M, N] fp32 split-K partials, contiguous
     c_ptr,  # [M, N] out: the sum over S in fixed order, strides (stride_cm, stride_cn)
@@ -575,53 +472,6 @@ def split_k_for(M: int, N: int, K: int, sms: int) -> int:
     return min(range(1, most + 1), key=lambda s: split_cost(M, N, K, s, sms))
 
 
-#: stream-K plans per problem (:func:`_gemm_key`, with STREAM_K on): see :func:`_stream_k_plan`
-_STREAM_K_PLANS = Plans()
-
-
-def stream_k_applies(M: int, N: int, K: int, sms: int, block_m: int, block_n: int) -> bool:
-    """Stream-K (with STREAM_K on) where an M x N product has fewer BLOCK_M x BLOCK_N tiles than
-    ``sms`` SMs and K is at least SPLIT_K_MIN_K: a program's two partial tiles (fp32, written and
-    read back once) stay small next to its share of the product."""
-    return triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < sms and K >= SPLIT_K_MIN_K
-
-
-def _stream_k_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, a_scale, b_scale):
-    """``(stream-K Launch, fixup Launch, integer arguments, programs, scratch numel, uses TMA)`` for a
-    PLAIN product without epilogue inputs that :func:`stream_k_applies` to, else None; operand layouts,
-    TMA and precision as :func:`_gemm_plan` decides them for the unsplit product."""
-    args = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, 1, a_scale, b_scale)[0]
-    if args["EPILOGUE"] != PLAIN or any(args[k] for k in ("HAS_BIAS", "HAS_RESIDUAL", "ACCUMULATE", "SCALED", "FP8")):
-        return None
-    bm, bn, bk, stages, warps = (32, 32, 16, 1, 4) if interpreting() else STREAM_K_CONFIG
-    M, N, K, sms = args["M"], args["N"], args["K"], num_sms()
-    if not stream_k_applies(M, N, K, sms, bm, bn):
-        return None
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    programs = min(sms, tiles * triton.cdiv(K, bk))
-    options = {} if interpreting() else {"num_stages": stages, "num_warps": warps}
-    blocks = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
-    main = Launch(_stream_k_kernel, (programs,), **{k: args[k] for k in ("USE_TMA", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS",
-                                                                          "PRECISION")}, **blocks, **options)
-    fixup = Launch(_stream_k_fixup_kernel, (tiles,), **blocks, **({} if interpreting() else {"num_warps": warps}))
-    ints = tuple(args[k] for k in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
-                                   "stride_cn"))
-    return main, fixup, ints, programs, programs * 2 * bm * bn, args["USE_TMA"] and not interpreting()
-
-
-def gemm_stream_k(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, plan: tuple) -> torch.Tensor:
-    """``c = a @ b`` by a :func:`_stream_k_plan`: the stream-K kernel, then the fixup of the tiles
-    that several programs shared (fp32 scratch of two tiles a program, allocated per call)."""
-    main, fixup, ints, programs, scratch, tma = plan
-    partials = torch.empty(scratch, dtype=torch.float32, device=c.device)
-    if tma:
-        triton.set_allocator(tma_scratch)
-    main(a, b, c, partials, *ints)
-    M, N, K = ints[:3]
-    fixup(partials, c, M, N, K, programs, ints[7], ints[8])
-    return c
-
-
 def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None,
                b_scale=None):
     """The kernel arguments, grid and launch-cache key of :func:`gemm` (C = the fp32 partials
@@ -686,8 +536,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     ``use_tma`` forces the tensor-descriptor path (True) or the pointer path (False); None picks
     TMA where it can. ``split_k`` splits K over that many programs per output tile (PLAIN with no
     bias, residual or accumulate; fp32 partials summed in a fixed order); None picks it
-    (:func:`split_k_for`); with ``STREAM_K`` on and ``split_k`` None, :func:`stream_k_applies` picks
-    stream-K instead (:func:`gemm_stream_k`). ``config`` launches that config instead of the autotuner's choice
+    (:func:`split_k_for`). ``config`` launches that config instead of the autotuner's choice
     (scripts/tune_linear.py); one of ``gemm_sm90.configs()`` (it has ``PINGPONG``) runs the
     warp-specialized Hopper kernel. fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
     ``b_scale`` [N] (fp32, ``PLAIN``): c = a_scale[m] b_scale[n] (a @ b), fp32 accumulation
@@ -697,13 +546,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
         return c
     key = None if config is not None else _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32,
                                                    use_tma, split_k, a_scale)
-    if STREAM_K and key is not None and split_k is None:
-        stream_k = _STREAM_K_PLANS.get(key, False)
-        if stream_k is False:
-            stream_k = _STREAM_K_PLANS.add(key, _stream_k_plan(a, b, c, bias, residual, gu, epilogue, accumulate,
-                                                               allow_tf32, use_tma, a_scale, b_scale))
-        if stream_k is not None:
-            return gemm_stream_k(a, b, c, stream_k)
     plan = None if key is None else _LAUNCH_CONFIGS.get(key)
     if plan is None:
         plan = _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,

@@ -23,10 +23,10 @@ Sections, in this order:
            DEFAULT_CHUNK / DW_FP32 / GRAD_IN_PLACE, against Liger-Kernel and eager PyTorch.
   configs  stage B: every candidate config with each problem's best knob set.
   splits   the three GEMMs of linear (fwd, dx, dW) at every benchmark shape, each replayed in a CUDA
-           graph, the best of CANDIDATES with the default knobs, (on Hopper) of gemm_sm90's WS
-           configs and of stream-K (gemm.STREAM_K, where it applies) against cuBLAS, and dW once
-           per split count along K (1, 2, 3, 4, 6, 8 and split_k_for's choice): which GEMM of the
-           backward trails cuBLAS, and what each split costs (its fp32 partials and their sum).
+           graph, the best of CANDIDATES with the default knobs and (on Hopper) of gemm_sm90's WS
+           configs against cuBLAS, and dW once per split count along K (1, 2, 3, 4, 6, 8 and
+           split_k_for's choice): which GEMM of the backward trails cuBLAS, and what each split
+           costs (its fp32 partials and their sum).
 The e2e sections (host .. lce) autotune over the two best configs of the best knob set of stage
 A (or the GPU_CONFIGS when stage A did not run). Every variant's output is compared with the
 default variant's (first config, knobs off, itself checked against cuBLAS; for lce the module's
@@ -508,8 +508,7 @@ def section_splits(state):
     failed = precompile(jobs)
     print(f"\n== splits: {len(jobs)} variants compiled in {time.time() - t:.0f} s ({len(failed)} failed); "
           "ms replayed in CUDA graphs, ours = the best config", flush=True)
-    print(f"{'problem':<34}{'cuBLAS':>9}{'ours':>9}{'ratio':>7}  best config / autotuned: ratio plain, WS"
-          " (, stream-K where it applies)")
+    print(f"{'problem':<34}{'cuBLAS':>9}{'ours':>9}{'ratio':>7}  best config / autotuned: ratio plain, WS")
     out = {}
     for p in probs:
         if left() < 5:
@@ -538,15 +537,6 @@ def section_splits(state):
                 res["ws" if ws else "autotuned"] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) \
                     if err < 2e-2 else f"BAD err {err:.1e}"
             L.SM90_WS = ws_default
-            (M, K), N = p.a.shape, p.c_shape[1]
-            if L.stream_k_applies(M, N, K, L.num_sms(), *L.STREAM_K_CONFIG[:2]):  # and stream-K (gemm.STREAM_K)
-                L.STREAM_K = True
-                c, gu = p.new_out()
-                p.call(c, gu, None)
-                err = rel_err(c, ref)
-                res["stream-K"] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) if err < 2e-2 \
-                    else f"BAD err {err:.1e}"
-                L.STREAM_K = False
             if torch.cuda.get_device_capability()[0] == 9:  # and the WS kernel at each of its configs
                 for wcfg in WS.configs():
                     c, gu = p.new_out()
@@ -568,7 +558,7 @@ def section_splits(state):
         if times:
             best = min(times, key=times.get)
             tuned = "  ".join(f"{base / times[k]:.3f}" if k in times else str(res.get(k, "-"))[:12]
-                              for k in ("autotuned", "ws", "stream-K") if k in res)
+                              for k in ("autotuned", "ws") if k in res)
             print(f"{p.name:<34}{base:9.4f}{times[best]:9.4f}{base / times[best]:7.3f}  {best}  {tuned}")
         out[p.name] = {"cublas_ms": base, **{str(c): v for c, v in res.items()}}
     L.TMA_STORE = default_knob[4]

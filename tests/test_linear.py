@@ -210,40 +210,6 @@ def test_split_k_heuristic(monkeypatch):
     assert split_k_for(384, 768, 3000, 132) == 1
 
 
-@pytest.mark.parametrize("M, N, K, sms", [
-    (96, 32, 32, 4),  # 3 tiles of 2 K steps on 4 programs: one program ends one tile and starts the next
-    (20, 20, 300, 4),  # one tile over every program: the first owner's slot 0, then each next one's
-    (50, 30, 200, 3),  # ragged M and N, 2 tiles of 13 steps on 3 programs
-    (1, 7, 40, 2),  # one row
-])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_gemm_stream_k(M, N, K, sms, dtype, monkeypatch):
-    """STREAM_K: the stream-K kernel and its fixup against float64, for x W^T and the dW layout
-    (dY^T x); two runs bitwise equal (the partials are added in program order); a problem with a
-    bias, or that fills the SMs, keeps the default kernel."""
-    monkeypatch.setattr(gemm_module, "STREAM_K", True)
-    monkeypatch.setattr(gemm_module, "SPLIT_K_MIN_K", 1)
-    monkeypatch.setattr(gemm_module, "num_sms", lambda: sms)
-    monkeypatch.setattr(gemm_module, "_STREAM_K_PLANS", type(gemm_module._STREAM_K_PLANS)())
-    if ON_GPU:
-        monkeypatch.setattr(gemm_module, "STREAM_K_CONFIG", (32, 32, 16, 3, 4))
-    for a, b in ((randn(M, K, dtype=dtype), randn(N, K, dtype=dtype).t()),
-                 (randn(K, M, dtype=dtype).t(), randn(K, N, dtype=dtype))):
-        ref = a.double() @ b.double()
-        with torch_tf32(dtype):
-            same = a @ b
-        runs = [gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=dtype, device=DEVICE))) for _ in range(2)]
-        assert_close("stream_k", runs[0], ref, same, atol=gemm_atol(dtype))
-        assert torch.equal(runs[0], runs[1])
-    assert all(plan is not None for plan in gemm_module._STREAM_K_PLANS.values())
-    bias = randn(N, dtype=dtype)
-    got = gemm_module.gemm(a, b, torch.empty(M, N, dtype=dtype, device=DEVICE), bias=bias)
-    assert_close("stream_k bias", got, ref + bias.double(), same + bias, atol=gemm_atol(dtype))
-    assert list(gemm_module._STREAM_K_PLANS.values())[-1] is None
-    monkeypatch.setattr(gemm_module, "num_sms", lambda: 1)  # one tile already fills one SM
-    assert not gemm_module.stream_k_applies(M, N, K, 1, 32, 32)
-
-
 def test_gemm_descriptor_path_rejects_unaligned_strides():
     a = randn(8, 17, dtype=torch.float16)  # row stride 34 bytes: not a multiple of 16
     with pytest.raises(ValueError, match="use_tma"):
