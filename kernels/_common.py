@@ -394,6 +394,25 @@ def tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return buf
 
 
+#: work counters per (device, stream), see :func:`tile_counter`
+_TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def tile_counter() -> torch.Tensor:
+    """Two int32 zeros on the current CUDA device for a kernel whose programs take their work from a
+    global counter (gemm_sm90's dynamic schedule): the kernel leaves them at zero when it ends. One
+    pair per (device, stream): kernels on one stream run in order, so they share it, while kernels on
+    two streams could run at once. Kept for the process's life, as :func:`tma_scratch`'s buffers are:
+    a kernel captured in a CUDA graph keeps the address."""
+    get_device, get_stream, _ = _runtime()
+    device = get_device()
+    key = (device, get_stream(device))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(2, device=f"cuda:{device}", dtype=torch.int32)
+    return counter
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int | None = None) -> int:
     """Number of streaming multiprocessors of the current CUDA device (4 under the interpreter)."""

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budget, tma_scratch
+from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
 PLAIN, SWIGLU_FWD = 0, 1
@@ -62,6 +62,11 @@ PERSISTENT = True
 #: both through their autotuners; 0.998x at 8192^3's dW), 0.82-1.06x cuBLAS (scripts/tune_linear.py
 #: splits, H100, docs/perf/NOTES.md).
 SM90_WS = True
+#: with PERSISTENT, gemm_sm90's programs take their tiles from a global counter as they get to them
+#: (:func:`_common.tile_counter`) instead of every P-th tile: a program that starts late, behind another
+#: stream's kernels on its SM (NCCL's under FSDP2), takes fewer tiles instead of holding back a share.
+#: Each tile is still one program's whole K loop, so the result is the same bits either way.
+DYNAMIC = False
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
@@ -553,12 +558,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
         if key is not None:
             _LAUNCH_CONFIGS[key] = plan
         return c
-    launch, ints, splits, sum_splits, tma = plan
+    launch, ints, splits, sum_splits, tma, counter = plan
     out = c if splits == 1 else torch.empty((splits, c.shape[0], c.shape[1]), dtype=torch.float32, device=c.device)
     if tma:
         triton.set_allocator(tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
     launch(a, b, out, c if gu is None else gu, c if bias is None else bias, c if residual is None else residual,
-           c if a_scale is None else a_scale, c if b_scale is None else b_scale, *ints)
+           c if a_scale is None else a_scale, c if b_scale is None else b_scale, *ints,
+           *((tile_counter(),) if counter else ()))
     if splits > 1:
         sum_splits(out, c, *ints[:2], splits, c.stride(0), c.stride(1))
     return c
@@ -573,20 +579,22 @@ def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use
             None if residual is None else (residual.stride(), residual.dtype),
             None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
             epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, FLATTEN, WARP_SPECIALIZE, TMA_STORE,
-            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS)
+            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS, DYNAMIC)
 
 
 def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
                 a_scale=None, b_scale=None) -> tuple:
     """Plan a problem and launch it once (through the autotuner on the GPU, which picks the config
     on a problem's first launch); return the plan later launches of the problem reuse:
-    ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA)``."""
+    ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA, takes tile_counter())``."""
     args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k,
                                  a_scale, b_scale)
     tma = args["USE_TMA"] and not interpreting()
     if tma:
         triton.set_allocator(tma_scratch)
     kernel, flags = _matmul_kernel, _FLAG_ARGS
+    ints = tuple(args[k] for k in _INT_ARGS)
+    tensors = tuple(args[k] for k in _TENSOR_ARGS)
     if interpreting():
         meta = _interpreter_config(*key[:3])
     elif config is not None:
@@ -600,17 +608,18 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
     elif SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and _sm90_ws().applies(args, a.dtype, c.dtype):
         ws = _sm90_ws()
         kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
-        ws.ws_matmul_kernel_tuned[grid](*(args[k] for k in _TENSOR_ARGS + _INT_ARGS), **{k: args[k] for k in flags})
+        ws.ws_matmul_kernel_tuned[grid](*tensors, *ints, tile_counter(), DYNAMIC=PERSISTENT and DYNAMIC,
+                                        **{k: args[k] for k in flags})
         meta = ws.ws_matmul_kernel_tuned.best_config.all_kwargs()
     else:
         tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
         tuned[grid](**args)
         meta = tuned.best_config.all_kwargs()
-    launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **meta)
-    ints = tuple(args[k] for k in _INT_ARGS)
-    tensors = tuple(args[k] for k in _TENSOR_ARGS)
+    counter = kernel is not _matmul_kernel  # the WS kernel takes tile_counter() after the integers
+    dynamic = {"DYNAMIC": PERSISTENT and DYNAMIC} if counter else {}
+    launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **dynamic, **meta)
     if interpreting() or config is not None:
-        launch(*tensors, *ints)
+        launch(*tensors, *ints, *((tile_counter(),) if counter else ()))
     sum_splits = None
     if args["SPLIT_K"] > 1:
         M, N = c.shape
@@ -618,7 +627,7 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
         sum_splits = Launch(_sum_splits_kernel, (triton.cdiv(M, block_m), triton.cdiv(N, block_n)),
                             BLOCK_M=block_m, BLOCK_N=block_n)
         sum_splits(args["c_ptr"], c, M, N, args["SPLIT_K"], c.stride(0), c.stride(1))
-    return launch, ints, args["SPLIT_K"], sum_splits, tma
+    return launch, ints, args["SPLIT_K"], sum_splits, tma, counter
 
 
 def as_matrix(t: torch.Tensor, n: int) -> torch.Tensor:

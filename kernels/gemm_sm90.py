@@ -39,17 +39,57 @@ _tile_coords = gluon.jit(gemm.tile_coords.fn)
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr):
+def _next_tile(counter_ptr, tile, DYNAMIC: gl.constexpr):
+    """The program's next output tile: DYNAMIC, the next one nobody has taken (a global counter);
+    otherwise the static stride, ``tile + P`` (the first: ``program_id - P``)."""
+    if DYNAMIC:
+        return gl.atomic_add(counter_ptr, 1)
+    else:
+        return tile + gl.num_programs(0)
+
+
+@gluon.jit
+def _publish(ids, id_ready, id_empty, seq, tile):
+    """Hand the program's seq-th tile index to the consumer that takes it, through slot seq % 2 of ``ids``."""
+    slot = seq % 2
+    mbarrier.wait(id_empty.index(slot), ((seq // 2) & 1) ^ 1)  # a slot starts free
+    ids.index(slot).store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+    gl.thread_barrier()
+    mbarrier.arrive(id_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take(ids, id_ready, id_empty, seq):
+    """The program's seq-th tile index (:func:`_publish`); the slot goes back at once."""
+    slot = seq % 2
+    mbarrier.wait(id_ready.index(slot), (seq // 2) & 1)
+    tile = gl.max(ids.index(slot).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
+    gl.thread_barrier()  # every warp has read it
+    mbarrier.arrive(id_empty.index(slot), count=1)
+    return tile
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M, N, K,
+                    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr,
+                    CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The producer: picks the program's tiles (:func:`_next_tile`), hands each one's index to the
+    consumers, and streams its A and B blocks through the ring; past the last tile, an index past the
+    end to each consumer. DYNAMIC: the last program to finish returns the counters to zero for the
+    next launch on the stream (every program has taken its last index by then)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2] if A_K_CONTIGUOUS else a_bufs.type.shape[1]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1] if A_K_CONTIGUOUS else a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_N_CONTIGUOUS else b_bufs.type.shape[1]
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
     k_steps = gl.cdiv(K, BLOCK_K)
     it = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    seq = 0
+    tile = _next_tile(counter_ptr, gl.program_id(0) - gl.num_programs(0), DYNAMIC)
+    while tile < num_tiles:
+        _publish(ids, id_ready, id_empty, seq, tile)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -68,6 +108,14 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
             else:
                 tma.async_copy_global_to_shared(b_desc, [n0, k0], ready.index(s), b_bufs.index(s))
             it += 1
+        seq += 1
+        tile = _next_tile(counter_ptr, tile, DYNAMIC)
+    for c in gl.static_range(CONSUMERS):
+        _publish(ids, id_ready, id_empty, seq + c, num_tiles)
+    if DYNAMIC:
+        if gl.atomic_add(counter_ptr + 1, 1) == gl.num_programs(0) - 1:
+            gl.atomic_xchg(counter_ptr, 0)
+            gl.atomic_xchg(counter_ptr + 1, 0)
 
 
 @gluon.jit
@@ -119,10 +167,12 @@ def _epilogue(acc, c_desc, c_smem, e_ptr, m0, n0, M, N, stride_em, stride_en, HA
 def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr):
     """Consumer C of CONSUMERS. One (cooperative: its warpgroups split each tile's rows): every tile of
-    the program. Two (ping-pong, a warpgroup each): the program's tiles C, C + 2, ..., in its own c_smem
-    slot; each runs a tile's products on its turn (``turn[C]``, consumer 0 first) and hands the turn over
-    before its epilogue, so that one's epilogue runs while the other's products do."""
-    a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, e_ptr, M, N, K, stride_em, stride_en = problem
+    the program. Two (ping-pong, a warpgroup each): the program's tiles C, C + 2, ... of the sequence
+    the producer hands out (:func:`_take`), in its own c_smem slot; each runs a tile's products on its
+    turn (``turn[C]``, consumer 0 first) and hands the turn over before its epilogue, so that one's
+    epilogue runs while the other's products do."""
+    a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, c_desc, c_smem, e_ptr, M, N, K, stride_em, \
+        stride_en = problem
     BLOCK_M: gl.constexpr = c_smem.type.shape[1]
     BLOCK_N: gl.constexpr = c_smem.type.shape[2]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2] if A_K_CONTIGUOUS else a_bufs.type.shape[1]
@@ -131,9 +181,9 @@ def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDU
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    start = gl.program_id(0) + C * gl.num_programs(0)
     seq = C  # the tile's place in the program's sequence, which the producer loads in order
-    for tile in range(start, num_pid_m * num_pid_n, CONSUMERS * gl.num_programs(0)):
+    tile = _take(ids, id_ready, id_empty, seq)
+    while tile < num_pid_m * num_pid_n:
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         if CONSUMERS > 1:
             mbarrier.wait(turn.index(C), ((seq // CONSUMERS) & 1) ^ (1 - C))
@@ -144,6 +194,7 @@ def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDU
         _epilogue(acc, c_desc, c_smem.index(C), e_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_em,
                   stride_en, HAS_RESIDUAL)
         seq += CONSUMERS
+        tile = _take(ids, id_ready, id_empty, seq)
     tma.store_wait(0)
 
 
@@ -162,9 +213,10 @@ def ws_matmul_kernel(
     a_ptr, b_ptr, c_ptr, gu_ptr, bias_ptr, e_ptr, sa_ptr, sb_ptr,  # gemm._matmul_kernel's arguments, in its order
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_gm, stride_em, stride_en,
+    counter_ptr,  # int32 [2], zeros (DYNAMIC: the next tile to hand out, the programs done; zero again at the end)
     HAS_RESIDUAL: gl.constexpr, A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
+    GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr = False,
 ):
     if A_K_CONTIGUOUS:
         a_desc, a_bufs = _operand(a_ptr, M, K, stride_am, BLOCK_M, BLOCK_K, STAGES)
@@ -182,25 +234,31 @@ def ws_matmul_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    id_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    problem = (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, e_ptr, M, N, K, stride_em, stride_en)
+        mbarrier.init(id_ready.index(i), count=1)
+        mbarrier.init(id_empty.index(i), count=1)
+    problem = (a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, c_desc, c_smem, e_ptr, M, N, K, stride_em,
+               stride_en)
     FIRST: gl.constexpr = 0  # consumer indices as constexprs (a literal in the partitions' arguments is not one)
     SECOND: gl.constexpr = 1
     if PINGPONG:
         gl.warp_specialize([
             (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
             (_mma_partition, (problem, SECOND, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS,
-                               GROUP_M))], [4, 1], [232, LOAD_REGS])
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
+                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC))], [4, 1], [232, LOAD_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS,
-                               GROUP_M))], [1], [LOAD_REGS])
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
+                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC))], [1], [LOAD_REGS])
 
 
 def applies(args: dict, a_dtype, c_dtype) -> bool:
@@ -223,4 +281,4 @@ def configs() -> list[triton.Config]:
 FLAG_ARGS = ("HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS")
 
 ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=["M", "N", "K", "HAS_RESIDUAL", "A_K_CONTIGUOUS",
-                                                                  "B_N_CONTIGUOUS"])(ws_matmul_kernel)
+                                                                  "B_N_CONTIGUOUS", "DYNAMIC"])(ws_matmul_kernel)

@@ -17,8 +17,8 @@ the op's CUDA graph on the main stream between two events; the median over repet
 Ops: one linear layer's forward and backward (y = x W^T, then dx and dW) at void1b's shapes per GPU
 (8192 tokens; qkv 2048 -> 3072, out 2048 -> 2048, w13 2048 -> 11264, w2 5632 -> 2048), bf16, each
 captured in a CUDA graph: ours with ``PERSISTENT = True`` (the default) and ``False`` (one program per
-tile), each also with ``SM90_WS`` (the warp-specialized Gluon kernel, "ours WS"), and ``F.linear``
-(cuBLAS). With ``--holds 0`` this is the plain side-by-side timing of the four against cuBLAS. Printed: ms alone, ms with each hold, the slowdown against alone,
+tile), each also with ``SM90_WS`` (the warp-specialized Gluon kernel, "ours WS"; persistent also with
+``DYNAMIC``, tiles taken from a global counter), and ``F.linear`` (cuBLAS). With ``--holds 0`` this is the plain side-by-side timing of each of ours against cuBLAS. Printed: ms alone, ms with each hold, the slowdown against alone,
 and the bound set by the SMs left (#SMs / (#SMs - k) with the hog throughout). $OUT/sm_contention.json
 when OUT is set.
 """
@@ -85,9 +85,10 @@ class Hog:
         return start.elapsed_time(end)
 
 
-#: our variants: (gemm.PERSISTENT, gemm.SM90_WS)
-OURS = {"ours, persistent": (True, False), "ours, one program per tile": (False, False),
-        "ours WS, persistent": (True, True), "ours WS, one program per tile": (False, True)}
+#: our variants: (gemm.PERSISTENT, gemm.SM90_WS, gemm.DYNAMIC)
+OURS = {"ours, persistent": (True, False, False), "ours, one program per tile": (False, False, False),
+        "ours WS, persistent": (True, True, False), "ours WS, dynamic tiles": (True, True, True),
+        "ours WS, one program per tile": (False, True, False)}
 
 
 def graphed_op(variant: str, K: int, N: int):
@@ -95,7 +96,7 @@ def graphed_op(variant: str, K: int, N: int):
     chosen configs (BLOCK_M, BLOCK_N, STAGES, PINGPONG) of its products, if it ran any."""
     gemm_module = importlib.import_module("tritonllm.kernels.gemm")
     gemm_module._LAUNCH_CONFIGS.clear()  # this op's plans only, below
-    knobs = gemm_module.PERSISTENT, gemm_module.SM90_WS
+    knobs = gemm_module.PERSISTENT, gemm_module.SM90_WS, gemm_module.DYNAMIC
     gen = torch.Generator(device="cuda").manual_seed(K * N)
     x = torch.randn(TOKENS, K, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5).requires_grad_()
@@ -103,7 +104,7 @@ def graphed_op(variant: str, K: int, N: int):
     fn = F.linear if variant == "cuBLAS" else linear
 
     def step():
-        gemm_module.PERSISTENT, gemm_module.SM90_WS = OURS.get(variant, (True, False))
+        gemm_module.PERSISTENT, gemm_module.SM90_WS, gemm_module.DYNAMIC = OURS.get(variant, (True, False, False))
         return torch.autograd.grad(fn(x, w), (x, w), dy)
 
     side = torch.cuda.Stream()
@@ -115,7 +116,7 @@ def graphed_op(variant: str, K: int, N: int):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    gemm_module.PERSISTENT, gemm_module.SM90_WS = knobs
+    gemm_module.PERSISTENT, gemm_module.SM90_WS, gemm_module.DYNAMIC = knobs
     ws = [plan[0].kwargs for plan in gemm_module._LAUNCH_CONFIGS.values() if plan[0].fn.__name__ == "ws_matmul_kernel"]
     return graph.replay, [[kw[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "PINGPONG")] for kw in ws]
 

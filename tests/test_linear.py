@@ -272,18 +272,19 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "ping-pong"])
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "tile-per-program"])
+@pytest.mark.parametrize("grid", ["persistent", "dynamic", "tile-per-program"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
-def test_gemm_sm90_warp_specialized(layout, residual, persistent, pingpong, monkeypatch):
+def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatch):
     """gemm_sm90's warp-specialized kernel (the SM90_WS knob, on by default; the first config of each
     schedule) on ragged sizes (no dimension a multiple of a tile, K shorter than the ring and longer than
-    it), every operand layout, with and without the residual epilogue, both grids: against float64 and
-    the default kernel, and the plan really is the Gluon kernel."""
+    it), every operand layout, with and without the residual epilogue, each grid (the persistent one with
+    static or dynamic tiles): against float64 and the default kernel, and the plan really is the Gluon kernel."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
     _, make_a, make_b = layout
-    monkeypatch.setattr(gemm_module, "PERSISTENT", persistent)
+    monkeypatch.setattr(gemm_module, "PERSISTENT", grid != "tile-per-program")
+    monkeypatch.setattr(gemm_module, "DYNAMIC", grid == "dynamic")
     tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").ws_matmul_kernel_tuned
     monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["PINGPONG"] is pingpong][:1])
     monkeypatch.setattr(tuned, "cache", {})
@@ -304,6 +305,49 @@ def test_gemm_sm90_warp_specialized(layout, residual, persistent, pingpong, monk
             same = a @ b + (e if residual else 0)
         assert_close("sm90_ws", got[True], ref, same, atol=gemm_atol(torch.bfloat16))
         assert_close("default", got[False], ref, same, atol=gemm_atol(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "ping-pong"])
+def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch):
+    """DYNAMIC (programs take tiles from a global counter): the same bits as the static schedule (a
+    tile is one program's whole K loop either way), eagerly and replayed from a CUDA graph, and the
+    counters are back at zero after every launch, so the next launch on the stream starts from tile 0."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
+    common = importlib.import_module("tritonllm.kernels._common")
+    tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").ws_matmul_kernel_tuned
+    monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["PINGPONG"] is pingpong][:1])
+    monkeypatch.setattr(tuned, "cache", {})
+    M, K, N = 4000, 1000, 3000  # several tiles per program on any Hopper part
+    a, b = randn(M, K, dtype=torch.bfloat16), randn(K, N, dtype=torch.bfloat16)
+    out = {}
+    for dynamic in (False, True):
+        monkeypatch.setattr(gemm_module, "DYNAMIC", dynamic)
+        gemm_module._LAUNCH_CONFIGS.clear()
+        runs = [gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)))
+                for _ in range(3)]
+        (plan,) = gemm_module._LAUNCH_CONFIGS.values()
+        assert plan[0].kwargs["DYNAMIC"] is dynamic
+        assert all(torch.equal(r, runs[0]) for r in runs)
+        out[dynamic] = runs[0]
+    assert torch.equal(out[True], out[False])
+    assert_close("dynamic", out[True], a.double() @ b.double(), a @ b, atol=gemm_atol(torch.bfloat16))
+    c = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemm_module.gemm(a, b, c)  # the capture stream's counters, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        gemm_module.gemm(a, b, c)
+    for _ in range(3):
+        poison_(c)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(c, out[False])
+    assert all(counter.tolist() == [0, 0] for counter in common._TILE_COUNTERS.values())
 
 
 @pytest.mark.gpu
