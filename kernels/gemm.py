@@ -62,10 +62,12 @@ PERSISTENT = True
 #: both through their autotuners; 0.998x at 8192^3's dW), 0.82-1.06x cuBLAS (scripts/tune_linear.py
 #: splits, H100, docs/perf/NOTES.md).
 SM90_WS = True
-#: with PERSISTENT, gemm_sm90's programs take their tiles from a global counter as they get to them
-#: (:func:`_common.tile_counter`) instead of every P-th tile: a program that starts late, behind another
-#: stream's kernels on its SM (NCCL's under FSDP2), takes fewer tiles instead of holding back a share.
-#: Each tile is still one program's whole K loop, so the result is the same bits either way.
+#: gemm_sm90's kernel on a persistent grid (min(#SMs, tiles) programs, whatever PERSISTENT says, which
+#: then sets the other kernels' grid) whose programs take their tiles from a global counter as they get
+#: to them (:func:`_common.tile_counter`) instead of every P-th tile: a program that starts late, behind
+#: another stream's kernels on its SM (NCCL's under FSDP2), takes fewer tiles instead of holding back a
+#: share, and each program still overlaps a tile's epilogue with the next tile's loads. Each tile is one
+#: program's whole K loop either way: the same bits. ``parallelize`` sets it for DDP and FSDP2 on GPUs.
 DYNAMIC = False
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
@@ -520,7 +522,8 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
 
     def grid(meta):
         units = split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        return (min(sms, units) if PERSISTENT else units,)
+        persistent = PERSISTENT or (DYNAMIC and "PINGPONG" in meta)  # PINGPONG: a gemm_sm90 config
+        return (min(sms, units) if persistent else units,)
 
     key = (M, N, K, epilogue, bias is not None, residual is not None, accumulate, store_gu, bool(use_tma), a_k, b_n,
            tma_store, precision, split_k, a.dtype, c.dtype, a_scale is not None)
@@ -608,7 +611,7 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
     elif SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and _sm90_ws().applies(args, a.dtype, c.dtype):
         ws = _sm90_ws()
         kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
-        ws.ws_matmul_kernel_tuned[grid](*tensors, *ints, tile_counter(), DYNAMIC=PERSISTENT and DYNAMIC,
+        ws.ws_matmul_kernel_tuned[grid](*tensors, *ints, tile_counter(), DYNAMIC=DYNAMIC,
                                         **{k: args[k] for k in flags})
         meta = ws.ws_matmul_kernel_tuned.best_config.all_kwargs()
     else:
@@ -616,7 +619,7 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
         tuned[grid](**args)
         meta = tuned.best_config.all_kwargs()
     counter = kernel is not _matmul_kernel  # the WS kernel takes tile_counter() after the integers
-    dynamic = {"DYNAMIC": PERSISTENT and DYNAMIC} if counter else {}
+    dynamic = {"DYNAMIC": DYNAMIC} if counter else {}
     launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **dynamic, **meta)
     if interpreting() or config is not None:
         launch(*tensors, *ints, *((tile_counter(),) if counter else ()))

@@ -301,21 +301,24 @@ def test_adamw_counts_the_step_of_an_empty_shard(device):
     assert float(only_empty[0]) == 1.0
 
 
-@pytest.mark.parametrize("setting, persistent", [(None, False), ("tile", False), ("persistent", True)])
-def test_gemm_grid_beside_nccl(monkeypatch, setting, persistent):
-    """Under DDP or FSDP2 on GPUs the GEMM runs one program per tile unless the environment asks
-    for the persistent grid; anything else is refused, naming the variable."""
+@pytest.mark.parametrize("setting, persistent, dynamic",
+                         [(None, False, True), ("dynamic", False, True), ("tile", False, False), ("persistent", True, False)])
+def test_gemm_grid_beside_nccl(monkeypatch, setting, persistent, dynamic):
+    """Under DDP or FSDP2 on GPUs the WS GEMM takes dynamic tiles and the other GEMM kernels run one
+    program per tile unless the environment asks for another grid; anything else is refused, naming
+    the variable."""
     from tritonllm.kernels import gemm
     from tritonllm.train.parallel import gemm_grid_beside_nccl
 
     monkeypatch.setattr(gemm, "PERSISTENT", not persistent)
+    monkeypatch.setattr(gemm, "DYNAMIC", not dynamic)
     if setting is None:
         monkeypatch.delenv("TRITONLLM_GEMM_GRID", raising=False)
     else:
         monkeypatch.setenv("TRITONLLM_GEMM_GRID", setting)
-    assert gemm_grid_beside_nccl() == (setting or "tile")
-    assert gemm.PERSISTENT is persistent
-    monkeypatch.setenv("TRITONLLM_GEMM_GRID", "dynamic")
+    assert gemm_grid_beside_nccl() == (setting or "dynamic")
+    assert (gemm.PERSISTENT, gemm.DYNAMIC) == (persistent, dynamic)
+    monkeypatch.setenv("TRITONLLM_GEMM_GRID", "static")
     with pytest.raises(ConfigError, match="TRITONLLM_GEMM_GRID"):
         gemm_grid_beside_nccl()
 

@@ -233,7 +233,7 @@ def run_worker(argv: list[str]) -> None:
             from tritonllm.kernels import gemm
 
             figures["triton_share"] = round(sum(ours.values()) / compute, 4)
-            figures["gemm_grid"] = "persistent" if gemm.PERSISTENT else "tile"
+            figures["gemm_grid"] = "dynamic" if gemm.DYNAMIC else "persistent" if gemm.PERSISTENT else "tile"
     if env.main:
         from tritonllm.models import build_model
 

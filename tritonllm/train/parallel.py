@@ -30,9 +30,10 @@ Modes (:func:`resolve_parallel`, :func:`parallelize`):
   expert on its own tokens; no all-to-all). FSDP2's all-gathers and reduce-scatters run on their
   own streams with their own allocations, which a CUDA graph capture does not take: the step is
   eager under FSDP2 (said in one log line).
-- On GPUs both modes switch tritonllm's GEMM to one program per output tile
-  (:func:`gemm_grid_beside_nccl`): NCCL's kernels run beside ours and hold SMs, which the persistent
-  grid's static tile shares wait for.
+- On GPUs both modes switch tritonllm's GEMM grid (:func:`gemm_grid_beside_nccl`): NCCL's kernels run
+  beside ours and hold SMs, which the persistent grid's static tile shares wait for. The
+  warp-specialized Hopper GEMM takes its tiles from a global counter instead, the other GEMM kernels
+  run one program per output tile.
 - ``auto``: one process -> ``none``; several -> ``ddp`` when the weights, gradients and optimizer
   state (16 bytes per parameter) fit in half of one GPU's memory (the rest for activations), else
   ``fsdp``.
@@ -220,26 +221,32 @@ class Parallel:
         return bool(flag.item())
 
 
-GEMM_GRIDS = ("tile", "persistent")
+#: TRITONLLM_GEMM_GRID: (gemm.PERSISTENT, gemm.DYNAMIC) of each grid beside NCCL, the default first
+GEMM_GRIDS = {"dynamic": (False, True), "tile": (False, False), "persistent": (True, False)}
 
 
 def gemm_grid_beside_nccl() -> str:
-    """Pick the GEMM's grid for a GPU whose SMs NCCL's kernels share: one program per output tile
-    (``tritonllm.kernels.gemm.PERSISTENT = False``) unless ``TRITONLLM_GEMM_GRID=persistent``.
+    """Pick the GEMM's grid for a GPU whose SMs NCCL's kernels share, ``TRITONLLM_GEMM_GRID``:
+    ``dynamic`` (the default): gemm_sm90's warp-specialized kernel on a persistent grid whose programs
+    take tiles from a global counter (``gemm.DYNAMIC``), the other GEMM kernels one program per output
+    tile (``gemm.PERSISTENT = False``); ``tile``: every kernel one program per tile; ``persistent``:
+    the single-GPU default, min(#SMs, tiles) programs with a static share of the tiles each.
 
-    The persistent grid (min(#SMs, tiles) programs, each with a fixed share of the tiles) is 1-9%
-    faster alone, but a program that cannot start while NCCL holds its SM holds back its whole
-    share: measured on an H100 with 16 SMs held, a linear layer's fwd+bwd took 1.6-1.7x its time
-    alone with the persistent grid and 1.2-1.4x with one program per tile (docs/perf/NOTES.md,
-    scripts/sm_contention.py). Returns the grid chosen, also said in a log line."""
+    A static share waits for SMs that NCCL holds: on an H100 with 16 SMs held by another kernel for the
+    whole op, void1b's four linear layers (fwd+bwd, the WS kernel) took 5.58 ms with the persistent
+    grid, 3.99 ms with one program per tile and 3.86 ms with dynamic tiles (3.31 / 3.39 / 3.49 ms alone;
+    cuBLAS 4.14, alone 2.90; held for the op's first half: 3.78 / 3.69 / 3.37, cuBLAS 3.29;
+    docs/perf/NOTES.md, scripts/sm_contention.py). Returns the grid chosen, also said in a log line."""
     from tritonllm.kernels import gemm
 
-    grid = os.environ.get("TRITONLLM_GEMM_GRID", "tile")
+    grid = os.environ.get("TRITONLLM_GEMM_GRID", "dynamic")
     if grid not in GEMM_GRIDS:
         raise ConfigError(f"TRITONLLM_GEMM_GRID must be one of {', '.join(GEMM_GRIDS)}, got {grid!r}")
-    gemm.PERSISTENT = grid == "persistent"
-    log.info("GEMM grid beside NCCL: %s", "persistent (TRITONLLM_GEMM_GRID)" if gemm.PERSISTENT
-             else "one program per output tile (NCCL's kernels share the SMs)")
+    gemm.PERSISTENT, gemm.DYNAMIC = GEMM_GRIDS[grid]
+    log.info("GEMM grid beside NCCL (NCCL's kernels share the SMs): %s", {
+        "dynamic": "the WS kernel's tiles from a global counter, other kernels one program per output tile",
+        "tile": "one program per output tile (TRITONLLM_GEMM_GRID)",
+        "persistent": "persistent, static tile shares (TRITONLLM_GEMM_GRID)"}[grid])
     return grid
 
 
