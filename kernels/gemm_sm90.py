@@ -12,8 +12,11 @@ single-stream kernel of gemm.py (``FLATTEN``) overlaps the epilogue only as far 
 pipeline reaches.
 
 Same layouts as gemm._matmul_kernel: A [M, K] K- or M-contiguous, B [K, N] N- or K-contiguous (x W^T,
-dY W and dY^T x without copies); the same program order (grouped M, :func:`gemm.tile_coords`) and grid
-(min(#SMs, tiles) programs, or one per tile with ``gemm.PERSISTENT = False``). fp32 accumulation.
+dY W and dY^T x without copies); the same tile order (grouped M, :func:`gemm.tile_coords`) and grid
+(min(#SMs, tiles) programs, or one per tile with ``gemm.PERSISTENT = False``). The producer picks each
+of the program's tiles and hands its index to the consumers through shared memory: every P-th tile, or
+with ``gemm.DYNAMIC`` (a persistent grid) the next one no program has taken, from a global counter
+(:func:`_common.tile_counter`) that the last program to finish sets back to zero. fp32 accumulation.
 """
 
 from __future__ import annotations
