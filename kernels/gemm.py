@@ -62,6 +62,10 @@ PERSISTENT = True
 #: both through their autotuners; 0.998x at 8192^3's dW), 0.82-1.06x cuBLAS (scripts/tune_linear.py
 #: splits, H100, docs/perf/NOTES.md).
 SM90_WS = True
+#: linear_swiglu's fused forward (SWIGLU_FWD) through gemm_sm90's kernel too (two accumulators, gate and
+#: up, and a B ring twice as deep; its GATED_CONFIGS). Off until timed on a GPU (prediction in
+#: docs/perf/NOTES.md); ``gemm(config=<one of gemm_sm90.configs(gated=True)>)`` runs it either way.
+SM90_WS_GATED = False
 #: gemm_sm90's kernel on a persistent grid (min(#SMs, tiles) programs, whatever PERSISTENT says, which
 #: then sets the other kernels' grid) whose programs take their tiles from a global counter as they get
 #: to them (:func:`_common.tile_counter`) instead of every P-th tile: a program that starts late, behind
@@ -545,8 +549,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     TMA where it can. ``split_k`` splits K over that many programs per output tile (PLAIN with no
     bias, residual or accumulate; fp32 partials summed in a fixed order); None picks it
     (:func:`split_k_for`). ``config`` launches that config instead of the autotuner's choice
-    (scripts/tune_linear.py); one of ``gemm_sm90.configs()`` (it has ``PINGPONG``) runs the
-    warp-specialized Hopper kernel. fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
+    (scripts/tune_linear.py); one of ``gemm_sm90.configs()`` (it has ``PINGPONG``; ``configs(gated=True)``
+    for ``SWIGLU_FWD``) runs the warp-specialized Hopper kernel. fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
     ``b_scale`` [N] (fp32, ``PLAIN``): c = a_scale[m] b_scale[n] (a @ b), fp32 accumulation
     promoted once per BLOCK_K.
     """
@@ -582,7 +586,7 @@ def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use
             None if residual is None else (residual.stride(), residual.dtype),
             None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
             epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, FLATTEN, WARP_SPECIALIZE, TMA_STORE,
-            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS, DYNAMIC)
+            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS, SM90_WS_GATED, DYNAMIC)
 
 
 def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
@@ -605,15 +609,17 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
         if "PINGPONG" in meta:  # a gemm_sm90 config: its kernel, where it applies
             ws = _sm90_ws()
             if not ws.applies(args, a.dtype, c.dtype):
-                raise ValueError("config: a gemm_sm90 config (PINGPONG) needs a problem its kernel takes: "
-                                 "16-bit, PLAIN with at most a residual, unsplit, through tensor descriptors")
+                raise ValueError("config: a gemm_sm90 config (PINGPONG) needs a problem its kernel takes: 16-bit, "
+                                 "PLAIN with at most a residual or SWIGLU_FWD, unsplit, through tensor descriptors")
+            if epilogue != PLAIN and config.kwargs not in [g.kwargs for g in ws.configs(gated=True)]:
+                raise ValueError("config: a SWIGLU_FWD problem takes one of gemm_sm90.configs(gated=True)")
             kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
-    elif SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and _sm90_ws().applies(args, a.dtype, c.dtype):
+    elif (SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and (epilogue == PLAIN or SM90_WS_GATED)
+          and _sm90_ws().applies(args, a.dtype, c.dtype)):
         ws = _sm90_ws()
         kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
-        ws.ws_matmul_kernel_tuned[grid](*tensors, *ints, tile_counter(), DYNAMIC=DYNAMIC,
-                                        **{k: args[k] for k in flags})
-        meta = ws.ws_matmul_kernel_tuned.best_config.all_kwargs()
+        ws.tuned(args)[grid](*tensors, *ints, tile_counter(), DYNAMIC=DYNAMIC, **{k: args[k] for k in flags})
+        meta = ws.tuned(args).best_config.all_kwargs()
     else:
         tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
         tuned[grid](**args)

@@ -35,6 +35,9 @@ from . import gemm
 #: kernels), so that one's epilogue overlaps the other's products
 CONFIGS = [(128, 256, 64, 3, False), (128, 128, 64, 4, False), (128, 128, 64, 5, False), (128, 128, 64, 4, True),
            (128, 128, 64, 3, True), (64, 256, 64, 4, True)]
+#: the same for the gated (SwiGLU) forward: two accumulators (gate, up) of BLOCK_M x BLOCK_N each and
+#: a B ring twice as deep (4 stages of 128 x 128: 224 KiB with c_smem)
+GATED_CONFIGS = [(128, 128, 64, 3, False), (128, 128, 64, 4, False), (64, 128, 64, 4, True), (64, 128, 64, 3, True)]
 #: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
 LOAD_REGS = gl.constexpr(40)
 
@@ -75,11 +78,12 @@ def _take(ids, id_ready, id_empty, seq):
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M, N, K,
                     A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr,
-                    CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr):
+                    CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr, GATED: gl.constexpr):
     """The producer: picks the program's tiles (:func:`_next_tile`), hands each one's index to the
-    consumers, and streams its A and B blocks through the ring; past the last tile, an index past the
-    end to each consumer. DYNAMIC: the last program to finish returns the counters to zero for the
-    next launch on the stream (every program has taken its last index by then)."""
+    consumers, and streams its A and B blocks through the ring (GATED: B's gate block into slot s of
+    ``b_bufs`` and its up block, N columns further, into slot STAGES + s); past the last tile, an index
+    past the end to each consumer. DYNAMIC: the last program to finish returns the counters to zero for
+    the next launch on the stream (every program has taken its last index by then)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2] if A_K_CONTIGUOUS else a_bufs.type.shape[1]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1] if A_K_CONTIGUOUS else a_bufs.type.shape[2]
@@ -100,7 +104,7 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready,
             s = it % STAGES
             # a slot starts free: its first wait (phase 1) passes at once
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes * (2 if GATED else 1))
             k0 = ki * BLOCK_K
             if A_K_CONTIGUOUS:
                 tma.async_copy_global_to_shared(a_desc, [m0, k0], ready.index(s), a_bufs.index(s))
@@ -108,8 +112,12 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready,
                 tma.async_copy_global_to_shared(a_desc, [k0, m0], ready.index(s), a_bufs.index(s))
             if B_N_CONTIGUOUS:
                 tma.async_copy_global_to_shared(b_desc, [k0, n0], ready.index(s), b_bufs.index(s))
+                if GATED:
+                    tma.async_copy_global_to_shared(b_desc, [k0, N + n0], ready.index(s), b_bufs.index(STAGES + s))
             else:
                 tma.async_copy_global_to_shared(b_desc, [n0, k0], ready.index(s), b_bufs.index(s))
+                if GATED:
+                    tma.async_copy_global_to_shared(b_desc, [N + n0, k0], ready.index(s), b_bufs.index(STAGES + s))
             it += 1
         seq += 1
         tile = _next_tile(counter_ptr, tile, DYNAMIC)
@@ -122,59 +130,94 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready,
 
 
 @gluon.jit
-def _mainloop(a_bufs, b_bufs, ready, empty, it, k_steps, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-              A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr):
-    """One output tile's products over the ring slots of iterations it .. it + k_steps, one product in
-    flight, each slot handed back once the product that read it is done; the fp32 tile."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1] if A_K_CONTIGUOUS else a_bufs.type.shape[2]
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-    for ki in range(k_steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        if A_K_CONTIGUOUS:
-            a = a_bufs.index(s)
-        else:
-            a = a_bufs.index(s).permute((1, 0))
-        if B_N_CONTIGUOUS:
-            b = b_bufs.index(s)
-        else:
-            b = b_bufs.index(s).permute((1, 0))
-        acc = warpgroup_mma(a, b, acc, is_async=True)
-        # one product in flight: the one before it is done, so its slot goes back to the producer
-        acc = warpgroup_mma_wait(1, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
-        it += 1
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
-    return acc
+def _a_view(a_bufs, s, A_K_CONTIGUOUS: gl.constexpr):
+    """Ring slot s of A as the product takes it: [BLOCK_M, BLOCK_K]."""
+    if A_K_CONTIGUOUS:
+        return a_bufs.index(s)
+    else:
+        return a_bufs.index(s).permute((1, 0))
 
 
 @gluon.jit
-def _epilogue(acc, c_desc, c_smem, e_ptr, m0, n0, M, N, stride_em, stride_en, HAS_RESIDUAL: gl.constexpr):
-    """The tile (plus the residual) through ``c_smem`` and a TMA store, once the last store from
+def _b_view(b_bufs, s, B_N_CONTIGUOUS: gl.constexpr):
+    """Ring slot s of B as the product takes it: [BLOCK_K, BLOCK_N]."""
+    if B_N_CONTIGUOUS:
+        return b_bufs.index(s)
+    else:
+        return b_bufs.index(s).permute((1, 0))
+
+
+@gluon.jit
+def _mainloop(a_bufs, b_bufs, ready, empty, it, k_steps, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+              A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GATED: gl.constexpr):
+    """One output tile's products over the ring slots of iterations it .. it + k_steps, one K step's
+    products in flight, each slot handed back once the products that read it are done; the fp32 tile,
+    twice (GATED: the gate tile, then the up tile from the slots STAGES further on in ``b_bufs``)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1] if A_K_CONTIGUOUS else a_bufs.type.shape[2]
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    for ki in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = _a_view(a_bufs, s, A_K_CONTIGUOUS)
+        acc = warpgroup_mma(a, _b_view(b_bufs, s, B_N_CONTIGUOUS), acc, is_async=True)
+        # one K step in flight: the step before it is done, so its slot goes back to the producer
+        if GATED:
+            acc_up = warpgroup_mma(a, _b_view(b_bufs, STAGES + s, B_N_CONTIGUOUS), acc_up, is_async=True)
+            acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))
+        else:
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+        it += 1
+    if GATED:
+        acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+    return acc, acc_up
+
+
+@gluon.jit
+def _store_tile(x, desc, c_smem, m0, n0):
+    """``x`` at (m0, n0) of ``desc`` through ``c_smem`` and a TMA store, once the last store from
     ``c_smem`` has read it."""
+    tma.store_wait(0)
+    c_smem.store(x.to(desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [m0, n0], c_smem)
+
+
+@gluon.jit
+def _epilogue(acc, acc_up, descs, c_smem, e_ptr, m0, n0, M, N, stride_em, stride_en, HAS_RESIDUAL: gl.constexpr,
+              GATED: gl.constexpr, STORE_GU: gl.constexpr):
+    """The tile (plus the residual) into C; GATED: silu(gate) * up into C, and with STORE_GU the gate
+    and up tiles into their halves of gu first. ``descs``: C's, gu's gate half's and up half's."""
+    c_desc, g_desc, u_desc = descs
+    if GATED:
+        if STORE_GU:
+            _store_tile(acc, g_desc, c_smem, m0, n0)
+            _store_tile(acc_up, u_desc, c_smem, m0, n0)
+        acc = acc / (1.0 + gl.exp(-acc)) * acc_up
     if HAS_RESIDUAL:
         rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
         cols = n0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
         e = gl.load(e_ptr + rows.to(gl.int64)[:, None] * stride_em + cols.to(gl.int64)[None, :] * stride_en,
                     mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
         acc = acc + e.to(gl.float32)
-    tma.store_wait(0)  # the last tile's store has read c_smem
-    c_smem.store(acc.to(c_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [m0, n0], c_smem)
+    _store_tile(acc, c_desc, c_smem, m0, n0)
 
 
 @gluon.jit
 def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
-                   A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr):
+                   A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr,
+                   GATED: gl.constexpr, STORE_GU: gl.constexpr):
     """Consumer C of CONSUMERS. One (cooperative: its warpgroups split each tile's rows): every tile of
     the program. Two (ping-pong, a warpgroup each): the program's tiles C, C + 2, ... of the sequence
     the producer hands out (:func:`_take`), in its own c_smem slot; each runs a tile's products on its
     turn (``turn[C]``, consumer 0 first) and hands the turn over before its epilogue, so that one's
     epilogue runs while the other's products do."""
-    a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, c_desc, c_smem, e_ptr, M, N, K, stride_em, \
+    a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_ptr, M, N, K, stride_em, \
         stride_en = problem
     BLOCK_M: gl.constexpr = c_smem.type.shape[1]
     BLOCK_N: gl.constexpr = c_smem.type.shape[2]
@@ -190,12 +233,12 @@ def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDU
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         if CONSUMERS > 1:
             mbarrier.wait(turn.index(C), ((seq // CONSUMERS) & 1) ^ (1 - C))
-        acc = _mainloop(a_bufs, b_bufs, ready, empty, seq * k_steps, k_steps, acc_layout, BLOCK_N,
-                        A_K_CONTIGUOUS, B_N_CONTIGUOUS)
+        acc, acc_up = _mainloop(a_bufs, b_bufs, ready, empty, seq * k_steps, k_steps, acc_layout, BLOCK_N,
+                                A_K_CONTIGUOUS, B_N_CONTIGUOUS, GATED)
         if CONSUMERS > 1:
             mbarrier.arrive(turn.index(1 - C), count=1)
-        _epilogue(acc, c_desc, c_smem.index(C), e_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_em,
-                  stride_en, HAS_RESIDUAL)
+        _epilogue(acc, acc_up, descs, c_smem.index(C), e_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_em,
+                  stride_en, HAS_RESIDUAL, GATED, STORE_GU)
         seq += CONSUMERS
         tile = _take(ids, id_ready, id_empty, seq)
     tma.store_wait(0)
@@ -217,7 +260,8 @@ def ws_matmul_kernel(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_gm, stride_em, stride_en,
     counter_ptr,  # int32 [2], zeros (DYNAMIC: the next tile to hand out, the programs done; zero again at the end)
-    HAS_RESIDUAL: gl.constexpr, A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
+    EPILOGUE: gl.constexpr, STORE_GU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr = False,
 ):
@@ -225,13 +269,23 @@ def ws_matmul_kernel(
         a_desc, a_bufs = _operand(a_ptr, M, K, stride_am, BLOCK_M, BLOCK_K, STAGES)
     else:
         a_desc, a_bufs = _operand(a_ptr, K, M, stride_ak, BLOCK_K, BLOCK_M, STAGES)
+    GATED: gl.constexpr = EPILOGUE != 0  # gemm.SWIGLU_FWD: B [K, 2N], gate columns then up columns
+    B_SLOTS: gl.constexpr = 2 * STAGES if GATED else STAGES
     if B_N_CONTIGUOUS:
-        b_desc, b_bufs = _operand(b_ptr, K, N, stride_bk, BLOCK_K, BLOCK_N, STAGES)
+        b_desc, b_bufs = _operand(b_ptr, K, 2 * N if GATED else N, stride_bk, BLOCK_K, BLOCK_N, B_SLOTS)
     else:
-        b_desc, b_bufs = _operand(b_ptr, N, K, stride_bn, BLOCK_N, BLOCK_K, STAGES)
+        b_desc, b_bufs = _operand(b_ptr, 2 * N if GATED else N, K, stride_bn, BLOCK_N, BLOCK_K, B_SLOTS)
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                         block_shape=[BLOCK_M, BLOCK_N], layout=layout)
+    if STORE_GU:  # gu [M, 2N]: the gate half and the up half, each clipped at its N columns
+        descs = (c_desc,
+                 tma.make_tensor_descriptor(gu_ptr, shape=[M, N], strides=[stride_gm, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N], layout=layout),
+                 tma.make_tensor_descriptor(gu_ptr + N, shape=[M, N], strides=[stride_gm, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N], layout=layout))
+    else:
+        descs = (c_desc, c_desc, c_desc)
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [CONSUMERS, BLOCK_M, BLOCK_N], layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -247,41 +301,54 @@ def ws_matmul_kernel(
         mbarrier.init(turn.index(i), count=1)
         mbarrier.init(id_ready.index(i), count=1)
         mbarrier.init(id_empty.index(i), count=1)
-    problem = (a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, c_desc, c_smem, e_ptr, M, N, K, stride_em,
+    problem = (a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_ptr, M, N, K, stride_em,
                stride_en)
     FIRST: gl.constexpr = 0  # consumer indices as constexprs (a literal in the partitions' arguments is not one)
     SECOND: gl.constexpr = 1
     if PINGPONG:
         gl.warp_specialize([
-            (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
-            (_mma_partition, (problem, SECOND, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
+            (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
+                               STORE_GU)),
+            (_mma_partition, (problem, SECOND, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
+                               STORE_GU)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
-                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC))], [4, 1], [232, LOAD_REGS])
+                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED))],
+            [4, 1], [232, LOAD_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M)),
+            (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
+                               STORE_GU)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
-                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC))], [1], [LOAD_REGS])
+                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED))],
+            [1], [LOAD_REGS])
 
 
 def applies(args: dict, a_dtype, c_dtype) -> bool:
     """This kernel computes the problem gemm planned as ``args`` (gemm._gemm_plan's): the PLAIN epilogue
-    with at most a residual, no split along K, 16-bit operands and output through tensor descriptors."""
-    return (args["EPILOGUE"] == gemm.PLAIN and not (args["HAS_BIAS"] or args["ACCUMULATE"] or args["SCALED"]
-                                                     or args["FP8"])
+    with at most a residual, or SWIGLU_FWD (with or without gu), no split along K, 16-bit operands and
+    output through tensor descriptors."""
+    return (not (args["HAS_BIAS"] or args["ACCUMULATE"] or args["SCALED"] or args["FP8"])
+            and (args["EPILOGUE"] == gemm.PLAIN or not args["HAS_RESIDUAL"])
             and args["SPLIT_K"] == 1 and args["USE_TMA"] and args["TMA_STORE"] and args["K"] > 0
             and a_dtype == c_dtype and a_dtype.itemsize == 2)
 
 
-def configs() -> list[triton.Config]:
-    """:data:`CONFIGS` as autotuner configs (num_warps: the first consumer partition's; the second
-    consumer warpgroup of a ping-pong config and the producer warp come on top)."""
+def configs(gated: bool = False) -> list[triton.Config]:
+    """:data:`CONFIGS` (``gated``: :data:`GATED_CONFIGS`) as autotuner configs (num_warps: the first
+    consumer partition's; the second consumer warpgroup of a ping-pong config and the producer warp
+    come on top)."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": st, "GROUP_M": 8, "PINGPONG": pp},
-                          num_warps=4 if pp else 8, num_stages=1) for bm, bn, bk, st, pp in CONFIGS]
+                          num_warps=4 if pp else 8, num_stages=1)
+            for bm, bn, bk, st, pp in (GATED_CONFIGS if gated else CONFIGS)]
 
 
 #: the flags of gemm._gemm_plan's arguments that this kernel takes
-FLAG_ARGS = ("HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS")
+FLAG_ARGS = ("EPILOGUE", "STORE_GU", "HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS")
+_TUNE_KEY = ["M", "N", "K", *FLAG_ARGS, "DYNAMIC"]
+ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=_TUNE_KEY)(ws_matmul_kernel)
+ws_gated_kernel_tuned = triton.autotune(configs=configs(gated=True), key=_TUNE_KEY)(ws_matmul_kernel)
 
-ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=["M", "N", "K", "HAS_RESIDUAL", "A_K_CONTIGUOUS",
-                                                                  "B_N_CONTIGUOUS", "DYNAMIC"])(ws_matmul_kernel)
+
+def tuned(args: dict):
+    """The autotuner of ``args``'s problem (gemm._gemm_plan's): gated (SwiGLU) or not."""
+    return ws_gated_kernel_tuned if args["EPILOGUE"] != gemm.PLAIN else ws_matmul_kernel_tuned

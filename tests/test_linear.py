@@ -373,6 +373,53 @@ def test_gemm_sm90_every_config(layout):
                          bias=torch.zeros(N, dtype=torch.bfloat16, device=DEVICE), config=ws.configs()[0])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("store_gu", [False, True], ids=["h", "h+gu"])
+@pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
+def test_gemm_sm90_gated(layout, store_gu, monkeypatch):
+    """The WS kernel's gated (SwiGLU) forward: every config of ``configs(gated=True)`` through
+    ``gemm(config=...)``, on a ragged problem in every operand layout, h = silu(gate) * up and the
+    pre-activations in gu against float64; a plain config is refused for it. Then with
+    ``SM90_WS_GATED`` on, linear_swiglu's forward and backward through the autotuner, against the
+    default kernel's."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
+    ws = importlib.import_module("tritonllm.kernels.gemm_sm90")
+    _, make_a, make_b = layout
+    M, K, N = 1000, 1512, 1032  # 2N: gate columns [0, N), up columns [N, 2N)
+    a, b = make_a(M, K, torch.bfloat16), make_b(K, 2 * N, torch.bfloat16)
+    g, u = (a.double() @ b.double()).chunk(2, dim=-1)
+    with torch_tf32(torch.bfloat16):
+        g_same, u_same = (a @ b).chunk(2, dim=-1)
+    for config in ws.configs(gated=True):
+        gu = poison_(torch.empty(M, 2 * N, dtype=torch.bfloat16, device=DEVICE)) if store_gu else None
+        h = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)), gu=gu,
+                             epilogue=gemm_module.SWIGLU_FWD, config=config)
+        name = f"sm90_ws gated {config.kwargs}"
+        assert_close(name, h, g * torch.sigmoid(g) * u, g_same * torch.sigmoid(g_same) * u_same,
+                     atol=gemm_atol(torch.bfloat16, chain=2))
+        if store_gu:
+            assert_close(name + " gu", gu, torch.cat([g, u], -1), torch.cat([g_same, u_same], -1),
+                         atol=gemm_atol(torch.bfloat16))
+    with pytest.raises(ValueError, match="gated"):
+        gemm_module.gemm(a, b, torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE), epilogue=gemm_module.SWIGLU_FWD,
+                         config=ws.configs()[0])
+    x = randn(3, 333, K, dtype=torch.bfloat16, requires_grad=True)
+    w13 = randn(2 * N, K, dtype=torch.bfloat16, scale=K ** -0.5, requires_grad=True)
+    dy = randn(3, 333, N, dtype=torch.bfloat16)
+    got = {}
+    for gated in (True, False):
+        monkeypatch.setattr(gemm_module, "SM90_WS_GATED", gated)
+        gemm_module._LAUNCH_CONFIGS.clear()
+        y = linear_swiglu(x, w13)
+        got[gated] = (y, *torch.autograd.grad(y, (x, w13), dy))
+        kernels = {plan[0].fn.__name__ for plan in gemm_module._LAUNCH_CONFIGS.values()
+                   if plan[0].kwargs["EPILOGUE"] == gemm_module.SWIGLU_FWD}
+        assert kernels == {"ws_matmul_kernel" if gated else "_matmul_kernel"}
+    for name, ws_t, default in zip(("y", "dx", "dw13"), got[True], got[False]):
+        assert_close(name, ws_t, default.double())
+
+
 def test_configs_follow_the_devices_shared_memory(monkeypatch):
     """On a GPU with less shared memory per block (99 KiB: most consumer cards), the pruning keeps
     only configs that fit it, and shrinks one when none does."""
