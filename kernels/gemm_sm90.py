@@ -130,21 +130,13 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready,
 
 
 @gluon.jit
-def _a_view(a_bufs, s, A_K_CONTIGUOUS: gl.constexpr):
-    """Ring slot s of A as the product takes it: [BLOCK_M, BLOCK_K]."""
-    if A_K_CONTIGUOUS:
-        return a_bufs.index(s)
+def _slot(bufs, s, AS_STORED: gl.constexpr):
+    """Ring slot s as the product takes it (A [BLOCK_M, BLOCK_K], B [BLOCK_K, BLOCK_N]): as stored, or
+    transposed when the operand's other dim is the contiguous one."""
+    if AS_STORED:
+        return bufs.index(s)
     else:
-        return a_bufs.index(s).permute((1, 0))
-
-
-@gluon.jit
-def _b_view(b_bufs, s, B_N_CONTIGUOUS: gl.constexpr):
-    """Ring slot s of B as the product takes it: [BLOCK_K, BLOCK_N]."""
-    if B_N_CONTIGUOUS:
-        return b_bufs.index(s)
-    else:
-        return b_bufs.index(s).permute((1, 0))
+        return bufs.index(s).permute((1, 0))
 
 
 @gluon.jit
@@ -160,11 +152,11 @@ def _mainloop(a_bufs, b_bufs, ready, empty, it, k_steps, acc_layout: gl.constexp
     for ki in range(k_steps):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        a = _a_view(a_bufs, s, A_K_CONTIGUOUS)
-        acc = warpgroup_mma(a, _b_view(b_bufs, s, B_N_CONTIGUOUS), acc, is_async=True)
+        a = _slot(a_bufs, s, A_K_CONTIGUOUS)
+        acc = warpgroup_mma(a, _slot(b_bufs, s, B_N_CONTIGUOUS), acc, is_async=True)
         # one K step in flight: the step before it is done, so its slot goes back to the producer
         if GATED:
-            acc_up = warpgroup_mma(a, _b_view(b_bufs, STAGES + s, B_N_CONTIGUOUS), acc_up, is_async=True)
+            acc_up = warpgroup_mma(a, _slot(b_bufs, STAGES + s, B_N_CONTIGUOUS), acc_up, is_async=True)
             acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))
         else:
             acc = warpgroup_mma_wait(1, deps=(acc,))
