@@ -3,7 +3,9 @@
 ``--kernel gemm`` (default) compiles ``kernels.gemm._matmul_kernel`` for sm_90 (an H100 or H200) with
 every config of ``GPU_CONFIGS`` that the shared-memory pruning keeps for the given flags and M x N x K;
 ``--kernel attention-fwd`` the flash-attention forward with ``FWD_CONFIGS`` at ``--shape B,Hq,Hkv,T,D``;
-``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90``, and dK/dV with the dQ reduce, with their configs at ``--shape``. Each is specialized as a launch would be; per config
+``--kernel gemm-sm90`` the warp-specialized Gluon GEMM of ``gemm_sm90`` with every config of ``CONFIGS``
+(``--swiglu``: ``GATED_CONFIGS``, ``--store-gu`` also writing the pre-activations; ``--dynamic``: tiles
+from the global counter) at ``--mnk``; ``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90``, and dK/dV with the dQ reduce, with their configs at ``--shape``. Each is specialized as a launch would be; per config
 the script prints the pruning's estimate (GEMM: ``_config_smem``), the shared memory the compiled kernel
 asks for (a launch fails above 232,448 bytes), ptxas's registers per thread and bytes of spill stores,
 and the compiled kernel's warps. A config that does not compile prints its error. ``TRITON_INTERPRET`` is
@@ -14,6 +16,7 @@ To check what the GPU machines run, use their Triton version (3.6.0; from PyPI, 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --dtype fp32 --tma --tma-store --residual --bias \
         --mnk 5,24,32 --all
+    PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --kernel gemm-sm90 --swiglu --store-gu --mnk 16384,2048,768
     PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --kernel attention-fwd --shape 8,32,8,4096,128 --causal
     PYTHONPATH=/tmp/t36 python scripts/sm90_compile.py --kernel attention-bwd-sm90 --shape 8,32,8,4096,128 --causal
 """
@@ -127,6 +130,24 @@ def gemm_main(args) -> None:
     report(gemm._matmul_kernel, rows, kernel_args, flags)
 
 
+def gemm_sm90_main(args) -> None:
+    """Every config of ``gemm_sm90`` (``--swiglu``: its gated configs) at ``--mnk``, B as
+    ``--b-n-contiguous`` says, A K-contiguous, 16-bit."""
+    from kernels import gemm_sm90
+
+    flags = dict(EPILOGUE=gemm.SWIGLU_FWD if args.swiglu else gemm.PLAIN, STORE_GU=args.swiglu and args.store_gu,
+                 HAS_RESIDUAL=args.residual and not args.swiglu, A_K_CONTIGUOUS=True,
+                 B_N_CONTIGUOUS=args.b_n_contiguous, DYNAMIC=args.dynamic)
+    ints = int_args(*(int(v) for v in args.mnk.split(",")), flags)
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, M,N,K {args.mnk}, flags "
+          f"{ {k: v for k, v in flags.items() if v not in (False, 0)} }")
+    rows = [("{BLOCK_M} {BLOCK_N} {BLOCK_K} s{STAGES}".format(**c.kwargs) + (" ping-pong" if c.kwargs["PINGPONG"]
+             else " coop"), c, True, None) for c in gemm_sm90.configs(gated=args.swiglu)]
+    kernel_args = {**{n: f"*{args.dtype}" for n in gemm_sm90.ws_matmul_kernel.arg_names if n.endswith("_ptr")},
+                   "counter_ptr": "*i32", **ints}
+    report(gemm_sm90.ws_matmul_kernel, rows, kernel_args, flags)
+
+
 def attention_fwd_main(args) -> None:
     """The one-pass forward at ``--shape`` (contiguous [B, T, H, D] q, k, v, S = T) with the configs of
     FWD_CONFIGS that the pruning keeps
@@ -186,12 +207,12 @@ def attention_bwd_sm90_main(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=["gemm", "attention-fwd", "attention-bwd-sm90"], default="gemm")
+    p.add_argument("--kernel", choices=["gemm", "gemm-sm90", "attention-fwd", "attention-bwd-sm90"], default="gemm")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--all", action="store_true", help="also the configs the pruning drops")
     gemm_args = p.add_argument_group("gemm")
     gemm_args.add_argument("--swiglu", action="store_true", help="the SWIGLU_FWD epilogue (two B tiles)")
-    for flag in ("bias", "residual", "accumulate", "tma", "tma-store", "b-n-contiguous"):
+    for flag in ("bias", "residual", "accumulate", "tma", "tma-store", "b-n-contiguous", "store-gu", "dynamic"):
         gemm_args.add_argument(f"--{flag}", action="store_true")
     gemm_args.add_argument("--mnk", default="4096,4096,4096", help="the problem's M,N,K (contiguous operands)")
     attn_args = p.add_argument_group("attention-fwd")
@@ -201,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     attn_args.add_argument("--loops", choices=["one", "three"], help="override the ONE_LOOP knob")
     attn_args.add_argument("--documents", action="store_true", help="packed documents (HAS_DOCS)")
     args = p.parse_args(argv)
-    {"attention-fwd": attention_fwd_main, "attention-bwd-sm90": attention_bwd_sm90_main}.get(args.kernel, gemm_main)(args)
+    {"gemm-sm90": gemm_sm90_main, "attention-fwd": attention_fwd_main,
+     "attention-bwd-sm90": attention_bwd_sm90_main}.get(args.kernel, gemm_main)(args)
 
 
 if __name__ == "__main__":
