@@ -396,6 +396,10 @@ def tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 #: work counters per (device, stream), see :func:`tile_counter`
 _TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
+#: zeroed counters per device not yet handed out, allocated outside any CUDA graph capture
+_TILE_COUNTER_POOLS: dict[int, list[torch.Tensor]] = {}
+#: counters allocated at once: a pool serves that many streams
+TILE_COUNTER_POOL = 64
 
 
 def tile_counter() -> torch.Tensor:
@@ -403,13 +407,27 @@ def tile_counter() -> torch.Tensor:
     global counter (gemm_sm90's dynamic schedule): the kernel leaves them at zero when it ends. One
     pair per (device, stream): kernels on one stream run in order, so they share it, while kernels on
     two streams could run at once. Kept for the process's life, as :func:`tma_scratch`'s buffers are:
-    a kernel captured in a CUDA graph keeps the address."""
+    a kernel captured in a CUDA graph keeps the address (graphs captured on one stream share its pair,
+    so they must not be replayed at the same time on two streams).
+
+    The pairs come from a pool zeroed outside any capture: a stream first seen during a CUDA graph
+    capture gets one that is zero already, not a zero-fill the graph would only run at its first
+    replay. The first pool of a device cannot be made during a capture (a RuntimeError says so): run
+    the kernel once before capturing, as a graph's warm-up does."""
     get_device, get_stream, _ = _runtime()
     device = get_device()
     key = (device, get_stream(device))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
-        counter = _TILE_COUNTERS[key] = torch.zeros(2, device=f"cuda:{device}", dtype=torch.int32)
+        pool = _TILE_COUNTER_POOLS.get(device)
+        if not pool:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("tile_counter: no zeroed work counter is left on this device during a CUDA "
+                                   "graph capture; launch the kernel once before capturing")
+            pool = _TILE_COUNTER_POOLS[device] = list(
+                torch.zeros(TILE_COUNTER_POOL, 2, device=f"cuda:{device}", dtype=torch.int32).unbind(0))
+            torch.cuda.synchronize(device)  # zero before another stream's kernel takes one
+        counter = _TILE_COUNTERS[key] = pool.pop()
     return counter
 
 

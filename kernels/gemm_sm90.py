@@ -40,6 +40,9 @@ CONFIGS = [(128, 256, 64, 3, False), (128, 128, 64, 4, False), (128, 128, 64, 5,
 GATED_CONFIGS = [(128, 128, 64, 3, False), (128, 128, 64, 4, False), (64, 128, 64, 4, True), (64, 128, 64, 3, True)]
 #: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
 LOAD_REGS = gl.constexpr(40)
+#: slots of the ring through which the producer hands tile indices to the consumers: how many tiles it
+#: may run ahead (with few K steps a tile, more than the operand ring's depth)
+ID_SLOTS = gl.constexpr(4)
 
 _tile_coords = gluon.jit(gemm.tile_coords.fn)
 
@@ -56,9 +59,9 @@ def _next_tile(counter_ptr, tile, DYNAMIC: gl.constexpr):
 
 @gluon.jit
 def _publish(ids, id_ready, id_empty, seq, tile):
-    """Hand the program's seq-th tile index to the consumer that takes it, through slot seq % 2 of ``ids``."""
-    slot = seq % 2
-    mbarrier.wait(id_empty.index(slot), ((seq // 2) & 1) ^ 1)  # a slot starts free
+    """Hand the program's seq-th tile index to the consumer that takes it, through slot seq % ID_SLOTS of ``ids``."""
+    slot = seq % ID_SLOTS
+    mbarrier.wait(id_empty.index(slot), ((seq // ID_SLOTS) & 1) ^ 1)  # a slot starts free
     ids.index(slot).store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
     gl.thread_barrier()
     mbarrier.arrive(id_ready.index(slot), count=1)
@@ -67,8 +70,8 @@ def _publish(ids, id_ready, id_empty, seq, tile):
 @gluon.jit
 def _take(ids, id_ready, id_empty, seq):
     """The program's seq-th tile index (:func:`_publish`); the slot goes back at once."""
-    slot = seq % 2
-    mbarrier.wait(id_ready.index(slot), (seq // 2) & 1)
+    slot = seq % ID_SLOTS
+    mbarrier.wait(id_ready.index(slot), (seq // ID_SLOTS) & 1)
     tile = gl.max(ids.index(slot).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
     gl.thread_barrier()  # every warp has read it
     mbarrier.arrive(id_empty.index(slot), count=1)
@@ -283,14 +286,16 @@ def ws_matmul_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    id_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ids = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    id_ready = gl.allocate_shared_memory(gl.int64, [ID_SLOTS, 1], mbarrier.MBarrierLayout())
+    id_empty = gl.allocate_shared_memory(gl.int64, [ID_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    if PINGPONG:  # unused otherwise: no mbarrier left initialized in memory the compiler may reuse
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(ID_SLOTS):
         mbarrier.init(id_ready.index(i), count=1)
         mbarrier.init(id_empty.index(i), count=1)
     problem = (a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_ptr, M, N, K, stride_em,
@@ -322,7 +327,8 @@ def applies(args: dict, a_dtype, c_dtype) -> bool:
     return (not (args["HAS_BIAS"] or args["ACCUMULATE"] or args["SCALED"] or args["FP8"])
             and (args["EPILOGUE"] == gemm.PLAIN or not args["HAS_RESIDUAL"])
             and args["SPLIT_K"] == 1 and args["USE_TMA"] and args["TMA_STORE"] and args["K"] > 0
-            and a_dtype == c_dtype and a_dtype.itemsize == 2)
+            and a_dtype == c_dtype and a_dtype.itemsize == 2
+            and (not args["STORE_GU"] or args["gu_ptr"].dtype == c_dtype))  # gu goes out through c_smem
 
 
 def configs(gated: bool = False) -> list[triton.Config]:

@@ -311,8 +311,10 @@ def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatc
 @pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "ping-pong"])
 def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch):
     """DYNAMIC (programs take tiles from a global counter): the same bits as the static schedule (a
-    tile is one program's whole K loop either way), eagerly and replayed from a CUDA graph, and the
-    counters are back at zero after every launch, so the next launch on the stream starts from tile 0."""
+    tile is one program's whole K loop either way), eagerly and replayed from a CUDA graph captured on a
+    stream the counters have not seen, and the counters are back at zero after every launch, so the
+    next launch on the stream starts from tile 0. A counter already past the last tile leaves the
+    output unwritten: the kernel really takes its tiles from it."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
     common = importlib.import_module("tritonllm.kernels._common")
@@ -333,21 +335,20 @@ def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch):
         out[dynamic] = runs[0]
     assert torch.equal(out[True], out[False])
     assert_close("dynamic", out[True], a.double() @ b.double(), a @ b, atol=gemm_atol(torch.bfloat16))
+    counter = common.tile_counter()
+    counter[0] = 2**30  # every program's first index is past the last tile
+    skipped = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)))
+    assert torch.isnan(skipped).all() and counter.tolist() == [0, 0]
     c = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        gemm_module.gemm(a, b, c)  # the capture stream's counters, outside the capture
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
         gemm_module.gemm(a, b, c)
     for _ in range(3):
         poison_(c)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(c, out[False])
-    assert all(counter.tolist() == [0, 0] for counter in common._TILE_COUNTERS.values())
+    assert all(pair.tolist() == [0, 0] for pair in common._TILE_COUNTERS.values())
 
 
 @pytest.mark.gpu
@@ -374,16 +375,19 @@ def test_gemm_sm90_every_config(layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["persistent", "dynamic", "tile-per-program"])
 @pytest.mark.parametrize("store_gu", [False, True], ids=["h", "h+gu"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
-def test_gemm_sm90_gated(layout, store_gu, monkeypatch):
-    """The WS kernel's gated (SwiGLU) forward: every config of ``configs(gated=True)`` through
-    ``gemm(config=...)``, on a ragged problem in every operand layout, h = silu(gate) * up and the
-    pre-activations in gu against float64; a plain config is refused for it. Then with
+def test_gemm_sm90_gated(layout, store_gu, grid, monkeypatch):
+    """The WS kernel's gated (SwiGLU) forward on each grid: every config of ``configs(gated=True)``
+    through ``gemm(config=...)``, on a ragged problem in every operand layout, h = silu(gate) * up and
+    the pre-activations in gu against float64; a plain config is refused for it. Then with
     ``SM90_WS_GATED`` on, linear_swiglu's forward and backward through the autotuner, against the
     default kernel's."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
+    monkeypatch.setattr(gemm_module, "PERSISTENT", grid != "tile-per-program")
+    monkeypatch.setattr(gemm_module, "DYNAMIC", grid == "dynamic")
     ws = importlib.import_module("tritonllm.kernels.gemm_sm90")
     _, make_a, make_b = layout
     M, K, N = 1000, 1512, 1032  # 2N: gate columns [0, N), up columns [N, 2N)
