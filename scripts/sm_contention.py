@@ -12,7 +12,9 @@ A "hog" kernel (raw CUDA through CuPy) holds k SMs: k blocks that each take 200 
 so that no GEMM program (ours or cuBLAS's: all take far more than the 27 KiB left) can share their SM,
 spinning on the clock for ``fraction`` times the op's time alone (2.0: all of it; 0.5: its first
 half, an all-gather that ends midway). Each repetition starts the hog on a side stream, then replays
-the op's CUDA graph on the main stream between two events; the median over repetitions is reported.
+the op's CUDA graph on the main stream between two events; the median over repetitions is reported,
+after as many repetitions alone as warm-up (the op's first timings came right after its compiles, at
+a lower clock: the alone column had read slower than the held ones).
 
 Ops: one linear layer's forward and backward (y = x W^T, then dx and dW) at void1b's shapes per GPU
 (8192 tokens; qkv 2048 -> 3072, out 2048 -> 2048, w13 2048 -> 11264, w2 5632 -> 2048), bf16, each
@@ -157,6 +159,7 @@ def main() -> None:
     for name, (K, N) in SHAPES.items():
         for variant in variants:
             replay, ws_configs = graphed_op(variant, K, N)
+            median_ms(replay, hog, 0, 0.0, args.reps)  # warm-up: clocks up after the compiles, caches filled
             alone = median_ms(replay, hog, 0, 0.0, args.reps)
             cells = []
             for k in (k for k in holds if k):
