@@ -25,7 +25,7 @@ Sections, in this order:
   configs  stage B: every candidate config with each problem's best knob set.
   splits   the three GEMMs of linear (fwd, dx, dW) at every benchmark shape, each replayed in a CUDA
            graph, the best of CANDIDATES with the default knobs and (on Hopper) of gemm_sm90's WS
-           configs against cuBLAS, and dW once per split count along K (1, 2, 3, 4, 6, 8 and
+           configs against cuBLAS (and the WS kernel with gemm.DYNAMIC's tiles), and dW once per split count along K (1, 2, 3, 4, 6, 8 and
            split_k_for's choice): which GEMM of the backward trails cuBLAS, and what each split
            costs (its fp32 partials and their sum).
 The e2e sections (host .. lce) autotune over the two best configs of the best knob set of stage
@@ -497,7 +497,7 @@ def ws_name(config) -> str:
 
 def section_splits(state):
     default_knob = next(k for k in KNOBS if k[0] == "flat+tmaS")
-    ws_default = L.SM90_WS
+    ws_default, dynamic_default = L.SM90_WS, L.DYNAMIC
     probs, splits_of = [], {}
     for M, K, N in SHAPES["default"]["linear"] + SHAPES["large"]["linear"] + [(16384, 768, 768)]:
         x, w, dy = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, N)
@@ -518,7 +518,8 @@ def section_splits(state):
     failed = precompile(jobs)
     print(f"\n== splits: {len(jobs)} variants compiled in {time.time() - t:.0f} s ({len(failed)} failed); "
           "ms replayed in CUDA graphs, ours = the best config", flush=True)
-    print(f"{'problem':<34}{'cuBLAS':>9}{'ours':>9}{'ratio':>7}  best config / autotuned: ratio plain, WS")
+    print(f"{'problem':<34}{'cuBLAS':>9}{'ours':>9}{'ratio':>7}  best config / autotuned: ratio plain, WS"
+          " (, WS dynamic tiles on Hopper)")
     out = {}
     for p in probs:
         if left() < 5:
@@ -537,16 +538,17 @@ def section_splits(state):
             err = rel_err(c, ref)
             res[cfg] = graph_ms(lambda c=c, config=config: lambda: p.call(c, None, config)) if err < 2e-2 \
                 else f"BAD err {err:.1e}"
-        if p in auto:
-            for ws in (False, True):
-                L.SM90_WS = ws
+        if p in auto:  # the autotuned plain kernel, the WS kernel, and (Hopper) the WS kernel's dynamic tiles
+            hopper = torch.cuda.get_device_capability()[0] == 9
+            for name, ws, dynamic in [("autotuned", False, False), ("ws", True, False)] + \
+                    ([("ws dynamic", True, True)] if hopper else []):
+                L.SM90_WS, L.DYNAMIC = ws, dynamic
                 c, gu = p.new_out()
                 p.call(c, gu, None)
                 ref = c.clone() if ref is None else ref
                 err = rel_err(c, ref)
-                res["ws" if ws else "autotuned"] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) \
-                    if err < 2e-2 else f"BAD err {err:.1e}"
-            L.SM90_WS = ws_default
+                res[name] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) if err < 2e-2 else f"BAD err {err:.1e}"
+            L.SM90_WS, L.DYNAMIC = ws_default, dynamic_default
             if torch.cuda.get_device_capability()[0] == 9:  # and the WS kernel at each of its configs
                 for wcfg in WS.configs():
                     c, gu = p.new_out()
@@ -568,7 +570,7 @@ def section_splits(state):
         if times:
             best = min(times, key=times.get)
             tuned = "  ".join(f"{base / times[k]:.3f}" if k in times else str(res.get(k, "-"))[:12]
-                              for k in ("autotuned", "ws") if k in res)
+                              for k in ("autotuned", "ws", "ws dynamic") if k in res)
             print(f"{p.name:<34}{base:9.4f}{times[best]:9.4f}{base / times[best]:7.3f}  {best}  {tuned}")
         out[p.name] = {"cublas_ms": base, **{str(c): v for c, v in res.items()}}
     L.TMA_STORE = default_knob[4]
