@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [sm90] [contention] [train] [trainrun] [finetune] [evolve]
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [sm90] [contention] [train] [trainrun] [finetune] [evolve]
 #        (default: tests bench)
 # contention: scripts/sm_contention.py (CONTENTION_ARGS): our GEMM against cuBLAS with some SMs held
-# sm90: the Gluon kernels' GPU tests (-k sm90: attention forward and backward, the WS GEMM), then
+# sm90: the Gluon kernels' GPU tests (-k sm90: attention forward and backward, the WS GEMM; spread over the
+#   workers test by test, not file by file: each case autotunes Gluon configs), then
 #   scripts/attention_sm90.py (SM90_PARTS, default fwd,bwd) under SM90_TIMEOUT: a hung barrier stops a part,
 #   not the stage
 # trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
@@ -43,8 +44,11 @@ for stage in $stages; do
             timeout ${BENCH_TIMEOUT:-540} python3 -m tritonllm.bench kernels ${ops:+--ops $ops} ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^--" | tail -${TAIL:-80} ;;
         tune)  # scripts/tune_attention.py (TUNE_ARGS, e.g. "--shapes causal64 --kernels fused")
             timeout ${TUNE_TIMEOUT:-300} python3 scripts/tune_attention.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -${TAIL:-80} ;;
+        tunelinear)  # scripts/tune_linear.py's sections (TUNE_LINEAR, default "splits swiglu"; TUNE_BUDGET_S for them)
+            timeout ${TUNE_TIMEOUT:-330} python3 scripts/tune_linear.py ${TUNE_LINEAR:-splits swiglu} 2>&1 \
+                | tee "$OUT/tune-linear.log" | tail -${TAIL:-80} ;;
         sm90)
-            timeout -s INT -k 30 ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -n 8 --dist loadfile -k sm90 \
+            timeout -s INT -k 30 ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -n 8 --dist load -k sm90 \
                 tests/test_flash_attention.py tests/test_linear.py -p no:cacheprovider > "$OUT/tests-sm90.log" 2>&1
             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-sm90.log" | head -40
             for part in $(echo ${SM90_PARTS:-fwd,bwd} | tr , ' '); do
