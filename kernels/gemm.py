@@ -565,13 +565,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
         if key is not None:
             _LAUNCH_CONFIGS[key] = plan
         return c
-    launch, ints, splits, sum_splits, tma, counter = plan
+    launch, ints, splits, sum_splits, tma, dynamic = plan
     out = c if splits == 1 else torch.empty((splits, c.shape[0], c.shape[1]), dtype=torch.float32, device=c.device)
     if tma:
         triton.set_allocator(tma_scratch)  # per call: the allocator is per thread (autograd runs backward elsewhere)
     launch(a, b, out, c if gu is None else gu, c if bias is None else bias, c if residual is None else residual,
            c if a_scale is None else a_scale, c if b_scale is None else b_scale, *ints,
-           *((tile_counter(),) if counter else ()))
+           *(() if dynamic is None else (tile_counter() if dynamic else c,)))
     if splits > 1:
         sum_splits(out, c, *ints[:2], splits, c.stride(0), c.stride(1))
     return c
@@ -593,7 +593,9 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
                 a_scale=None, b_scale=None) -> tuple:
     """Plan a problem and launch it once (through the autotuner on the GPU, which picks the config
     on a problem's first launch); return the plan later launches of the problem reuse:
-    ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA, takes tile_counter())``."""
+    ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA, DYNAMIC)``, DYNAMIC None for
+    _matmul_kernel; the WS kernel takes tile_counter() after the integers with DYNAMIC, else an unread
+    pointer (no per-call counter lookup)."""
     args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k,
                                  a_scale, b_scale)
     tma = args["USE_TMA"] and not interpreting()
@@ -618,17 +620,18 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
           and _sm90_ws().applies(args, a.dtype, c.dtype)):
         ws = _sm90_ws()
         kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
-        ws.tuned(args)[grid](*tensors, *ints, tile_counter(), DYNAMIC=DYNAMIC, **{k: args[k] for k in flags})
+        ws.tuned(args)[grid](*tensors, *ints, tile_counter() if DYNAMIC else c, DYNAMIC=DYNAMIC,
+                             **{k: args[k] for k in flags})
         meta = ws.tuned(args).best_config.all_kwargs()
     else:
         tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
         tuned[grid](**args)
         meta = tuned.best_config.all_kwargs()
-    counter = kernel is not _matmul_kernel  # the WS kernel takes tile_counter() after the integers
-    dynamic = {"DYNAMIC": DYNAMIC} if counter else {}
-    launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **dynamic, **meta)
+    dynamic = None if kernel is _matmul_kernel else DYNAMIC
+    launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **({} if dynamic is None else
+                                                                          {"DYNAMIC": dynamic}), **meta)
     if interpreting() or config is not None:
-        launch(*tensors, *ints, *((tile_counter(),) if counter else ()))
+        launch(*tensors, *ints, *(() if dynamic is None else (tile_counter() if dynamic else c,)))
     sum_splits = None
     if args["SPLIT_K"] > 1:
         M, N = c.shape
@@ -636,7 +639,7 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
         sum_splits = Launch(_sum_splits_kernel, (triton.cdiv(M, block_m), triton.cdiv(N, block_n)),
                             BLOCK_M=block_m, BLOCK_N=block_n)
         sum_splits(args["c_ptr"], c, M, N, args["SPLIT_K"], c.stride(0), c.stride(1))
-    return launch, ints, args["SPLIT_K"], sum_splits, tma, counter
+    return launch, ints, args["SPLIT_K"], sum_splits, tma, dynamic
 
 
 def as_matrix(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -254,7 +254,7 @@ def ws_matmul_kernel(
     a_ptr, b_ptr, c_ptr, gu_ptr, bias_ptr, e_ptr, sa_ptr, sb_ptr,  # gemm._matmul_kernel's arguments, in its order
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_gm, stride_em, stride_en,
-    counter_ptr,  # int32 [2], zeros (DYNAMIC: the next tile to hand out, the programs done; zero again at the end)
+    counter_ptr,  # DYNAMIC: int32 [2], zeros (the next tile to hand out, the programs done; zero again at the end)
     EPILOGUE: gl.constexpr, STORE_GU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
     A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,

@@ -25,9 +25,9 @@ Sections, in this order:
   configs  stage B: every candidate config with each problem's best knob set.
   splits   the three GEMMs of linear (fwd, dx, dW) at every benchmark shape, each replayed in a CUDA
            graph, the best of CANDIDATES with the default knobs and (on Hopper) of gemm_sm90's WS
-           configs against cuBLAS (and the WS kernel with gemm.DYNAMIC's tiles), and dW once per split count along K (1, 2, 3, 4, 6, 8 and
-           split_k_for's choice): which GEMM of the backward trails cuBLAS, and what each split
-           costs (its fp32 partials and their sum).
+           configs against cuBLAS (and the WS kernel with gemm.DYNAMIC's tiles), and dW once per
+           split count along K (1, 2, 3, 4, 6, 8 and split_k_for's choice): which GEMM of the
+           backward trails cuBLAS, and what each split costs (its fp32 partials and their sum).
 The e2e sections (host .. lce) autotune over the two best configs of the best knob set of stage
 A (or the GPU_CONFIGS when stage A did not run). Every variant's output is compared with the
 default variant's (first config, knobs off, itself checked against cuBLAS; for lce the module's
