@@ -432,6 +432,16 @@ def tile_counter() -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One more CUDA stream of ``device`` (a ``torch.device`` with its index) for work that runs beside the
+    current stream's (a backward's dW product beside its dx product). The caller forks it from the
+    current stream (``wait_stream``) and joins it back before it returns, so tensors that the current stream
+    allocated and frees afterwards stay valid while the side stream works on them; a CUDA graph capture
+    then records the two as parallel branches."""
+    return torch.cuda.Stream(device=device)
+
+
+@functools.lru_cache(maxsize=None)
 def num_sms(device_index: int | None = None) -> int:
     """Number of streaming multiprocessors of the current CUDA device (4 under the interpreter)."""
     if interpreting() or not torch.cuda.is_available():

@@ -63,15 +63,17 @@ PERSISTENT = True
 #: splits, H100, docs/perf/NOTES.md).
 SM90_WS = True
 #: linear_swiglu's fused forward (SWIGLU_FWD) through gemm_sm90's kernel too (two accumulators, gate and
-#: up, and a B ring twice as deep; its GATED_CONFIGS). Off until timed on a GPU (prediction in
-#: docs/perf/NOTES.md); ``gemm(config=<one of gemm_sm90.configs(gated=True)>)`` runs it either way.
-SM90_WS_GATED = False
+#: up, and a B ring twice as deep; its GATED_CONFIGS). On: at 16384x768x(2x2048) on an H100, in CUDA graphs, the
+#: forward ran 0.168 and 0.171 ms in two runs against _matmul_kernel's 0.214 and 0.215 (1.28x cuBLAS + Triton
+#: swiglu; scripts/tune_linear.py swiglu, docs/perf/NOTES.md).
+SM90_WS_GATED = True
 #: gemm_sm90's kernel on a persistent grid (min(#SMs, tiles) programs, whatever PERSISTENT says, which
 #: then sets the other kernels' grid) whose programs take their tiles from a global counter as they get
 #: to them (:func:`_common.tile_counter`) instead of every P-th tile: a program that starts late, behind
 #: another stream's kernels on its SM (NCCL's under FSDP2), takes fewer tiles instead of holding back a
 #: share, and each program still overlaps a tile's epilogue with the next tile's loads. Each tile is one
-#: program's whole K loop either way: the same bits. ``parallelize`` sets it for DDP and FSDP2 on GPUs.
+#: program's whole K loop either way: the same bits. ``parallelize`` sets it for DDP and FSDP2 on GPUs;
+#: ``gemm(dynamic=...)`` sets it for one call (linear's backward, for dW and dx run side by side).
 DYNAMIC = False
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
@@ -484,7 +486,7 @@ def split_k_for(M: int, N: int, K: int, sms: int) -> int:
 
 
 def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None,
-               b_scale=None):
+               b_scale=None, dynamic=False):
     """The kernel arguments, grid and launch-cache key of :func:`gemm` (C = the fp32 partials
     when split along K)."""
     if (a_scale is None) != (b_scale is None) or (a_scale is not None and epilogue != PLAIN):
@@ -526,7 +528,7 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
 
     def grid(meta):
         units = split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        persistent = PERSISTENT or (DYNAMIC and "PINGPONG" in meta)  # PINGPONG: a gemm_sm90 config
+        persistent = PERSISTENT or (dynamic and "PINGPONG" in meta)  # PINGPONG: a gemm_sm90 config
         return (min(sms, units) if persistent else units,)
 
     key = (M, N, K, epilogue, bias is not None, residual is not None, accumulate, store_gu, bool(use_tma), a_k, b_n,
@@ -538,7 +540,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
          residual: torch.Tensor | None = None, gu: torch.Tensor | None = None, epilogue: int = PLAIN,
          accumulate: bool = False, allow_tf32: bool = True, use_tma: bool | None = None,
          split_k: int | None = None, config: triton.Config | None = None, a_scale: torch.Tensor | None = None,
-         b_scale: torch.Tensor | None = None) -> torch.Tensor:
+         b_scale: torch.Tensor | None = None, dynamic: bool | None = None) -> torch.Tensor:
     """``c = a @ b`` (+ epilogue) in place; the building block of every linear op (no input checks).
 
     a [M, K] and b [K, N] may have any strides (pass ``w.t()`` for x W^T). ``PLAIN`` adds ``bias``
@@ -552,16 +554,17 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     (scripts/tune_linear.py); one of ``gemm_sm90.configs()`` (it has ``PINGPONG``; ``configs(gated=True)``
     for ``SWIGLU_FWD``) runs the warp-specialized Hopper kernel. fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
     ``b_scale`` [N] (fp32, ``PLAIN``): c = a_scale[m] b_scale[n] (a @ b), fp32 accumulation
-    promoted once per BLOCK_K.
+    promoted once per BLOCK_K. ``dynamic`` sets :data:`DYNAMIC` for this call (None: the module's value).
     """
     if c.shape[0] == 0 or c.shape[1] == 0:
         return c
+    dynamic = DYNAMIC if dynamic is None else dynamic
     key = None if config is not None else _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32,
-                                                   use_tma, split_k, a_scale)
+                                                   use_tma, split_k, a_scale, dynamic)
     plan = None if key is None else _LAUNCH_CONFIGS.get(key)
     if plan is None:
         plan = _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
-                           a_scale, b_scale)
+                           a_scale, b_scale, dynamic)
         if key is not None:
             _LAUNCH_CONFIGS[key] = plan
         return c
@@ -577,7 +580,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     return c
 
 
-def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None) -> tuple:
+def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None,
+              dynamic=False) -> tuple:
     """What a gemm launch plan depends on: shapes, strides, dtypes, the 16-byte alignment of the
     operands (TMA), the options, the device and the module knobs."""
     return (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), a.dtype, b.dtype, c.dtype,
@@ -586,18 +590,18 @@ def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use
             None if residual is None else (residual.stride(), residual.dtype),
             None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
             epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, FLATTEN, WARP_SPECIALIZE, TMA_STORE,
-            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS, SM90_WS_GATED, DYNAMIC)
+            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS, SM90_WS_GATED, dynamic)
 
 
 def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
-                a_scale=None, b_scale=None) -> tuple:
+                a_scale=None, b_scale=None, dynamic=False) -> tuple:
     """Plan a problem and launch it once (through the autotuner on the GPU, which picks the config
     on a problem's first launch); return the plan later launches of the problem reuse:
-    ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA, DYNAMIC)``, DYNAMIC None for
-    _matmul_kernel; the WS kernel takes tile_counter() after the integers with DYNAMIC, else an unread
+    ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA, dynamic)``, dynamic None for
+    _matmul_kernel; the WS kernel takes tile_counter() after the integers when dynamic, else an unread
     pointer (no per-call counter lookup)."""
     args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k,
-                                 a_scale, b_scale)
+                                 a_scale, b_scale, dynamic)
     tma = args["USE_TMA"] and not interpreting()
     if tma:
         triton.set_allocator(tma_scratch)
@@ -620,14 +624,14 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
           and _sm90_ws().applies(args, a.dtype, c.dtype)):
         ws = _sm90_ws()
         kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
-        ws.tuned(args)[grid](*tensors, *ints, tile_counter() if DYNAMIC else c, DYNAMIC=DYNAMIC,
+        ws.tuned(args)[grid](*tensors, *ints, tile_counter() if dynamic else c, DYNAMIC=dynamic,
                              **{k: args[k] for k in flags})
         meta = ws.tuned(args).best_config.all_kwargs()
     else:
         tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
         tuned[grid](**args)
         meta = tuned.best_config.all_kwargs()
-    dynamic = None if kernel is _matmul_kernel else DYNAMIC
+    dynamic = None if kernel is _matmul_kernel else dynamic
     launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **({} if dynamic is None else
                                                                           {"DYNAMIC": dynamic}), **meta)
     if interpreting() or config is not None:

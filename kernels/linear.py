@@ -24,12 +24,14 @@ per-program partial sums over row groups, then a fixed-order sum of the partials
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      needs_grad, num_sms)
+                      needs_grad, num_sms, side_stream)
 from .gemm import SWIGLU_FWD, as_matrix, gemm
 from .swiglu import swiglu_bwd
 
@@ -79,6 +81,28 @@ def sum_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.view(N)
 
 
+#: on Hopper, the backward's dW = dy^T x runs on a second CUDA stream beside dx = dy W (:func:`input_weight_grads`)
+#: when dW's [N, K] output has fewer than two waves of 128x256 tiles: each is a long K loop over the tokens,
+#: and the SMs that a short last wave leaves idle take dx's tiles, which both products then hand out from a
+#: global counter (gemm's ``dynamic``; a program that starts late takes fewer tiles). The results are the
+#: same bits either way. Measured on an H100 (scripts/tune_linear.py overlap, docs/perf/NOTES.md): the
+#: backward at 16384x768x4096 ran 0.876x -> 0.924x cuBLAS, linear_swiglu's 0.962x -> 1.019x, and products
+#: with more dW tiles (8192x2048x11264, 8192^3) ran 1-2% slower, hence the threshold. Off: one after the other.
+OVERLAP_DW = True
+
+
+def _beside(g: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`input_weight_grads` runs dW beside dx (OVERLAP_DW, a Hopper GPU, few dW tiles)."""
+    N, K = weight.shape
+    return (OVERLAP_DW and g.is_cuda and _hopper(g.device)
+            and triton.cdiv(N, 128) * triton.cdiv(K, 256) < 2 * num_sms(g.device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, weight_name: str = "weight") -> None:
     """x [..., K] and a weight [N, K]: floating tensors on one device, one dtype, matching K."""
     check_tensor("x", x, min_ndim=1)
@@ -116,21 +140,37 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if x.dim() == 2 else y.view(out_shape)
 
 
+def input_weight_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool = True,
+                       need_dw: bool = True, allow_tf32: bool = True):
+    """(dx, dW) of a product y = x W^T from g = dL/dy [M, N] (rows of y): dx = g W (x's shape) and
+    dW = g^T x (None where not needed); both needed and OVERLAP_DW's conditions met, dW runs on a second
+    stream (:func:`_common.side_stream`), launched first, beside dx on the current one."""
+    N, K = weight.shape
+    x2 = as_matrix(x, K)
+    dx = dw = None
+    beside = need_dx and need_dw and _beside(g, weight)
+    if beside:
+        current, side = torch.cuda.current_stream(g.device), side_stream(g.device)
+        dw = torch.empty((N, K), dtype=weight.dtype, device=weight.device)  # on the current stream: see side_stream
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            gemm(g.t(), x2, dw, allow_tf32=allow_tf32, dynamic=True)
+    elif need_dw:
+        dw = gemm(g.t(), x2, torch.empty((N, K), dtype=weight.dtype, device=weight.device), allow_tf32=allow_tf32)
+    if need_dx:
+        dx = gemm(g, weight, torch.empty((g.shape[0], K), dtype=x.dtype, device=x.device), allow_tf32=allow_tf32,
+                  dynamic=True if beside else None).view(x.shape)
+    if beside:
+        current.wait_stream(side)
+    return dx, dw
+
+
 def linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool = True,
                need_dw: bool = True, need_db: bool = False, allow_tf32: bool = True):
     """(dx, dW, db) of y = x W^T + b: dx = dy W, dW = dy^T x, db = sum of dy's rows (None where not needed)."""
-    N, K = weight.shape
-    dy2 = as_matrix(dy, N)
-    x2 = as_matrix(x, K)
-    dx = dw = db = None
-    if need_dx:
-        dx = gemm(dy2, weight, torch.empty((dy2.shape[0], K), dtype=x.dtype, device=x.device),
-                  allow_tf32=allow_tf32).view(x.shape)
-    if need_dw:
-        dw = gemm(dy2.t(), x2, torch.empty((N, K), dtype=weight.dtype, device=weight.device), allow_tf32=allow_tf32)
-    if need_db:
-        db = sum_rows(dy2, weight.dtype)
-    return dx, dw, db
+    dy2 = as_matrix(dy, weight.shape[0])
+    dx, dw = input_weight_grads(dy2, x, weight, need_dx, need_dw, allow_tf32)
+    return dx, dw, sum_rows(dy2, weight.dtype) if need_db else None
 
 
 class LinearFunction(torch.autograd.Function):
@@ -182,17 +222,9 @@ def linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor, allow_tf32: bool = Tru
 def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: torch.Tensor,
                       need_dx: bool = True, need_dw: bool = True, allow_tf32: bool = True):
     """(dx, dw13) from the forward's pre-activations gu [rows, 2F]: dgu = [dgate, dup] by
-    kernels.swiglu's packed backward, then dx = dgu w13 and dw13 = dgu^T x."""
-    two_f, K = w13.shape
-    x2 = as_matrix(x, K)
-    dgu = swiglu_bwd(as_matrix(dh, two_f // 2), gu)
-    dx = dw = None
-    if need_dx:
-        dx = gemm(dgu, w13, torch.empty((x2.shape[0], K), dtype=x.dtype, device=x.device),
-                  allow_tf32=allow_tf32).view(x.shape)
-    if need_dw:
-        dw = gemm(dgu.t(), x2, torch.empty((two_f, K), dtype=w13.dtype, device=w13.device), allow_tf32=allow_tf32)
-    return dx, dw
+    kernels.swiglu's packed backward, then dx = dgu w13 and dw13 = dgu^T x (:func:`input_weight_grads`)."""
+    dgu = swiglu_bwd(as_matrix(dh, w13.shape[0] // 2), gu)
+    return input_weight_grads(dgu, x, w13, need_dx, need_dw, allow_tf32)
 
 
 class LinearSwiGLUFunction(torch.autograd.Function):

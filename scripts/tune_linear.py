@@ -4,7 +4,7 @@ Usage, on one GPU (aims at < 120 s on an H200, compiles included; sections that 
 TUNE_BUDGET_S=110 seconds are skipped and say so):
 
     python scripts/tune_linear.py                   # every section
-    python scripts/tune_linear.py gemm host lce     # some of: gemm host linear swiglu lce configs
+    python scripts/tune_linear.py gemm host lce     # some of: gemm host linear swiglu overlap lce configs
 
 Sections, in this order:
   gemm     stage A: every knob set (FLATTEN, TMA_STORE, EPILOGUE_SUBTILE, WARP_SPECIALIZE) on two
@@ -18,8 +18,12 @@ Sections, in this order:
   linear   fwd / bwd / fwd+bwd at 16384x2048x768 and 16384x768x2304 timed as the benchmark does,
            the sum of fwd and bwd, and the GPU kernel time of fwd+bwd (torch.profiler): the rest
            of fwd+bwd is the GPU waiting on the host.
-  swiglu   linear_swiglu 16384x768x(2x2048) fwd / bwd / fwd+bwd against cuBLAS + Triton swiglu, the fused
-           forward through _matmul_kernel and (on Hopper) through the WS kernel (gemm.SM90_WS_GATED).
+  swiglu   linear_swiglu 16384x768x(2x2048) fwd / bwd / fwd+bwd in CUDA graphs against cuBLAS + Triton
+           swiglu, with the library's configs and knobs: the fused forward through _matmul_kernel and (on
+           Hopper) through the WS kernel (gemm.SM90_WS_GATED).
+  overlap  the backward of linear at every benchmark shape and of linear_swiglu in CUDA graphs, dW on a second
+           stream beside dx where linear.OVERLAP_DW applies or one after the other (static or dynamic
+           tiles), against cuBLAS.
   lce      linear_cross_entropy 16384x768x32000 fwd+bwd ms and peak memory for sets of
            DEFAULT_CHUNK / DW_FP32 / GRAD_IN_PLACE, against Liger-Kernel and eager PyTorch.
   configs  stage B: every candidate config with each problem's best knob set.
@@ -28,7 +32,7 @@ Sections, in this order:
            configs against cuBLAS (and the WS kernel with gemm.DYNAMIC's tiles), and dW once per
            split count along K (1, 2, 3, 4, 6, 8 and split_k_for's choice): which GEMM of the
            backward trails cuBLAS, and what each split costs (its fp32 partials and their sum).
-The e2e sections (host .. lce) autotune over the two best configs of the best knob set of stage
+The e2e sections (host, linear, lce) autotune over the two best configs of the best knob set of stage
 A (or the GPU_CONFIGS when stage A did not run). Every variant's output is compared with the
 default variant's (first config, knobs off, itself checked against cuBLAS; for lce the module's
 current knob values): a mismatch prints BAD instead of a time. Full numbers go to
@@ -56,8 +60,10 @@ from tritonllm.kernels._common import smem_budget
 L = importlib.import_module("tritonllm.kernels.gemm")
 LCE = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
 WS = importlib.import_module("tritonllm.kernels.gemm_sm90")
+LIN = importlib.import_module("tritonllm.kernels.linear")
 
 T0 = time.time()
+LIBRARY_TMA_STORE = L.TMA_STORE
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "110"))
 DT = torch.bfloat16
 RESULTS: dict = {}
@@ -317,6 +323,14 @@ def section_gemm(state):
         state["e2e"] = (knob, cfgs)
 
 
+def use_library_configs():
+    """linear's autotuner back on the library's GPU_CONFIGS and knobs (after use_e2e_configs)."""
+    L.TMA_STORE = LIBRARY_TMA_STORE
+    L._matmul_kernel_tuned.configs = [L._config(*c) for c in L.GPU_CONFIGS]
+    L._matmul_kernel_tuned.cache.clear()
+    L._LAUNCH_CONFIGS.clear()
+
+
 def use_e2e_configs(state):
     """Point linear's autotuner at the e2e configs (stage A's choice, else GPU_CONFIGS, knobs off)."""
     knob, cfgs = state.get("e2e", (KNOBS[0], [tuple(c) for c in L.GPU_CONFIGS]))
@@ -385,25 +399,65 @@ def section_linear(state):
 
 
 def section_swiglu(state):
+    """linear_swiglu against cuBLAS + Triton swiglu, each pass replayed in a CUDA graph, with the library's own
+    configs and knobs: the fused forward through _matmul_kernel or (Hopper) the WS kernel (gemm.SM90_WS_GATED)."""
+    use_library_configs()
     x, w13 = randn(16384, 768).requires_grad_(), randn(4096, 768, scale=768 ** -0.5).requires_grad_()
-
-    def unfused(x, w13):
-        return swiglu(F.linear(x, w13))
-
-    base = {k: time_ms(pass_fn(unfused, (x, w13), k)) for k in ("fwd", "bwd", "fwd+bwd")}
-    print("\n== linear_swiglu 16384x768x(2x2048): ms (cuBLAS + Triton swiglu ms), target fwd+bwd >= 1.1x")
+    kinds = ("fwd", "bwd", "fwd+bwd")
+    base = {k: graph_ms(lambda k=k: pass_fn(unfused_swiglu, (x, w13), k)) for k in kinds}
+    print("\n== linear_swiglu 16384x768x(2x2048) in CUDA graphs: ms (cuBLAS + Triton swiglu ms), "
+          "target fwd+bwd >= 1.1x")
     gated_default = L.SM90_WS_GATED
     RESULTS["swiglu"] = {"cublas_ms": base}
     for gated in (False, True) if torch.cuda.get_device_capability()[0] == 9 else (False,):
         L.SM90_WS_GATED = gated  # the fused forward through _matmul_kernel, then through the WS kernel
         L._LAUNCH_CONFIGS.clear()
-        err = rel_err(linear_swiglu(x, w13), unfused(x, w13))
-        row = {k: time_ms(pass_fn(linear_swiglu, (x, w13), k)) for k in base}
+        err = rel_err(linear_swiglu(x, w13), unfused_swiglu(x, w13))
+        row = {k: graph_ms(lambda k=k: pass_fn(linear_swiglu, (x, w13), k)) for k in kinds}
         name = "WS gated" if gated else "_matmul_kernel"
         print(f"  {name:<16}" + "  ".join(f"{k} {row[k]:.4f} ({base[k]:.4f}) {base[k] / row[k]:.2f}x" for k in row)
               + f"  err {err:.1e}")
         RESULTS["swiglu"][name] = {"ms": row, "err": err}
     L.SM90_WS_GATED = gated_default
+    L._LAUNCH_CONFIGS.clear()
+
+
+def unfused_swiglu(x, w13):
+    return swiglu(F.linear(x, w13))
+
+
+#: (name, linear.OVERLAP_DW, gemm.DYNAMIC) timed by section_overlap: OVERLAP_DW runs dW beside dx, both with
+#: dynamic tiles, where dW's output has fewer than two waves of tiles (linear._beside), else one after the other
+OVERLAP_VARIANTS = [("one after the other", False, False), ("one after the other, dynamic tiles", False, True),
+                    ("dW beside dx where few dW tiles", True, False)]
+
+
+def section_overlap(state):
+    """The backward of linear at every benchmark shape and of linear_swiglu, replayed in CUDA graphs with the
+    library's configs, for each of OVERLAP_VARIANTS, against cuBLAS (F.linear; + Triton swiglu)."""
+    use_library_configs()
+    problems = []
+    for M, K, N in SHAPES["default"]["linear"] + SHAPES["large"]["linear"]:
+        x, w = randn(M, K).requires_grad_(), randn(N, K, scale=K ** -0.5).requires_grad_()
+        problems.append((f"linear {M}x{K}x{N}", linear, F.linear, (x, w)))
+    x, w13 = randn(16384, 768).requires_grad_(), randn(4096, 768, scale=768 ** -0.5).requires_grad_()
+    problems.append(("linear_swiglu 16384x768x2x2048", linear_swiglu, unfused_swiglu, (x, w13)))
+    defaults = LIN.OVERLAP_DW, L.DYNAMIC
+    print("\n== overlap: bwd ms in CUDA graphs (cuBLAS / ours), " + "; ".join(v[0] for v in OVERLAP_VARIANTS))
+    RESULTS["overlap"] = {}
+    for name, ours, theirs, inputs in problems:
+        if left() < 5:
+            print(f"  {name}: skipped (time budget)")
+            continue
+        base = graph_ms(lambda: pass_fn(theirs, inputs, "bwd"))
+        row = {}
+        for variant, overlap, dynamic in OVERLAP_VARIANTS:
+            LIN.OVERLAP_DW, L.DYNAMIC = overlap, dynamic
+            L._LAUNCH_CONFIGS.clear()
+            row[variant] = graph_ms(lambda: pass_fn(ours, inputs, "bwd"))
+        RESULTS["overlap"][name] = {"cublas_ms": base, "ms": row}
+        print(f"  {name:<32} cuBLAS {base:.4f}  " + "  ".join(f"{v:.4f} {base / v:.3f}x" for v in row.values()))
+    LIN.OVERLAP_DW, L.DYNAMIC = defaults
     L._LAUNCH_CONFIGS.clear()
 
 
@@ -578,6 +632,7 @@ def section_splits(state):
 
 
 SECTIONS = {"gemm": section_gemm, "host": section_host, "linear": section_linear, "swiglu": section_swiglu,
+            "overlap": section_overlap,
             "lce": section_lce, "configs": section_configs,
             "splits": section_splits}
 
@@ -597,7 +652,7 @@ def main(argv):
         if left() < 5:
             print(f"\n== {name}: skipped (time budget, {time.time() - T0:.0f} s used)")
             continue
-        if name in ("host", "linear", "swiglu", "lce") and not state.get("e2e_set"):
+        if name in ("host", "linear", "lce") and not state.get("e2e_set"):
             use_e2e_configs(state)
             state["e2e_set"] = True
         SECTIONS[name](state)

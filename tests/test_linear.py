@@ -14,6 +14,7 @@ from tritonllm.kernels import linear, linear_swiglu
 from tritonllm.kernels._common import smem_budget
 
 gemm_module = importlib.import_module("tritonllm.kernels.gemm")
+linear_module = importlib.import_module("tritonllm.kernels.linear")
 
 @contextlib.contextmanager
 def torch_tf32(dtype):
@@ -116,6 +117,42 @@ def test_linear_swiglu_transposed_weight():
     x = non_contiguous(randn(33, 17, requires_grad=True))
     w13 = randn(17, 40, requires_grad=True).detach().t().requires_grad_()
     check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"], chain=2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a second CUDA stream")
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("op", ["linear", "linear_swiglu"])
+def test_backward_dw_beside_dx(op, dynamic, monkeypatch):
+    """dW on a second stream beside dx (linear.OVERLAP_DW): the same bits as one after the other, eagerly and
+    replayed in a CUDA graph (the streams captured as parallel branches), with the WS kernel's tiles static
+    and dynamic (gemm.DYNAMIC: each stream takes its own counter)."""
+    monkeypatch.setattr(gemm_module, "DYNAMIC", dynamic)
+    fn, rows = (linear, 1536) if op == "linear" else (linear_swiglu, 2 * 1536)
+    x = randn(2048, 768, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(rows, 768, dtype=torch.bfloat16, scale=768 ** -0.5, requires_grad=True)
+    dy = randn(2048, 1536, dtype=torch.bfloat16)
+    grads = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(linear_module, "OVERLAP_DW", overlap)
+        gemm_module._LAUNCH_CONFIGS.clear()
+        grads[overlap] = torch.autograd.grad(fn(x, w), [x, w], dy)
+    for name, one, beside in zip(("dx", "dw"), grads[False], grads[True]):
+        assert torch.equal(one, beside), name
+    stream = torch.cuda.Stream()  # the forward too: autograd runs each backward op on its forward's stream
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = fn(x, w)
+        for _ in range(2):
+            torch.autograd.grad(y, [x, w], dy, retain_graph=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = torch.autograd.grad(y, [x, w], dy, retain_graph=True)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("dx", "dw"), captured, grads[False]):
+        assert torch.equal(got, want), name
 
 
 # operand layouts for the GEMM paths: (name, A [M, K] maker, B [K, N] maker)
@@ -383,7 +420,7 @@ def test_gemm_sm90_gated(layout, store_gu, grid, monkeypatch):
     through ``gemm(config=...)``, on a ragged problem in every operand layout, h = silu(gate) * up and
     the pre-activations in gu against float64; a plain config is refused for it. Then with
     ``SM90_WS_GATED`` on, linear_swiglu's forward and backward through the autotuner, against the
-    default kernel's."""
+    _matmul_kernel's."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
     monkeypatch.setattr(gemm_module, "PERSISTENT", grid != "tile-per-program")
