@@ -81,18 +81,20 @@ def sum_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.view(N)
 
 
-#: on Hopper, the backward's dW = dy^T x runs on a second CUDA stream beside dx = dy W (:func:`input_weight_grads`)
+#: on Hopper, the backward's dW = dy^T x runs on a second CUDA stream beside dx = dy W (:func:`_input_weight_grads`)
 #: when dW's [N, K] output has fewer than two waves of 128x256 tiles: each is a long K loop over the tokens,
 #: and the SMs that a short last wave leaves idle take dx's tiles, which both products then hand out from a
 #: global counter (gemm's ``dynamic``; a program that starts late takes fewer tiles). The results are the
-#: same bits either way. Measured on an H100 (scripts/tune_linear.py overlap, docs/perf/NOTES.md): the
-#: backward at 16384x768x4096 ran 0.876x -> 0.924x cuBLAS, linear_swiglu's 0.962x -> 1.019x, and products
-#: with more dW tiles (8192x2048x11264, 8192^3) ran 1-2% slower, hence the threshold. Off: one after the other.
+#: same bits either way. Measured on an H100 in two runs (scripts/tune_linear.py overlap, docs/perf/NOTES.md):
+#: the backward at 16384x768x4096 ran 0.88 / 0.91 -> 0.92 / 0.96x cuBLAS, linear_swiglu's 0.96 / 0.91 ->
+#: 1.02 / 0.96x; 16384x768x2304 lost 2% / 5% (not understood), and with more dW tiles (8192x2048x11264, 8192^3)
+#: it cost 1-2%, hence the threshold. void125m's step: 1.052x -> 1.079x (with the gated WS forward). Off: one
+#: after the other.
 OVERLAP_DW = True
 
 
 def _beside(g: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`input_weight_grads` runs dW beside dx (OVERLAP_DW, a Hopper GPU, few dW tiles)."""
+    """Whether :func:`_input_weight_grads` runs dW beside dx (OVERLAP_DW, a Hopper GPU, few dW tiles)."""
     N, K = weight.shape
     return (OVERLAP_DW and g.is_cuda and _hopper(g.device)
             and triton.cdiv(N, 128) * triton.cdiv(K, 256) < 2 * num_sms(g.device.index))
@@ -140,7 +142,7 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if x.dim() == 2 else y.view(out_shape)
 
 
-def input_weight_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool = True,
+def _input_weight_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool = True,
                        need_dw: bool = True, allow_tf32: bool = True):
     """(dx, dW) of a product y = x W^T from g = dL/dy [M, N] (rows of y): dx = g W (x's shape) and
     dW = g^T x (None where not needed); both needed and OVERLAP_DW's conditions met, dW runs on a second
@@ -169,7 +171,7 @@ def linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx:
                need_dw: bool = True, need_db: bool = False, allow_tf32: bool = True):
     """(dx, dW, db) of y = x W^T + b: dx = dy W, dW = dy^T x, db = sum of dy's rows (None where not needed)."""
     dy2 = as_matrix(dy, weight.shape[0])
-    dx, dw = input_weight_grads(dy2, x, weight, need_dx, need_dw, allow_tf32)
+    dx, dw = _input_weight_grads(dy2, x, weight, need_dx, need_dw, allow_tf32)
     return dx, dw, sum_rows(dy2, weight.dtype) if need_db else None
 
 
@@ -222,9 +224,9 @@ def linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor, allow_tf32: bool = Tru
 def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: torch.Tensor,
                       need_dx: bool = True, need_dw: bool = True, allow_tf32: bool = True):
     """(dx, dw13) from the forward's pre-activations gu [rows, 2F]: dgu = [dgate, dup] by
-    kernels.swiglu's packed backward, then dx = dgu w13 and dw13 = dgu^T x (:func:`input_weight_grads`)."""
+    kernels.swiglu's packed backward, then dx = dgu w13 and dw13 = dgu^T x (:func:`_input_weight_grads`)."""
     dgu = swiglu_bwd(as_matrix(dh, w13.shape[0] // 2), gu)
-    return input_weight_grads(dgu, x, w13, need_dx, need_dw, allow_tf32)
+    return _input_weight_grads(dgu, x, w13, need_dx, need_dw, allow_tf32)
 
 
 class LinearSwiGLUFunction(torch.autograd.Function):
