@@ -17,8 +17,8 @@ from _checks import DEVICE, assert_close
 from reference_model import ReferenceTransformer
 from tritonllm.bench import baseline_model
 from tritonllm.bench.baseline_model import BaselineTransformer
-from tritonllm.bench.train import (OUR_KERNEL, _parse, host_ms, host_profile, interleaved_ratio, parse_cpu_model, wall_ms,
-                                   with_speedup)
+from tritonllm.bench.train import (OUR_KERNEL, _parse, busy_ms, host_ms, host_profile, interleaved_ratio, parse_cpu_model,
+                                   wall_ms, with_speedup)
 from tritonllm.models import ModelConfig, build_model
 
 #: void_tiny's features at toy size: odd vocabulary, widths and sequence length
@@ -347,3 +347,13 @@ def test_our_kernel_names():
                  "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "triton_poi_fused_add_0", "triton_red_fused_kernel_1",
                  "Memset (Device)"):
         assert not OUR_KERNEL.match(name), name
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    """gpu_busy_ms: the union of the kernels' intervals (us) per step; kernels side by side count once, a kernel
+    inside another adds nothing, gaps add nothing."""
+    assert busy_ms([], 3) == 0.0
+    assert busy_ms([(0.0, 1000.0)], 1) == 1.0
+    # two streams: [0, 600) and [400, 1000) overlap by 200 us; [200, 300) lies inside the first; a gap, then [2000, 2500)
+    intervals = [(400.0, 1000.0), (0.0, 600.0), (200.0, 300.0), (2000.0, 2500.0)]
+    assert busy_ms(intervals, 2) == pytest.approx((1000.0 + 500.0) / 1e3 / 2)

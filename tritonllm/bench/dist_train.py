@@ -31,7 +31,8 @@ between two synchronisations of every rank (``cuda.synchronize`` and a barrier).
 configuration (rank 0 reports): ``tokens_per_s`` (all ranks), ``tokens_per_s_per_gpu``, ``mfu`` per
 GPU (``6 N_active + 12 L H D T`` FLOPs per token at ``trainer.peak_flops``), ``step_ms``,
 ``peak_mem_gb`` (the largest over the ranks), from 3 profiled steps on rank 0 ``gpu_ms`` (compute
-kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``top_kernels`` (the 15 longest
+kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``gpu_busy_ms`` (the time any kernel
+runs, compute and NCCL overlapping counted once), ``top_kernels`` (the 15 longest
 kernels, ms a step), ``cuda_graph``, and tritonllm's ``triton_share``. The profiled steps follow the
 timed ones, except for tritonllm's DDP step: its CUDA graph (NCCL inside) hung under the profiler, so
 3 eager steps after the first are profiled (extra warm-up steps, before the capture).
@@ -70,7 +71,7 @@ COMPILE_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs", 
 PARALLEL = ("ddp", "fsdp")
 #: the figures of a configuration copied into the rows
 FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_ms", "peak_mem_gb", "gpu_ms", "comm_ms",
-           "cuda_graph", "triton_share", "gemm_grid", "loss", "top_kernels")
+           "gpu_busy_ms", "cuda_graph", "triton_share", "gemm_grid", "loss", "top_kernels")
 #: kernels (ms a step on rank 0, the longest first) kept per configuration: where a parallel step's GPU
 #: time goes beside the one-GPU step's (``one_gpu`` keeps them too)
 TOP_KERNELS = 15
@@ -222,12 +223,13 @@ def run_worker(argv: list[str]) -> None:
         peak = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 1e9, device=env.device)
         if env.distributed:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        ours, others = kernels or kernel_times(timed)  # on every rank: the collectives need them all
+        ours, others, busy = kernels or kernel_times(timed)  # on every rank: the collectives need them all
         note("profiled")
         comm = sum(v for k, v in others.items() if "nccl" in k.lower())
         compute = sum(ours.values()) + sum(others.values()) - comm
         top = sorted({**ours, **others}.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
         figures.update(peak_mem_gb=round(float(peak), 2), gpu_ms=round(compute, 3), comm_ms=round(comm, 3),
+                       gpu_busy_ms=round(busy, 3),
                        top_kernels={name[:100]: round(ms, 3) for name, ms in top})
         if args.side == "tritonllm" and compute:
             from tritonllm.kernels import gemm

@@ -52,7 +52,9 @@ Per side, after ``--warmup`` untimed steps (>= 3, so that tritonllm's graph is c
   side's ``host_ms`` is then an upper bound of its enqueue time.
   ``host_ms`` close to ``step_ms`` and above ``gpu_ms``: the side is host-bound.
 - ``gpu_ms`` (GPU kernel time): ``torch.profiler`` (CUDA activity only) over 3 more steps, the sum
-  of every kernel's self device time, memset and memcpy excluded, per step.
+  of every kernel's self device time, memset and memcpy excluded, per step; ``gpu_busy_ms`` the time
+  during which at least one of them runs (kernels on two streams at once, as tritonllm's dW beside
+  dx, count once there and twice in ``gpu_ms``).
 - ``peak_mem_gb``: ``torch.cuda.max_memory_allocated()`` from before the warm-up (the previous
   side freed) to the end of the timed steps, in GB of 1e9 bytes. The warm-up is included because
   a CUDA graph's activations are allocated once, while it is captured (tritonllm's graph,
@@ -194,8 +196,21 @@ def gpu_spin(ms: float, cycles_per_ms: float) -> Callable[[], bool]:
     return done.query
 
 
-def kernel_times(step: Callable[[], object], steps: int = PROFILED_STEPS) -> tuple[dict[str, float], dict[str, float]]:
-    """GPU ms per step of each kernel over ``steps`` profiled calls: (ours, others), memset/memcpy excluded."""
+def busy_ms(intervals: list[tuple[float, float]], steps: int) -> float:
+    """Milliseconds a step during which at least one of ``intervals`` ((start, end) in us) runs: the length of
+    their union over ``steps`` steps, so kernels that run side by side (another stream's, NCCL's) count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3 / steps
+
+
+def kernel_times(step: Callable[[], object],
+                 steps: int = PROFILED_STEPS) -> tuple[dict[str, float], dict[str, float], float]:
+    """GPU ms per step of each kernel over ``steps`` profiled calls, memset/memcpy excluded: (ours, others,
+    busy), busy the ms a step during which any of them runs (:func:`busy_ms`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -213,7 +228,9 @@ def kernel_times(step: Callable[[], object], steps: int = PROFILED_STEPS) -> tup
             continue
         table = ours if OUR_KERNEL.match(evt.key) else others
         table[evt.key] = table.get(evt.key, 0.0) + us / 1e3 / steps
-    return ours, others
+    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type.name == "CUDA" and not e.name.startswith(EXCLUDED) and e.time_range.elapsed_us() > 0]
+    return ours, others, busy_ms(intervals, steps)
 
 
 def host_profile(step: Callable[[], object], steps: int, top: int = 12) -> dict:
@@ -268,11 +285,12 @@ def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int,
     wall = wall_ms(step, args.steps, torch.cuda.synchronize)
     peak_mem = torch.cuda.max_memory_allocated() / 1e9
     host, waited = host_ms(step, args.steps, lambda: gpu_spin(4 * wall + 5, cycles_per_ms), torch.cuda.synchronize)
-    ours, others = kernel_times(step)
+    ours, others, busy = kernel_times(step)
     tokens_per_s = tokens / (wall / 1e3)
     figures: dict = {"tokens_per_s": round(tokens_per_s), "mfu": round(flops_per_token * tokens_per_s / peak_flops, 4),
                      "peak_mem_gb": round(peak_mem, 2), "step_ms": round(wall, 3),
-                     "gpu_ms": round(sum(ours.values()) + sum(others.values()), 3), "host_ms": round(host, 3)}
+                     "gpu_ms": round(sum(ours.values()) + sum(others.values()), 3), "gpu_busy_ms": round(busy, 3),
+                     "host_ms": round(host, 3)}
     figures["first_step_s"] = round(first_s, 1)
     if args.host_profile:
         hp = figures["host_profile"] = host_profile(step, args.host_profile)
