@@ -542,3 +542,41 @@ def test_gemm_launch_plans_follow_every_argument(poisoned_empty):
         y = linear(a.requires_grad_(), b.t())
     assert y.grad_fn is None
     assert_close("no_grad linear", y, a64 @ b64, a.detach() @ b, atol=gemm_atol(a.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", SWIGLU_CASES + [((300,), 520, 392)], ids=lambda c: "x".join(map(str, c[0] + c[1:])))
+def test_linear_swiglu_factors(case, dtype, poisoned_empty, monkeypatch):
+    """FUSED_SWIGLU_BWD: the forward saves silu(g) and u silu'(g), the backward makes dgu from them (inside the dx
+    product on Hopper for 16-bit aligned operands, 300x520x392 among them: kernels.swiglu_dx_sm90; elsewhere in
+    a pass of its own, with a log line): output and gradients against float64."""
+    monkeypatch.setattr(linear_module, "FUSED_SWIGLU_BWD", True)
+    lead, K, F_ = case
+    x = randn(*lead, K, dtype=dtype, requires_grad=True)
+    w13 = randn(2 * F_, K, dtype=dtype, scale=K ** -0.5, requires_grad=True)
+    check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"], chain=2)
+
+
+@pytest.mark.gpu
+def test_linear_swiglu_fused_backward_kernel(monkeypatch):
+    """kernels.swiglu_dx_sm90 on Hopper: dgu bitwise the factors pass's (the same two products and rounding), dx
+    and dw13 against the unfused backward from the same factors, with several K steps, column tiles (each writing
+    its share of dgu; poisoned outputs catch a block none writes) and ragged edges; the kernel really ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fused SwiGLU backward is for sm90 (H100, H200)")
+    fused = importlib.import_module("tritonllm.kernels.swiglu_dx_sm90")
+    swiglu_module = importlib.import_module("tritonllm.kernels.swiglu")
+    M, K, F_ = 1000, 776, 1032
+    dh = randn(M, F_, dtype=torch.bfloat16)
+    factors = randn(M, 2 * F_, dtype=torch.bfloat16)
+    w13 = randn(2 * F_, K, dtype=torch.bfloat16, scale=K ** -0.5)
+    assert fused.applies(dh, factors, w13, torch.empty(M, K, dtype=torch.bfloat16, device=DEVICE), factors)
+    fused._PLANS.clear()
+    dgu = poison_(torch.empty(M, 2 * F_, dtype=torch.bfloat16, device=DEVICE))
+    dx = fused.swiglu_dx(dh, factors, w13, poison_(torch.empty(M, K, dtype=torch.bfloat16, device=DEVICE)), dgu)
+    assert len(fused._PLANS) == 1
+    want = swiglu_module.swiglu_factors_bwd(dh, factors)
+    assert torch.equal(dgu, want)
+    with torch_tf32(torch.bfloat16):
+        same = want @ w13
+    assert_close("dx", dx, want.double() @ w13.double(), same, atol=gemm_atol(torch.bfloat16))
