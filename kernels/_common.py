@@ -432,6 +432,12 @@ def tile_counter() -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` (a CUDA ``torch.device`` with its index) is a Hopper GPU (sm_90: H100, H200)."""
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One more CUDA stream of ``device`` (a ``torch.device`` with its index) for work that runs beside the
     current stream's (a backward's dW product beside its dx product). The caller forks it from the

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      needs_grad, num_sms, rows_view, side_stream)
+                      hopper, needs_grad, num_sms, rows_view, side_stream)
 from .gemm import SWIGLU_FWD, SWIGLU_FWD_FACTORS, as_matrix, gemm
 from .swiglu import swiglu_bwd, swiglu_factors_bwd
 
@@ -97,13 +97,8 @@ OVERLAP_DW = True
 def _beside(g: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`_input_weight_grads` runs dW beside dx (OVERLAP_DW, a Hopper GPU, few dW tiles)."""
     N, K = weight.shape
-    return (OVERLAP_DW and g.is_cuda and _hopper(g.device)
+    return (OVERLAP_DW and g.is_cuda and hopper(g.device)
             and triton.cdiv(N, 128) * triton.cdiv(K, 256) < 2 * num_sms(g.device.index))
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, weight_name: str = "weight") -> None:
@@ -250,9 +245,7 @@ def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: 
         dx, dgu = torch.empty((dh2.shape[0], K), dtype=x.dtype, device=x.device), torch.empty_like(gu)
         if swiglu_dx_sm90.applies(dh2, gu, w13, dx, dgu):
             swiglu_dx_sm90.swiglu_dx(dh2, gu, w13, dx, dgu)
-            dw = (gemm(dgu.t(), as_matrix(x, K), torch.empty((2 * F, K), dtype=w13.dtype, device=w13.device),
-                       allow_tf32=allow_tf32) if need_dw else None)
-            return dx.view(x.shape), dw
+            return dx.view(x.shape), _input_weight_grads(dgu, x, w13, False, need_dw, allow_tf32)[1]
     if need_dx:
         _log_unfused(dh2.device.type, dh2.dtype)
     return _input_weight_grads(swiglu_factors_bwd(dh2, gu), x, w13, need_dx, need_dw, allow_tf32)

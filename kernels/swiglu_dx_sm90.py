@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from . import gemm
-from ._common import Launch, Plans, tma_scratch
+from ._common import Launch, Plans, hopper, tma_scratch
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, IN_STAGES, W_STAGES, A_STAGES): the depths of the dh/fa/fb, W1/W3 and dgate/dup
 #: rings; dx's tile reuses the W ring. 180,484 bytes of shared memory at 128x256 (offline sm_90 compile), the
@@ -185,7 +185,7 @@ def applies(dh: torch.Tensor, factors: torch.Tensor, w13: torch.Tensor, dx: torc
     """This kernel takes the problem: a Hopper GPU, 16-bit operands of one dtype, unit column strides (w13
     N-contiguous), 16-byte aligned bases and row strides, F > 0 columns of a 16-byte multiple, N > 0."""
     tensors = (dh, factors, w13, dx, dgu)
-    return (dh.is_cuda and torch.cuda.get_device_capability(dh.device)[0] == 9 and dh.element_size() == 2
+    return (dh.is_cuda and hopper(dh.device) and dh.element_size() == 2
             and all(t.dtype == dh.dtype for t in tensors) and all(_aligned(t) for t in tensors)
             and dh.shape[1] > 0 and dx.shape[1] > 0 and (dh.shape[1] * dh.element_size()) % 16 == 0)
 
