@@ -29,10 +29,8 @@ import triton.language as tl
 
 from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
 
-#: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`): SWIGLU_FWD_FACTORS is SWIGLU_FWD whose gu gets the
-#: backward's factors, silu(gate) and up * silu'(gate), instead of the pre-activations (the kernels see SWIGLU_FWD
-#: with STORE_GU = 2)
-PLAIN, SWIGLU_FWD, SWIGLU_FWD_FACTORS = 0, 1, 2
+#: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
+PLAIN, SWIGLU_FWD = 0, 1
 
 # Tuning knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/NOTES.md, issue 3).
 #: flatten the persistent tile loop into the K loop (``tl.range(flatten=...)``): the pipeliner
@@ -313,15 +311,10 @@ def _matmul_kernel(
             c_split = c_ptr + (unit_c // num_tiles).to(tl.int64) * stride_cs
             _store_tile(c_desc, c_split, stride_cm, stride_cn, acc, mc, nc, M, N, TMA_STORE, SUBTILE)
         else:
-            s = tl.sigmoid(acc)
-            if STORE_GU == 2:  # the backward's factors: silu(gate), up * silu'(gate)
-                _store_tile(g_desc, gu_ptr, stride_gm, 1, acc * s, mc, nc, M, N, TMA_STORE, SUBTILE)
-                _store_tile(u_desc, gu_ptr + N, stride_gm, 1, acc_up * s * (1.0 + acc * (1.0 - s)), mc, nc, M, N,
-                            TMA_STORE, SUBTILE)
-            elif STORE_GU:
+            if STORE_GU:
                 _store_tile(g_desc, gu_ptr, stride_gm, 1, acc, mc, nc, M, N, TMA_STORE, SUBTILE)
                 _store_tile(u_desc, gu_ptr + N, stride_gm, 1, acc_up, mc, nc, M, N, TMA_STORE, SUBTILE)
-            h = acc * s * acc_up
+            h = acc * tl.sigmoid(acc) * acc_up
             _store_tile(c_desc, c_ptr, stride_cm, stride_cn, h, mc, nc, M, N, TMA_STORE, SUBTILE)
 
 
@@ -512,7 +505,7 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
     elif split_k > 1 and not simple:
         raise ValueError("split_k > 1 needs the PLAIN epilogue without bias, residual or accumulate")
     out = c if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=c.device)
-    store_gu = (2 if epilogue == SWIGLU_FWD_FACTORS else 1) if epilogue != PLAIN and gu is not None else 0
+    store_gu = epilogue == SWIGLU_FWD and gu is not None
     tma_store = (TMA_STORE and bool(use_tma) and split_k == 1 and _tma_operand(c) is True
                  and (not store_gu or (_tma_operand(gu) is True and (N * gu.element_size()) % 16 == 0)))
     precision = "ieee" if (a.dtype == torch.float32 and not allow_tf32) else "tf32"
@@ -526,7 +519,7 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
         stride_gm=0 if gu is None else gu.stride(0),
         stride_em=0 if residual is None else residual.stride(0),
         stride_en=0 if residual is None else residual.stride(1),
-        EPILOGUE=SWIGLU_FWD if epilogue != PLAIN else PLAIN, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACCUMULATE=accumulate,
+        EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, ACCUMULATE=accumulate,
         STORE_GU=store_gu, USE_TMA=bool(use_tma), A_K_CONTIGUOUS=bool(a_k), B_N_CONTIGUOUS=bool(b_n),
         TMA_STORE=tma_store, PRECISION=precision, SPLIT_K=split_k, SCALED=a_scale is not None,
         FP8=a.dtype in FP8_DTYPES,
@@ -553,8 +546,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     a [M, K] and b [K, N] may have any strides (pass ``w.t()`` for x W^T). ``PLAIN`` adds ``bias``
     [N] and ``residual`` [M, N] when given, and the old value of c when ``accumulate``.
     ``SWIGLU_FWD`` takes b [K, 2N] (gate columns, then up columns), writes c [M, N] = silu(gate) * up
-    and, when ``gu`` [M, 2N] (unit column stride) is given, the pre-activations [gate, up] into it
-    (``SWIGLU_FWD_FACTORS``: silu(gate) and up * silu'(gate), the backward's factors).
+    and, when ``gu`` [M, 2N] (unit column stride) is given, the pre-activations [gate, up] into it.
     ``use_tma`` forces the tensor-descriptor path (True) or the pointer path (False); None picks
     TMA where it can. ``split_k`` splits K over that many programs per output tile (PLAIN with no
     bias, residual or accumulate; fp32 partials summed in a fixed order); None picks it

@@ -197,15 +197,10 @@ def _store_tile(x, desc, c_smem, m0, n0):
 def _epilogue(acc, acc_up, descs, c_smem, e_ptr, m0, n0, M, N, stride_em, stride_en, HAS_RESIDUAL: gl.constexpr,
               GATED: gl.constexpr, STORE_GU: gl.constexpr):
     """The tile (plus the residual) into C; GATED: silu(gate) * up into C, and with STORE_GU the gate
-    and up tiles into their halves of gu first (STORE_GU 2: silu(gate) and up * silu'(gate), the backward's
-    factors). ``descs``: C's, gu's gate half's and up half's."""
+    and up tiles into their halves of gu first. ``descs``: C's, gu's gate half's and up half's."""
     c_desc, g_desc, u_desc = descs
     if GATED:
-        if STORE_GU == 2:
-            s = 1.0 / (1.0 + gl.exp(-acc))
-            _store_tile(acc * s, g_desc, c_smem, m0, n0)
-            _store_tile(acc_up * s * (1.0 + acc * (1.0 - s)), u_desc, c_smem, m0, n0)
-        elif STORE_GU:
+        if STORE_GU:
             _store_tile(acc, g_desc, c_smem, m0, n0)
             _store_tile(acc_up, u_desc, c_smem, m0, n0)
         acc = acc / (1.0 + gl.exp(-acc)) * acc_up

@@ -24,17 +24,15 @@ per-program partial sums over row groups, then a fixed-order sum of the partials
 
 from __future__ import annotations
 
-import functools
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      hopper, needs_grad, num_sms, rows_view, side_stream)
-from .gemm import SWIGLU_FWD, SWIGLU_FWD_FACTORS, as_matrix, gemm
-from .swiglu import swiglu_bwd, swiglu_factors_bwd
+                      hopper, needs_grad, num_sms, side_stream)
+from .gemm import SWIGLU_FWD, as_matrix, gemm
+from .swiglu import swiglu_bwd
 
 
 @triton.jit
@@ -203,20 +201,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return linear_fwd(x, weight, bias, residual, allow_tf32)  # nothing to differentiate: no autograd node
 
 
-#: linear_swiglu's forward saves the backward's factors, silu(g) and u * silu'(g), instead of g and u (the same
-#: bytes), and its backward makes dgu = [dh * (u silu'(g)), dh * silu(g)] inside the dx product on Hopper
-#: (kernels.swiglu_dx_sm90) instead of in a pass of its own that the product then reads (elsewhere, or for
-#: operands that kernel does not take, that pass, from the factors, with a log line). Read by the forward and by
-#: the backward: change it between steps, not between a forward and its backward. Off until timed on a GPU
-#: (design and prediction in docs/perf/NOTES.md).
-FUSED_SWIGLU_BWD = False
-_log = logging.getLogger(__name__)
-
-
 def linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor, allow_tf32: bool = True, store_gu: bool = False):
-    """h = silu(x W1^T) * (x W3^T) for w13 = [W1; W3] [2F, K]: (h [..., F], gu) in x's dtype, gu [rows, 2F] for the
-    backward when ``store_gu`` (the pre-activations, or with FUSED_SWIGLU_BWD the factors silu(g), u silu'(g)),
-    else None."""
+    """h = silu(x W1^T) * (x W3^T) for w13 = [W1; W3] [2F, K]: (h [..., F], gu) in x's dtype, gu the
+    pre-activations [rows, 2F] when ``store_gu`` (for the backward), else None."""
     check_linear_inputs(x, w13, "w13")
     if w13.shape[0] % 2:
         raise ValueError(f"w13 must stack gate and up rows [2F, K]; got an odd first dimension {w13.shape[0]}")
@@ -224,39 +211,16 @@ def linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor, allow_tf32: bool = Tru
     x2 = as_matrix(x, K)
     h = torch.empty((x2.shape[0], two_f // 2), dtype=x.dtype, device=x.device)
     gu = torch.empty((x2.shape[0], two_f), dtype=x.dtype, device=x.device) if store_gu else None
-    gemm(x2, w13.t(), h, gu=gu, epilogue=SWIGLU_FWD_FACTORS if store_gu and FUSED_SWIGLU_BWD else SWIGLU_FWD,
-         allow_tf32=allow_tf32)
+    gemm(x2, w13.t(), h, gu=gu, epilogue=SWIGLU_FWD, allow_tf32=allow_tf32)
     return h.view(tuple(x.shape[:-1]) + (two_f // 2,)), gu
 
 
 def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: torch.Tensor,
                       need_dx: bool = True, need_dw: bool = True, allow_tf32: bool = True):
-    """(dx, dw13) from what the forward saved in gu [rows, 2F]: dgu = [dgate, dup] by kernels.swiglu's packed
-    backward, then dx = dgu w13 and dw13 = dgu^T x (:func:`_input_weight_grads`); with FUSED_SWIGLU_BWD, from the
-    factors, dx with dgu made inside it where kernels.swiglu_dx_sm90 applies, then dw13."""
-    F = w13.shape[0] // 2
-    if not FUSED_SWIGLU_BWD:
-        return _input_weight_grads(swiglu_bwd(as_matrix(dh, F), gu), x, w13, need_dx, need_dw, allow_tf32)
-    dh2 = rows_view(dh, F)
-    if need_dx and dh2.is_cuda:
-        from . import swiglu_dx_sm90
-
-        K = w13.shape[1]
-        dx, dgu = torch.empty((dh2.shape[0], K), dtype=x.dtype, device=x.device), torch.empty_like(gu)
-        if swiglu_dx_sm90.applies(dh2, gu, w13, dx, dgu):
-            swiglu_dx_sm90.swiglu_dx(dh2, gu, w13, dx, dgu)
-            return dx.view(x.shape), _input_weight_grads(dgu, x, w13, False, need_dw, allow_tf32)[1]
-    if need_dx:
-        _log_unfused(dh2.device.type, dh2.dtype)
-    return _input_weight_grads(swiglu_factors_bwd(dh2, gu), x, w13, need_dx, need_dw, allow_tf32)
-
-
-@functools.lru_cache(maxsize=None)
-def _log_unfused(device_type: str, dtype: torch.dtype) -> None:
-    """Say once per device type and dtype that linear_swiglu's backward makes dgu in a pass of its own."""
-    _log.info("linear_swiglu: FUSED_SWIGLU_BWD is on, but the fused backward does not take these operands (%s, %s; "
-              "it needs a Hopper GPU, 16-bit operands, 16-byte aligned): dgu is made in a pass of its own",
-              device_type, dtype)
+    """(dx, dw13) from the forward's pre-activations gu [rows, 2F]: dgu = [dgate, dup] by
+    kernels.swiglu's packed backward, then dx = dgu w13 and dw13 = dgu^T x (:func:`_input_weight_grads`)."""
+    dgu = swiglu_bwd(as_matrix(dh, w13.shape[0] // 2), gu)
+    return _input_weight_grads(dgu, x, w13, need_dx, need_dw, allow_tf32)
 
 
 class LinearSwiGLUFunction(torch.autograd.Function):

@@ -92,19 +92,14 @@ def _swiglu_bwd_kernel(
     R, C,
     BLOCK_M: tl.constexpr,    # rows per program
     BLOCK_C: tl.constexpr,    # columns per program (power of two)
-    FACTORS: tl.constexpr = False,  # G, U hold silu(gate) and up * silu'(gate) (linear_swiglu's saved factors)
 ):
     row0, col0, rm, rc, mask = _tile(R, C, BLOCK_M, BLOCK_C)
     g = tl.load(_ptrs(G, stride_g, row0, col0, rm, rc), mask=mask).to(tl.float32)
     u = tl.load(_ptrs(U, stride_u, row0, col0, rm, rc), mask=mask).to(tl.float32)
     dy = tl.load(_ptrs(DY, stride_dy, row0, col0, rm, rc), mask=mask).to(tl.float32)
-    if FACTORS:
-        dg = dy * u
-        du = dy * g
-    else:
-        s = tl.sigmoid(g)
-        dg = dy * u * s * (1.0 + g * (1.0 - s))
-        du = dy * g * s
+    s = tl.sigmoid(g)
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    du = dy * g * s
     tl.store(_ptrs(DG, stride_dg, row0, col0, rm, rc), dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(_ptrs(DU, stride_du, row0, col0, rm, rc), du.to(DU.dtype.element_ty), mask=mask)
 
@@ -121,9 +116,9 @@ def _plan(rows: int, cols: int, tile: int) -> tuple[int, int, int]:
 _PLANS = Plans()
 
 
-def _launch(kernel, *views: torch.Tensor, **flags) -> None:
-    """Run ``kernel`` over ``[M, F]`` views (last dim contiguous), with the constexprs ``flags``: as one flat row
-    of ``M * F`` elements when every view is contiguous, else as ``M`` strided rows."""
+def _launch(kernel, *views: torch.Tensor) -> None:
+    """Run ``kernel`` over ``[M, F]`` views (last dim contiguous): as one flat row of ``M * F``
+    elements when every view is contiguous, else as ``M`` strided rows."""
     m, f = views[0].shape
     if m * f == 0:
         return
@@ -131,12 +126,11 @@ def _launch(kernel, *views: torch.Tensor, **flags) -> None:
     flat = m == 1 or strides.count(f) == len(strides)
     rows, cols = (1, m * f) if flat else (m, f)
     tile = _INTERP_TILE if interpreting() else _TILE
-    key = (kernel, rows, cols, strides, tile, _NUM_WARPS, tuple(flags.items()))
+    key = (kernel, rows, cols, strides, tile, _NUM_WARPS)
     plan = _PLANS.get(key)
     if plan is None:
         block_m, block_c, programs = _plan(rows, cols, tile)
-        plan = _PLANS.add(key, Launch(kernel, (programs,), BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
-                                      **flags))
+        plan = _PLANS.add(key, Launch(kernel, (programs,), BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS))
     plan(*views, *strides, rows, cols)
 
 
@@ -184,16 +178,6 @@ def _bwd(dy2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, packed: bool):
     dup = torch.empty((m, f), dtype=g2.dtype, device=g2.device)
     _launch(_swiglu_bwd_kernel, g2, u2, dy2, dgate, dup)
     return dgate, dup
-
-
-def swiglu_factors_bwd(dy: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """linear_swiglu's packed backward from the factors its forward saved (no checks): dy [M, F] and
-    factors [M, 2F] = [silu(gate), up * silu'(gate)] give [dgate, dup] = [dy * factors[:, F:], dy * factors[:, :F]]
-    [M, 2F], in fp32 math."""
-    m, f = dy.shape
-    grad = torch.empty((m, 2 * f), dtype=factors.dtype, device=factors.device)
-    _launch(_swiglu_bwd_kernel, factors[:, :f], factors[:, f:], dy, grad[:, :f], grad[:, f:], FACTORS=True)
-    return grad
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ Sections, in this order:
            of fwd+bwd is the GPU waiting on the host.
   swiglu   linear_swiglu 16384x768x(2x2048) fwd / bwd / fwd+bwd in CUDA graphs against cuBLAS + Triton
            swiglu, with the library's configs and knobs: the fused forward through _matmul_kernel and (on
-           Hopper) through the WS kernel (gemm.SM90_WS_GATED), also with linear.FUSED_SWIGLU_BWD.
+           Hopper) through the WS kernel (gemm.SM90_WS_GATED); output and gradient errors against the pair.
   overlap  the backward of linear at every benchmark shape and of linear_swiglu in CUDA graphs, dW on a second
            stream beside dx where linear.OVERLAP_DW applies or one after the other (static or dynamic
            tiles), against cuBLAS.
@@ -400,22 +400,18 @@ def section_linear(state):
 
 def section_swiglu(state):
     """linear_swiglu against cuBLAS + Triton swiglu, each pass replayed in a CUDA graph, with the library's own
-    configs and knobs: the fused forward through _matmul_kernel or (Hopper) the WS kernel (gemm.SM90_WS_GATED), and
-    (Hopper) with the forward saving the backward's factors and dgu made inside the dx product
-    (linear.FUSED_SWIGLU_BWD)."""
+    configs and knobs: the fused forward through _matmul_kernel or (Hopper) the WS kernel (gemm.SM90_WS_GATED)."""
     use_library_configs()
     x, w13 = randn(16384, 768).requires_grad_(), randn(4096, 768, scale=768 ** -0.5).requires_grad_()
     kinds = ("fwd", "bwd", "fwd+bwd")
     base = {k: graph_ms(lambda k=k: pass_fn(unfused_swiglu, (x, w13), k)) for k in kinds}
     print("\n== linear_swiglu 16384x768x(2x2048) in CUDA graphs: ms (cuBLAS + Triton swiglu ms), "
           "target fwd+bwd >= 1.1x")
-    defaults = L.SM90_WS_GATED, LIN.FUSED_SWIGLU_BWD
+    gated_default = L.SM90_WS_GATED
     RESULTS["swiglu"] = {"cublas_ms": base}
-    variants = [("_matmul_kernel", False, False)]
-    if torch.cuda.get_device_capability()[0] == 9:
-        variants += [("WS gated", True, False), ("WS gated, fused bwd", True, True)]
-    for name, gated, fused in variants:  # the forward through _matmul_kernel or the WS kernel; dgu fused or not
-        L.SM90_WS_GATED, LIN.FUSED_SWIGLU_BWD = gated, fused
+    for name, gated in [("_matmul_kernel", False)] + ([("WS gated", True)] if torch.cuda.get_device_capability()[0] == 9
+                                                      else []):
+        L.SM90_WS_GATED = gated  # the fused forward through _matmul_kernel, then through the WS kernel
         L._LAUNCH_CONFIGS.clear()
         err = rel_err(linear_swiglu(x, w13), unfused_swiglu(x, w13))
         x.grad = w13.grad = None
@@ -429,7 +425,7 @@ def section_swiglu(state):
         print(f"  {name:<20}" + "  ".join(f"{k} {row[k]:.4f} ({base[k]:.4f}) {base[k] / row[k]:.2f}x" for k in row)
               + f"  err {err:.1e} grad err {grad_err:.1e}")
         RESULTS["swiglu"][name] = {"ms": row, "err": err, "grad_err": grad_err}
-    L.SM90_WS_GATED, LIN.FUSED_SWIGLU_BWD = defaults
+    L.SM90_WS_GATED = gated_default
     L._LAUNCH_CONFIGS.clear()
 
 
