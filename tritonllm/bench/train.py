@@ -454,14 +454,15 @@ def _parse(argv: list[str]):
     return args, overrides
 
 
-HEADER = f"{'side':<28}{'tokens/s':>12}{'MFU':>8}{'step ms':>10}{'GPU ms':>10}{'host ms':>11}{'peak GB':>9}"
+HEADER = (f"{'side':<28}{'tokens/s':>12}{'MFU':>8}{'step ms':>10}{'GPU ms':>10}{'busy ms':>10}{'host ms':>11}"
+          f"{'peak GB':>9}")
 
 
 def _line(name: str, f: dict) -> str:
     if "error" in f:
         return f"{name:<28}failed: {f['error']}"
     return (f"{name:<28}{f['tokens_per_s']:>12,}{f['mfu']:>8.1%}{f['step_ms']:>10.2f}{f['gpu_ms']:>10.2f}"
-            f"{f['host_ms']:>10.2f}{'*' if f.get('host_waited') else ' '}{f['peak_mem_gb']:>9.2f}")
+            f"{f['gpu_busy_ms']:>10.2f}{f['host_ms']:>10.2f}{'*' if f.get('host_waited') else ' '}{f['peak_mem_gb']:>9.2f}")
 
 
 def with_speedup(row: dict) -> dict:
