@@ -75,6 +75,13 @@ SM90_WS_GATED = True
 #: program's whole K loop either way: the same bits. ``parallelize`` sets it for DDP and FSDP2 on GPUs;
 #: ``gemm(dynamic=...)`` sets it for one call (linear's backward, for dW and dx run side by side).
 DYNAMIC = False
+#: SMs that the persistent grids leave to another stream's kernels: min(#SMs - SM_MARGIN, tiles) programs (at
+#: least one). cuBLAS's ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`` and Transformer Engine's SM margin do the same,
+#: so that NCCL's kernels, launched while a GEMM runs, find free SMs instead of waiting for the GEMM to end.
+#: 0 (none) by default and on one GPU; ``parallelize`` sets it beside NCCL from ``TRITONLLM_GEMM_SM_MARGIN``.
+#: Not yet timed (prediction in docs/perf/NOTES.md). Read when a problem is first planned: set it before the
+#: first GEMM, or clear ``_LAUNCH_CONFIGS``.
+SM_MARGIN = 0
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
@@ -524,7 +531,7 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
         TMA_STORE=tma_store, PRECISION=precision, SPLIT_K=split_k, SCALED=a_scale is not None,
         FP8=a.dtype in FP8_DTYPES,
     )
-    sms = num_sms()
+    sms = max(1, num_sms() - SM_MARGIN)
 
     def grid(meta):
         units = split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
@@ -590,7 +597,7 @@ def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use
             None if residual is None else (residual.stride(), residual.dtype),
             None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
             epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, FLATTEN, WARP_SPECIALIZE, TMA_STORE,
-            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS, SM90_WS_GATED, dynamic)
+            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS, SM90_WS_GATED, dynamic, SM_MARGIN)
 
 
 def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,

@@ -210,25 +210,26 @@ def test_gemm_split_k(M, N, K, splits, poisoned_empty):
 
 
 @pytest.mark.parametrize("split_k", [1, 3], ids=["whole-K", "split-K"])
-def test_gemm_one_program_per_tile_matches_persistent(split_k, monkeypatch):
+def test_gemm_grids_match(split_k, monkeypatch):
     """``PERSISTENT = False`` (one program per output tile instead of min(#SMs, tiles) programs
-    looping over them) computes every tile the same way: bitwise the same C, with more tiles than
-    SMs (4 under the interpreter)."""
+    looping over them) and ``SM_MARGIN`` (a persistent grid of #SMs - margin programs) compute every tile
+    the same way: bitwise the same C, with more tiles than SMs (4 under the interpreter)."""
     M, N, K = (600, 300, 40) if not ON_GPU else (4096, 4096, 256)
     a, b = randn(M, K), randn(N, K).t()
     out, programs = {}, {}
-    for persistent in (True, False):
-        monkeypatch.setattr(gemm_module, "PERSISTENT", persistent)
+    for grid in ("persistent", "tile", "margin"):
+        monkeypatch.setattr(gemm_module, "PERSISTENT", grid != "tile")
+        monkeypatch.setattr(gemm_module, "SM_MARGIN", 1 if grid == "margin" else 0)
         gemm_module._LAUNCH_CONFIGS.clear()
         for _ in range(2):  # planned, then from the plan
-            out[persistent] = gemm_module.gemm(a, b, poison_(torch.empty(M, N, device=DEVICE)), split_k=split_k,
-                                               allow_tf32=False)
+            out[grid] = gemm_module.gemm(a, b, poison_(torch.empty(M, N, device=DEVICE)), split_k=split_k,
+                                         allow_tf32=False)
         (plan,) = gemm_module._LAUNCH_CONFIGS.values()
-        programs[persistent] = plan[0].grid[0]
+        programs[grid] = plan[0].grid[0]
     sms = gemm_module.num_sms()
-    assert programs[True] == sms < programs[False], (programs, sms)
-    assert torch.equal(out[True], out[False])
-    assert_close("c", out[False], a.double() @ b.double(), atol=1e-5)
+    assert programs["margin"] == sms - 1 and programs["persistent"] == sms < programs["tile"], (programs, sms)
+    assert torch.equal(out["persistent"], out["tile"]) and torch.equal(out["persistent"], out["margin"])
+    assert_close("c", out["tile"], a.double() @ b.double(), atol=1e-5)
 
 
 def test_split_k_heuristic(monkeypatch):

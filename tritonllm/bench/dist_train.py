@@ -236,6 +236,8 @@ def run_worker(argv: list[str]) -> None:
 
             figures["triton_share"] = round(sum(ours.values()) / compute, 4)
             figures["gemm_grid"] = "dynamic" if gemm.DYNAMIC else "persistent" if gemm.PERSISTENT else "tile"
+            if gemm.SM_MARGIN:
+                figures["gemm_grid"] += f", {gemm.SM_MARGIN} SMs left to NCCL"
     if env.main:
         from tritonllm.models import build_model
 

@@ -33,7 +33,7 @@ Modes (:func:`resolve_parallel`, :func:`parallelize`):
 - On GPUs both modes switch tritonllm's GEMM grid (:func:`gemm_grid_beside_nccl`): NCCL's kernels run
   beside ours and hold SMs, which the persistent grid's static tile shares wait for. The
   warp-specialized Hopper GEMM takes its tiles from a global counter instead, the other GEMM kernels
-  run one program per output tile.
+  run one program per output tile; ``TRITONLLM_GEMM_SM_MARGIN`` SMs can be left to NCCL (0 by default).
 - ``auto``: one process -> ``none``; several -> ``ddp`` when the weights, gradients and optimizer
   state (16 bytes per parameter) fit in half of one GPU's memory (the rest for activations), else
   ``fsdp``.
@@ -231,6 +231,8 @@ def gemm_grid_beside_nccl() -> str:
     take tiles from a global counter (``gemm.DYNAMIC``), the other GEMM kernels one program per output
     tile (``gemm.PERSISTENT = False``); ``tile``: every kernel one program per tile; ``persistent``:
     the single-GPU default, min(#SMs, tiles) programs with a static share of the tiles each.
+    ``TRITONLLM_GEMM_SM_MARGIN`` (an integer >= 0, default 0) sets ``gemm.SM_MARGIN``: the SMs the
+    persistent grids leave free for NCCL's kernels (not yet timed; docs/perf/NOTES.md).
 
     A static share waits for SMs that NCCL holds: on an H100 with 16 SMs held by another kernel for the
     whole op, void1b's four linear layers (fwd+bwd, the WS kernel) took 5.58 ms with the persistent
@@ -242,11 +244,16 @@ def gemm_grid_beside_nccl() -> str:
     grid = os.environ.get("TRITONLLM_GEMM_GRID", "dynamic")
     if grid not in GEMM_GRIDS:
         raise ConfigError(f"TRITONLLM_GEMM_GRID must be one of {', '.join(GEMM_GRIDS)}, got {grid!r}")
+    margin = os.environ.get("TRITONLLM_GEMM_SM_MARGIN", "0")
+    if not margin.isdigit():
+        raise ConfigError(f"TRITONLLM_GEMM_SM_MARGIN must be an integer >= 0 (SMs left to NCCL), got {margin!r}")
     gemm.PERSISTENT, gemm.DYNAMIC = GEMM_GRIDS[grid]
-    log.info("GEMM grid beside NCCL (NCCL's kernels share the SMs): %s", {
+    gemm.SM_MARGIN = int(margin)
+    log.info("GEMM grid beside NCCL (NCCL's kernels share the SMs): %s%s", {
         "dynamic": "the WS kernel's tiles from a global counter, other kernels one program per output tile",
         "tile": "one program per output tile (TRITONLLM_GEMM_GRID)",
-        "persistent": "persistent, static tile shares (TRITONLLM_GEMM_GRID)"}[grid])
+        "persistent": "persistent, static tile shares (TRITONLLM_GEMM_GRID)"}[grid],
+        f"; persistent grids leave {gemm.SM_MARGIN} SMs to NCCL (TRITONLLM_GEMM_SM_MARGIN)" if gemm.SM_MARGIN else "")
     return grid
 
 
