@@ -24,7 +24,6 @@ per-program partial sums over row groups, then a fixed-order sum of the partials
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
