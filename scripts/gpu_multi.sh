@@ -12,6 +12,8 @@
 #          merge into $OUT/train-<gpu>.json, a copy of docs/perf/'s: copy it back into docs/perf/
 #          (copies left unchanged are removed).
 # Calls chained in one command share the install (scripts/gpu_install.sh: once per machine).
+# TRITONLLM_COMMIT=<commit>: the commit result rows record (a lent machine's copy of the tree may carry stale
+#   git metadata, which reads as an old commit, "-dirty").
 # Usage: MODEL=void1b scripts/gpu_multi.sh [tests] [bench]            (default: both)
 #        MODEL=void125m BENCH_ARGS="trainer.batch_size=16 trainer.seq_len=1024" scripts/gpu_multi.sh bench
 #        MODEL=void3b PARALLEL=fsdp NPROC=2,4 BENCH_ARGS="trainer.batch_size=2" scripts/gpu_multi.sh bench

@@ -18,6 +18,8 @@
 # STACKS_EVERY=s: every s seconds each tritonllm process prints its Python stacks into the stage's log
 #   (TRITONLLM_STACKS_EVERY, tritonllm.runtime.stacks_on_signal): where a slow warm-up spends its time.
 # Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-out.
+# TRITONLLM_COMMIT=<commit>: the commit result rows record (a lent machine's copy of the tree may carry stale
+#   git metadata, which reads as an old commit, "-dirty").
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}

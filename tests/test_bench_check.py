@@ -66,3 +66,12 @@ def test_write_results_replaces_only_rows_of_the_same_run(tmp_path, monkeypatch)
     rows = json.load(open(path))["results"]
     assert [r["step_ms"] for r in rows if "model" in r] == [5.0, 6.0, 8.0]
     assert rows[-1]["commit"] == "abc1234" and any(r.get("op") == "linear" for r in rows)
+
+
+def test_git_commit_from_the_environment(monkeypatch):
+    """Results name the commit they are of: TRITONLLM_COMMIT when set (a tree copied to a GPU machine with
+    stale git metadata would otherwise read as an old commit, "-dirty"), else git's answer."""
+    monkeypatch.setenv("TRITONLLM_COMMIT", "c0ffee1")
+    assert harness.git_commit() == "c0ffee1"
+    monkeypatch.delenv("TRITONLLM_COMMIT")
+    assert harness.git_commit() != "c0ffee1" and harness.git_commit()

@@ -374,12 +374,16 @@ def gpu_slug() -> str:
 
 
 def git_commit() -> str:
+    """The commit the results are of: ``TRITONLLM_COMMIT`` when set (a copy of the tree whose git metadata is
+    stale, as on a lent GPU machine, says it itself), else ``git describe`` ("-dirty" when the working tree
+    differs from the commit: what ran is then not that commit), else "unknown"."""
+    if os.environ.get("TRITONLLM_COMMIT"):
+        return os.environ["TRITONLLM_COMMIT"]
     try:
-        # "-dirty" when the working tree differs from the commit (what ran is then not that commit)
         return subprocess.check_output(["git", "describe", "--always", "--dirty", "--abbrev=7"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("TRITONLLM_COMMIT", "unknown")
+        return "unknown"
 
 
 def row_key(r: dict) -> tuple:
