@@ -632,15 +632,15 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
         ws = _sm90_ws()
         kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
         ws.tuned(args)[grid](*tensors, *ints, tile_counter() if dynamic else c, DYNAMIC=dynamic,
-                             RELAXED_FETCH=ws.RELAXED_FETCH, **{k: args[k] for k in flags})
+                             **{k: args[k] for k in flags})
         meta = ws.tuned(args).best_config.all_kwargs()
     else:
         tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
         tuned[grid](**args)
         meta = tuned.best_config.all_kwargs()
     dynamic = None if kernel is _matmul_kernel else dynamic
-    ws_flags = {} if dynamic is None else {"DYNAMIC": dynamic, "RELAXED_FETCH": _sm90_ws().RELAXED_FETCH}
-    launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **ws_flags, **meta)
+    launch = Launch(kernel, grid(meta), **{k: args[k] for k in flags}, **({} if dynamic is None else
+                                                                          {"DYNAMIC": dynamic}), **meta)
     if interpreting() or config is not None:
         launch(*tensors, *ints, *(() if dynamic is None else (tile_counter() if dynamic else c,)))
     sum_splits = None

@@ -43,24 +43,15 @@ LOAD_REGS = gl.constexpr(40)
 #: slots of the ring through which the producer hands tile indices to the consumers: how many tiles it
 #: may run ahead (with few K steps a tile, more than the operand ring's depth)
 ID_SLOTS = gl.constexpr(4)
-#: with dynamic tiles, take each tile with a relaxed atomic instead of an acq_rel one: handing out indices needs
-#: only atomicity (the done counter's acq_rel increment still orders each program's last fetch before the
-#: reset), and the producer stalls on the whole round trip of its fetch (the result is broadcast through
-#: shared memory at once). Off until timed (prediction in docs/perf/NOTES.md: dynamic tiles cost 0-4% alone,
-#: half of it back); gemm passes it to each problem's first launch (clear gemm._LAUNCH_CONFIGS after changing it).
-RELAXED_FETCH = False
 
 _tile_coords = gluon.jit(gemm.tile_coords.fn)
 
 
 @gluon.jit
-def _next_tile(counter_ptr, tile, DYNAMIC: gl.constexpr, RELAXED: gl.constexpr):
-    """The program's next output tile: DYNAMIC, the next one nobody has taken (a global counter, fetched
-    with a relaxed atomic when RELAXED, else acq_rel); otherwise the static stride, ``tile + P`` (the first:
-    ``program_id - P``)."""
+def _next_tile(counter_ptr, tile, DYNAMIC: gl.constexpr):
+    """The program's next output tile: DYNAMIC, the next one nobody has taken (a global counter);
+    otherwise the static stride, ``tile + P`` (the first: ``program_id - P``)."""
     if DYNAMIC:
-        if RELAXED:
-            return gl.atomic_add(counter_ptr, 1, sem="relaxed")
         return gl.atomic_add(counter_ptr, 1)
     else:
         return tile + gl.num_programs(0)
@@ -90,8 +81,7 @@ def _take(ids, id_ready, id_empty, seq):
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M, N, K,
                     A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr,
-                    CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr, GATED: gl.constexpr,
-                    RELAXED_FETCH: gl.constexpr):
+                    CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr, GATED: gl.constexpr):
     """The producer: picks the program's tiles (:func:`_next_tile`), hands each one's index to the
     consumers, and streams its A and B blocks through the ring (GATED: B's gate block into slot s of
     ``b_bufs`` and its up block, N columns further, into slot STAGES + s); past the last tile, an index
@@ -107,7 +97,7 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready,
     k_steps = gl.cdiv(K, BLOCK_K)
     it = 0
     seq = 0
-    tile = _next_tile(counter_ptr, gl.program_id(0) - gl.num_programs(0), DYNAMIC, RELAXED_FETCH)
+    tile = _next_tile(counter_ptr, gl.program_id(0) - gl.num_programs(0), DYNAMIC)
     while tile < num_tiles:
         _publish(ids, id_ready, id_empty, seq, tile)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -133,7 +123,7 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready,
                     tma.async_copy_global_to_shared(b_desc, [N + n0, k0], ready.index(s), b_bufs.index(STAGES + s))
             it += 1
         seq += 1
-        tile = _next_tile(counter_ptr, tile, DYNAMIC, RELAXED_FETCH)
+        tile = _next_tile(counter_ptr, tile, DYNAMIC)
     for c in gl.static_range(CONSUMERS):
         _publish(ids, id_ready, id_empty, seq + c, num_tiles)
     if DYNAMIC:
@@ -269,7 +259,6 @@ def ws_matmul_kernel(
     A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr = False,
-    RELAXED_FETCH: gl.constexpr = False,
 ):
     if A_K_CONTIGUOUS:
         a_desc, a_bufs = _operand(a_ptr, M, K, stride_am, BLOCK_M, BLOCK_K, STAGES)
@@ -320,16 +309,14 @@ def ws_matmul_kernel(
             (_mma_partition, (problem, SECOND, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
                                STORE_GU)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
-                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED,
-                               RELAXED_FETCH))],
+                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED))],
             [4, 1], [232, LOAD_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
                                STORE_GU)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
-                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED,
-                               RELAXED_FETCH))],
+                               N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED))],
             [1], [LOAD_REGS])
 
 
@@ -355,7 +342,7 @@ def configs(gated: bool = False) -> list[triton.Config]:
 
 #: the flags of gemm._gemm_plan's arguments that this kernel takes
 FLAG_ARGS = ("EPILOGUE", "STORE_GU", "HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS")
-_TUNE_KEY = ["M", "N", "K", *FLAG_ARGS, "DYNAMIC", "RELAXED_FETCH"]
+_TUNE_KEY = ["M", "N", "K", *FLAG_ARGS, "DYNAMIC"]
 ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=_TUNE_KEY)(ws_matmul_kernel)
 ws_gated_kernel_tuned = triton.autotune(configs=configs(gated=True), key=_TUNE_KEY)(ws_matmul_kernel)
 

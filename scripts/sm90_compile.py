@@ -5,7 +5,7 @@ every config of ``GPU_CONFIGS`` that the shared-memory pruning keeps for the giv
 ``--kernel attention-fwd`` the flash-attention forward with ``FWD_CONFIGS`` at ``--shape B,Hq,Hkv,T,D``;
 ``--kernel gemm-sm90`` the warp-specialized Gluon GEMM of ``gemm_sm90`` with every config of ``CONFIGS``
 (``--swiglu``: ``GATED_CONFIGS``, ``--store-gu`` also writing the pre-activations; ``--dynamic``: tiles
-from the global counter; ``--relaxed-fetch``: taken with a relaxed atomic) at ``--mnk``; ``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90``, and dK/dV with the dQ reduce, with their configs at ``--shape``. Each is specialized as a launch would be; per config
+from the global counter) at ``--mnk``; ``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90``, and dK/dV with the dQ reduce, with their configs at ``--shape``. Each is specialized as a launch would be; per config
 the script prints the pruning's estimate (GEMM: ``_config_smem``), the shared memory the compiled kernel
 asks for (a launch fails above 232,448 bytes), ptxas's registers per thread and bytes of spill stores,
 and the compiled kernel's warps. A config that does not compile prints its error. ``TRITON_INTERPRET`` is
@@ -137,7 +137,7 @@ def gemm_sm90_main(args) -> None:
 
     flags = dict(EPILOGUE=gemm.SWIGLU_FWD if args.swiglu else gemm.PLAIN, STORE_GU=args.swiglu and args.store_gu,
                  HAS_RESIDUAL=args.residual and not args.swiglu, A_K_CONTIGUOUS=True,
-                 B_N_CONTIGUOUS=args.b_n_contiguous, DYNAMIC=args.dynamic, RELAXED_FETCH=args.relaxed_fetch)
+                 B_N_CONTIGUOUS=args.b_n_contiguous, DYNAMIC=args.dynamic)
     ints = int_args(*(int(v) for v in args.mnk.split(",")), flags)
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, M,N,K {args.mnk}, flags "
           f"{ {k: v for k, v in flags.items() if v not in (False, 0)} }")
@@ -212,8 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--all", action="store_true", help="also the configs the pruning drops")
     gemm_args = p.add_argument_group("gemm")
     gemm_args.add_argument("--swiglu", action="store_true", help="the SWIGLU_FWD epilogue (two B tiles)")
-    for flag in ("bias", "residual", "accumulate", "tma", "tma-store", "b-n-contiguous", "store-gu", "dynamic",
-                 "relaxed-fetch"):
+    for flag in ("bias", "residual", "accumulate", "tma", "tma-store", "b-n-contiguous", "store-gu", "dynamic"):
         gemm_args.add_argument(f"--{flag}", action="store_true")
     gemm_args.add_argument("--mnk", default="4096,4096,4096", help="the problem's M,N,K (contiguous operands)")
     attn_args = p.add_argument_group("attention-fwd")

@@ -433,13 +433,10 @@ def unfused_swiglu(x, w13):
     return swiglu(F.linear(x, w13))
 
 
-#: (name, linear.OVERLAP_DW, gemm.DYNAMIC, gemm_sm90.RELAXED_FETCH) timed by section_overlap: OVERLAP_DW runs dW
-#: beside dx, both with dynamic tiles, where dW's output has fewer than two waves of tiles (linear._beside), else
-#: one after the other
-OVERLAP_VARIANTS = [("one after the other", False, False, False),
-                    ("one after the other, dynamic tiles", False, True, False),
-                    ("dW beside dx where few dW tiles", True, False, False),
-                    ("the same, relaxed tile fetch", True, False, True)]
+#: (name, linear.OVERLAP_DW, gemm.DYNAMIC) timed by section_overlap: OVERLAP_DW runs dW beside dx, both with
+#: dynamic tiles, where dW's output has fewer than two waves of tiles (linear._beside), else one after the other
+OVERLAP_VARIANTS = [("one after the other", False, False), ("one after the other, dynamic tiles", False, True),
+                    ("dW beside dx where few dW tiles", True, False)]
 
 
 def section_overlap(state):
@@ -452,7 +449,7 @@ def section_overlap(state):
         problems.append((f"linear {M}x{K}x{N}", linear, F.linear, (x, w)))
     x, w13 = randn(16384, 768).requires_grad_(), randn(4096, 768, scale=768 ** -0.5).requires_grad_()
     problems.append(("linear_swiglu 16384x768x2x2048", linear_swiglu, unfused_swiglu, (x, w13)))
-    defaults = LIN.OVERLAP_DW, L.DYNAMIC, WS.RELAXED_FETCH
+    defaults = LIN.OVERLAP_DW, L.DYNAMIC
     print("\n== overlap: bwd ms in CUDA graphs (cuBLAS / ours), " + "; ".join(v[0] for v in OVERLAP_VARIANTS))
     RESULTS["overlap"] = {}
     for name, ours, theirs, inputs in problems:
@@ -461,13 +458,13 @@ def section_overlap(state):
             continue
         base = graph_ms(lambda: pass_fn(theirs, inputs, "bwd"))
         row = {}
-        for variant, overlap, dynamic, relaxed in OVERLAP_VARIANTS:
-            LIN.OVERLAP_DW, L.DYNAMIC, WS.RELAXED_FETCH = overlap, dynamic, relaxed
+        for variant, overlap, dynamic in OVERLAP_VARIANTS:
+            LIN.OVERLAP_DW, L.DYNAMIC = overlap, dynamic
             L._LAUNCH_CONFIGS.clear()
             row[variant] = graph_ms(lambda: pass_fn(ours, inputs, "bwd"))
         RESULTS["overlap"][name] = {"cublas_ms": base, "ms": row}
         print(f"  {name:<32} cuBLAS {base:.4f}  " + "  ".join(f"{v:.4f} {base / v:.3f}x" for v in row.values()))
-    LIN.OVERLAP_DW, L.DYNAMIC, WS.RELAXED_FETCH = defaults
+    LIN.OVERLAP_DW, L.DYNAMIC = defaults
     L._LAUNCH_CONFIGS.clear()
 
 
@@ -561,7 +558,7 @@ def ws_name(config) -> str:
 
 def section_splits(state):
     default_knob = next(k for k in KNOBS if k[0] == "flat+tmaS")
-    ws_default, dynamic_default, relaxed_default = L.SM90_WS, L.DYNAMIC, WS.RELAXED_FETCH
+    ws_default, dynamic_default = L.SM90_WS, L.DYNAMIC
     probs, splits_of = [], {}
     for M, K, N in SHAPES["default"]["linear"] + SHAPES["large"]["linear"] + [(16384, 768, 768)]:
         x, w, dy = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, N)
@@ -583,7 +580,7 @@ def section_splits(state):
     print(f"\n== splits: {len(jobs)} variants compiled in {time.time() - t:.0f} s ({len(failed)} failed); "
           "ms replayed in CUDA graphs, ours = the best config", flush=True)
     print(f"{'problem':<34}{'cuBLAS':>9}{'ours':>9}{'ratio':>7}  best config / autotuned: ratio plain, WS"
-          " (, WS dynamic tiles, and fetched with a relaxed atomic, on Hopper)")
+          " (, WS dynamic tiles on Hopper)")
     out = {}
     for p in probs:
         if left() < 5:
@@ -604,17 +601,15 @@ def section_splits(state):
                 else f"BAD err {err:.1e}"
         if p in auto:  # the autotuned plain kernel, the WS kernel, and (Hopper) the WS kernel's dynamic tiles
             hopper = torch.cuda.get_device_capability()[0] == 9
-            for name, ws, dynamic, relaxed in [("autotuned", False, False, False), ("ws", True, False, False)] + \
-                    ([("ws dynamic", True, True, False), ("ws dynamic relaxed", True, True, True)] if hopper else []):
-                L.SM90_WS, L.DYNAMIC, WS.RELAXED_FETCH = ws, dynamic, relaxed
-                L._LAUNCH_CONFIGS.clear()
+            for name, ws, dynamic in [("autotuned", False, False), ("ws", True, False)] + \
+                    ([("ws dynamic", True, True)] if hopper else []):
+                L.SM90_WS, L.DYNAMIC = ws, dynamic
                 c, gu = p.new_out()
                 p.call(c, gu, None)
                 ref = c.clone() if ref is None else ref
                 err = rel_err(c, ref)
                 res[name] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) if err < 2e-2 else f"BAD err {err:.1e}"
-            L.SM90_WS, L.DYNAMIC, WS.RELAXED_FETCH = ws_default, dynamic_default, relaxed_default
-            L._LAUNCH_CONFIGS.clear()
+            L.SM90_WS, L.DYNAMIC = ws_default, dynamic_default
             if torch.cuda.get_device_capability()[0] == 9:  # and the WS kernel at each of its configs
                 for wcfg in WS.configs():
                     c, gu = p.new_out()
@@ -636,7 +631,7 @@ def section_splits(state):
         if times:
             best = min(times, key=times.get)
             tuned = "  ".join(f"{base / times[k]:.3f}" if k in times else str(res.get(k, "-"))[:12]
-                              for k in ("autotuned", "ws", "ws dynamic", "ws dynamic relaxed") if k in res)
+                              for k in ("autotuned", "ws", "ws dynamic") if k in res)
             print(f"{p.name:<34}{base:9.4f}{times[best]:9.4f}{base / times[best]:7.3f}  {best}  {tuned}")
         out[p.name] = {"cublas_ms": base, **{str(c): v for c, v in res.items()}}
     L.TMA_STORE = default_knob[4]

@@ -346,20 +346,17 @@ def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("relaxed", [False, True], ids=["acq_rel", "relaxed"])
 @pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "ping-pong"])
-def test_gemm_sm90_dynamic_tiles(pingpong, relaxed, monkeypatch):
-    """DYNAMIC (programs take tiles from a global counter, fetched acq_rel or relaxed): the same bits as the
-    static schedule (a tile is one program's whole K loop either way), eagerly and replayed from a CUDA graph captured on a
+def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch):
+    """DYNAMIC (programs take tiles from a global counter): the same bits as the static schedule (a
+    tile is one program's whole K loop either way), eagerly and replayed from a CUDA graph captured on a
     stream the counters have not seen, and the counters are back at zero after every launch, so the
     next launch on the stream starts from tile 0. A counter already past the last tile leaves the
     output unwritten: the kernel really takes its tiles from it."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
     common = importlib.import_module("tritonllm.kernels._common")
-    ws = importlib.import_module("tritonllm.kernels.gemm_sm90")
-    monkeypatch.setattr(ws, "RELAXED_FETCH", relaxed)
-    tuned = ws.ws_matmul_kernel_tuned
+    tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").ws_matmul_kernel_tuned
     monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["PINGPONG"] is pingpong][:1])
     monkeypatch.setattr(tuned, "cache", {})
     M, K, N = 4000, 1000, 3000  # several tiles per program on any Hopper part
@@ -371,7 +368,7 @@ def test_gemm_sm90_dynamic_tiles(pingpong, relaxed, monkeypatch):
         runs = [gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)))
                 for _ in range(3)]
         (plan,) = gemm_module._LAUNCH_CONFIGS.values()
-        assert plan[0].kwargs["DYNAMIC"] is dynamic and plan[0].kwargs["RELAXED_FETCH"] is relaxed
+        assert plan[0].kwargs["DYNAMIC"] is dynamic
         assert all(torch.equal(r, runs[0]) for r in runs)
         out[dynamic] = runs[0]
     assert torch.equal(out[True], out[False])
