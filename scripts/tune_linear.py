@@ -323,8 +323,10 @@ def section_gemm(state):
         state["e2e"] = (knob, cfgs)
 
 
-def use_library_configs():
-    """linear's autotuner back on the library's GPU_CONFIGS and knobs (after use_e2e_configs)."""
+def use_library_configs(state):
+    """linear's autotuner back on the library's GPU_CONFIGS and knobs (after use_e2e_configs: a later e2e
+    section sets those again)."""
+    state["e2e_set"] = False
     L.TMA_STORE = LIBRARY_TMA_STORE
     L._matmul_kernel_tuned.configs = [L._config(*c) for c in L.GPU_CONFIGS]
     L._matmul_kernel_tuned.cache.clear()
@@ -401,7 +403,7 @@ def section_linear(state):
 def section_swiglu(state):
     """linear_swiglu against cuBLAS + Triton swiglu, each pass replayed in a CUDA graph, with the library's own
     configs and knobs: the fused forward through _matmul_kernel or (Hopper) the WS kernel (gemm.SM90_WS_GATED)."""
-    use_library_configs()
+    use_library_configs(state)
     x, w13 = randn(16384, 768).requires_grad_(), randn(4096, 768, scale=768 ** -0.5).requires_grad_()
     kinds = ("fwd", "bwd", "fwd+bwd")
     base = {k: graph_ms(lambda k=k: pass_fn(unfused_swiglu, (x, w13), k)) for k in kinds}
@@ -442,7 +444,7 @@ OVERLAP_VARIANTS = [("one after the other", False, False), ("one after the other
 def section_overlap(state):
     """The backward of linear at every benchmark shape and of linear_swiglu, replayed in CUDA graphs with the
     library's configs, for each of OVERLAP_VARIANTS, against cuBLAS (F.linear; + Triton swiglu)."""
-    use_library_configs()
+    use_library_configs(state)
     problems = []
     for M, K, N in SHAPES["default"]["linear"] + SHAPES["large"]["linear"]:
         x, w = randn(M, K).requires_grad_(), randn(N, K, scale=K ** -0.5).requires_grad_()
