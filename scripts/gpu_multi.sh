@@ -18,8 +18,7 @@
 #        MODEL=void125m BENCH_ARGS="trainer.batch_size=16 trainer.seq_len=1024" scripts/gpu_multi.sh bench
 #        MODEL=void3b PARALLEL=fsdp NPROC=2,4 BENCH_ARGS="trainer.batch_size=2" scripts/gpu_multi.sh bench
 #        TRITONLLM_GEMM_SM_MARGIN=16 MODEL=void1b PARALLEL=fsdp NPROC=2 BENCH_ARGS=--no-one-gpu scripts/gpu_multi.sh bench
-#          (the workers inherit the environment: SMs our persistent GEMM grids leave to NCCL, by default 8
-#          under FSDP2 and none under DDP: tritonllm.train.parallel.SM_MARGIN_BESIDE)
+#          (the workers inherit the environment: SMs our persistent GEMM grids leave to NCCL)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}

@@ -303,16 +303,13 @@ def test_adamw_counts_the_step_of_an_empty_shard(device):
 
 @pytest.mark.parametrize("setting, persistent, dynamic",
                          [(None, False, True), ("dynamic", False, True), ("tile", False, False), ("persistent", True, False)])
-@pytest.mark.parametrize("mode, margin", [("ddp", 0), ("fsdp", 8)])
-def test_gemm_grid_beside_nccl(monkeypatch, setting, persistent, dynamic, mode, margin):
+def test_gemm_grid_beside_nccl(monkeypatch, setting, persistent, dynamic):
     """Under DDP or FSDP2 on GPUs the WS GEMM takes dynamic tiles and the other GEMM kernels run one
-    program per tile unless the environment asks for another grid, leaving the mode's default of SMs to
-    NCCL (none under DDP, 8 under FSDP2) unless TRITONLLM_GEMM_SM_MARGIN says how many; anything else
-    is refused, naming the variable."""
+    program per tile unless the environment asks for another grid, leaving no SMs to NCCL unless
+    TRITONLLM_GEMM_SM_MARGIN says how many; anything else is refused, naming the variable."""
     from tritonllm.kernels import gemm
-    from tritonllm.train.parallel import SM_MARGIN_BESIDE, gemm_grid_beside_nccl
+    from tritonllm.train.parallel import gemm_grid_beside_nccl
 
-    assert SM_MARGIN_BESIDE[mode] == margin
     monkeypatch.setattr(gemm, "PERSISTENT", not persistent)
     monkeypatch.setattr(gemm, "DYNAMIC", not dynamic)
     monkeypatch.setattr(gemm, "SM_MARGIN", 3)
@@ -321,22 +318,19 @@ def test_gemm_grid_beside_nccl(monkeypatch, setting, persistent, dynamic, mode, 
         monkeypatch.delenv("TRITONLLM_GEMM_GRID", raising=False)
     else:
         monkeypatch.setenv("TRITONLLM_GEMM_GRID", setting)
-    assert gemm_grid_beside_nccl(mode) == (setting or "dynamic")
-    assert (gemm.PERSISTENT, gemm.DYNAMIC, gemm.SM_MARGIN) == (persistent, dynamic, margin)
-    for asked in ("16", "0"):
-        monkeypatch.setenv("TRITONLLM_GEMM_SM_MARGIN", asked)
-        gemm_grid_beside_nccl(mode)
-        assert gemm.SM_MARGIN == int(asked)
+    assert gemm_grid_beside_nccl() == (setting or "dynamic")
+    assert (gemm.PERSISTENT, gemm.DYNAMIC, gemm.SM_MARGIN) == (persistent, dynamic, 0)
+    monkeypatch.setenv("TRITONLLM_GEMM_SM_MARGIN", "16")
+    gemm_grid_beside_nccl()
+    assert gemm.SM_MARGIN == 16
     for bad in ("-4", "sixteen"):
         monkeypatch.setenv("TRITONLLM_GEMM_SM_MARGIN", bad)
         with pytest.raises(ConfigError, match="TRITONLLM_GEMM_SM_MARGIN"):
-            gemm_grid_beside_nccl(mode)
+            gemm_grid_beside_nccl()
     monkeypatch.delenv("TRITONLLM_GEMM_SM_MARGIN")
-    with pytest.raises(ConfigError, match="mode"):
-        gemm_grid_beside_nccl("none")
     monkeypatch.setenv("TRITONLLM_GEMM_GRID", "static")
     with pytest.raises(ConfigError, match="TRITONLLM_GEMM_GRID"):
-        gemm_grid_beside_nccl(mode)
+        gemm_grid_beside_nccl()
 
 
 @pytest.mark.gpu

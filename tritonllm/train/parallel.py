@@ -33,8 +33,7 @@ Modes (:func:`resolve_parallel`, :func:`parallelize`):
 - On GPUs both modes switch tritonllm's GEMM grid (:func:`gemm_grid_beside_nccl`): NCCL's kernels run
   beside ours and hold SMs, which the persistent grid's static tile shares wait for. The
   warp-specialized Hopper GEMM takes its tiles from a global counter instead, the other GEMM kernels
-  run one program per output tile. Under FSDP2 the WS kernel's grid leaves 8 SMs to NCCL's all-gathers
-  and reduce-scatters (:data:`SM_MARGIN_BESIDE`; ``TRITONLLM_GEMM_SM_MARGIN`` overrides it).
+  run one program per output tile; ``TRITONLLM_GEMM_SM_MARGIN`` SMs can be left to NCCL (0 by default).
 - ``auto``: one process -> ``none``; several -> ``ddp`` when the weights, gradients and optimizer
   state (16 bytes per parameter) fit in half of one GPU's memory (the rest for activations), else
   ``fsdp``.
@@ -225,38 +224,27 @@ class Parallel:
 #: TRITONLLM_GEMM_GRID: (gemm.PERSISTENT, gemm.DYNAMIC) of each grid beside NCCL, the default first
 GEMM_GRIDS = {"dynamic": (False, True), "tile": (False, False), "persistent": (True, False)}
 
-#: the SMs the WS GEMM's persistent grid leaves to NCCL by default, per mode (TRITONLLM_GEMM_SM_MARGIN
-#: overrides it). Measured on H100s (docs/perf/NOTES.md, 2026-11-27): void1b FSDP2 x2 steps of 186.7 ms
-#: with no margin, 169.2 / 150.1 / 149.3 / 162.1 ms with 4 / 8 / 12 / 16 SMs left (void1b x4: 170.7 ->
-#: 156.0 ms with 8), void3b FSDP2 x4 367.3 -> 372.9 ms with 8; DDP's graphed void1b x2 step 135.3 ->
-#: 141.0 ms with 8, so none there.
-SM_MARGIN_BESIDE = {"ddp": 0, "fsdp": 8}
 
-
-def gemm_grid_beside_nccl(mode: str) -> str:
-    """Pick the GEMM's grid for a GPU whose SMs NCCL's kernels share under ``mode`` (``ddp`` or
-    ``fsdp``), ``TRITONLLM_GEMM_GRID``: ``dynamic`` (the default): gemm_sm90's warp-specialized kernel
-    on a persistent grid whose programs take tiles from a global counter (``gemm.DYNAMIC``), the other
-    GEMM kernels one program per output tile (``gemm.PERSISTENT = False``); ``tile``: every kernel one
-    program per tile; ``persistent``: the single-GPU default, min(#SMs, tiles) programs with a static
-    share of the tiles each. ``gemm.SM_MARGIN``, the SMs the persistent grids leave free for NCCL's
-    kernels, is ``SM_MARGIN_BESIDE[mode]`` unless ``TRITONLLM_GEMM_SM_MARGIN`` (an integer >= 0) says.
+def gemm_grid_beside_nccl() -> str:
+    """Pick the GEMM's grid for a GPU whose SMs NCCL's kernels share, ``TRITONLLM_GEMM_GRID``:
+    ``dynamic`` (the default): gemm_sm90's warp-specialized kernel on a persistent grid whose programs
+    take tiles from a global counter (``gemm.DYNAMIC``), the other GEMM kernels one program per output
+    tile (``gemm.PERSISTENT = False``); ``tile``: every kernel one program per tile; ``persistent``:
+    the single-GPU default, min(#SMs, tiles) programs with a static share of the tiles each.
+    ``TRITONLLM_GEMM_SM_MARGIN`` (an integer >= 0, default 0) sets ``gemm.SM_MARGIN``: the SMs the
+    persistent grids leave free for NCCL's kernels (not yet timed; docs/perf/NOTES.md).
 
     A static share waits for SMs that NCCL holds: on an H100 with 16 SMs held by another kernel for the
     whole op, void1b's four linear layers (fwd+bwd, the WS kernel) took 5.58 ms with the persistent
     grid, 3.99 ms with one program per tile and 3.86 ms with dynamic tiles (3.31 / 3.39 / 3.49 ms alone;
     cuBLAS 4.14, alone 2.90; held for the op's first half: 3.78 / 3.69 / 3.37, cuBLAS 3.29;
-    docs/perf/NOTES.md, scripts/sm_contention.py). And a grid on every SM delays the collectives that
-    FSDP2 launches while a GEMM runs until that GEMM ends, which the margin avoids
-    (:data:`SM_MARGIN_BESIDE`). Returns the grid chosen, also said in a log line."""
+    docs/perf/NOTES.md, scripts/sm_contention.py). Returns the grid chosen, also said in a log line."""
     from tritonllm.kernels import gemm
 
-    if mode not in SM_MARGIN_BESIDE:
-        raise ConfigError(f"mode must be one of {', '.join(SM_MARGIN_BESIDE)}, got {mode!r}")
     grid = os.environ.get("TRITONLLM_GEMM_GRID", "dynamic")
     if grid not in GEMM_GRIDS:
         raise ConfigError(f"TRITONLLM_GEMM_GRID must be one of {', '.join(GEMM_GRIDS)}, got {grid!r}")
-    margin = os.environ.get("TRITONLLM_GEMM_SM_MARGIN", str(SM_MARGIN_BESIDE[mode]))
+    margin = os.environ.get("TRITONLLM_GEMM_SM_MARGIN", "0")
     if not margin.isdigit():
         raise ConfigError(f"TRITONLLM_GEMM_SM_MARGIN must be an integer >= 0 (SMs left to NCCL), got {margin!r}")
     gemm.PERSISTENT, gemm.DYNAMIC = GEMM_GRIDS[grid]
@@ -265,8 +253,7 @@ def gemm_grid_beside_nccl(mode: str) -> str:
         "dynamic": "the WS kernel's tiles from a global counter, other kernels one program per output tile",
         "tile": "one program per output tile (TRITONLLM_GEMM_GRID)",
         "persistent": "persistent, static tile shares (TRITONLLM_GEMM_GRID)"}[grid],
-        f"; persistent grids leave {gemm.SM_MARGIN} SMs to NCCL (TRITONLLM_GEMM_SM_MARGIN, {mode} default "
-        f"{SM_MARGIN_BESIDE[mode]})" if gemm.SM_MARGIN else "")
+        f"; persistent grids leave {gemm.SM_MARGIN} SMs to NCCL (TRITONLLM_GEMM_SM_MARGIN)" if gemm.SM_MARGIN else "")
     return grid
 
 
@@ -278,7 +265,7 @@ def parallelize(model: torch.nn.Module, mode: str, env: DistEnv, *,
     if mode == "none":
         return Parallel(mode, env, model, model)
     if mode in ("ddp", "fsdp") and env.device.type == "cuda":
-        gemm_grid_beside_nccl(mode)
+        gemm_grid_beside_nccl()
     if mode == "ddp":
         if env.device.type == "cuda":
             # built on a side stream, as a DDP step captured later in a CUDA graph requires
