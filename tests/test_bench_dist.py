@@ -57,7 +57,8 @@ def test_two_processes_fsdp_rows(tmp_path):
     (["--nproc", "2,four"], "--nproc: comma-separated GPU counts"),
     (["--nproc", "2", "--parallel", "ddp,tp"], "--parallel: comma-separated modes of ddp, fsdp"),
     (["--nproc", "2", "--steps", "0"], "--steps must be >= 1"),
-], ids=["one-proc", "one-proc-in-list", "not-a-number", "unknown-mode", "no-steps"])
+    (["--nproc", "2", "--rounds", "0"], "--rounds must be >= 1"),
+], ids=["one-proc", "one-proc-in-list", "not-a-number", "unknown-mode", "no-steps", "no-rounds"])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         launch([*argv, "--device", "cpu", *TINY])
@@ -97,6 +98,58 @@ def test_several_gpu_counts_rows(tmp_path, monkeypatch):
         assert r["speedup"] == pytest.approx(1.5)
     doc = json.loads((tmp_path / "train-cpu.json").read_text())
     assert [(r["nproc"], r["parallel"]) for r in doc["results"]] == [(2, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")]
+
+
+def test_rounds_alternate_and_pair(tmp_path, monkeypatch):
+    """``--rounds 4``: each count's configurations run four times, every other round in the reverse
+    order (A B B A A B B A), the one-GPU references once. On a machine that gets 10% faster with every
+    run, each round's ratio errs by 10% one way or the other, and their geometric mean is the true
+    1.5x; the row holds the median run and every round's step time."""
+    import tritonllm.bench.dist_train as dist_train
+
+    order = []
+    fake = _fake_run(order)
+
+    def drifting(side, mode, n, *rest):
+        f = fake(side, mode, n, *rest)
+        return {**f, "step_ms": round(f["step_ms"] * 0.9 ** len(order), 4)}
+
+    monkeypatch.setattr(dist_train, "_run", drifting)
+    rows = launch(["--nproc", "2", "--parallel", "fsdp", "--rounds", "4", "--device", "cpu", f"--out={tmp_path}", *TINY])
+    ours, base = ("tritonllm", "fsdp", 2), ("baseline", "fsdp", 2)
+    assert order == [("tritonllm", "none", 1), ("baseline", "none", 1), ours, base, base, ours, ours, base, base, ours]
+    (row,) = rows
+    expect = [101 * 0.9 ** k for k in (3, 6, 7, 10)]
+    assert row["step_ms_rounds"] == pytest.approx(expect, rel=1e-4)
+    assert row["step_ms"] == pytest.approx(expect[2], rel=1e-4)  # the lower of the two middle runs
+    b = row["baselines"]["FSDP2 + torch.compile"]
+    assert b["step_ms_rounds"] == pytest.approx([151.5 * 0.9 ** k for k in (4, 5, 8, 9)], rel=1e-4)
+    assert row["speedup_rounds"] == pytest.approx([1.35, 1.5 / 0.9, 1.35, 1.5 / 0.9], abs=1e-3)
+    assert row["speedup"] == pytest.approx(1.5, abs=1e-3)
+    assert "speedup_rounds" not in launch(["--nproc", "2", "--parallel", "fsdp", "--device", "cpu",
+                                           f"--out={tmp_path}", *TINY])[0]
+
+
+def test_rounds_with_a_failed_round(tmp_path, monkeypatch):
+    """A round that fails on one side is left out of the paired ratios and shows as None among the
+    step times; the median is taken over the runs that finished."""
+    import tritonllm.bench.dist_train as dist_train
+
+    order = []
+    fake = _fake_run(order)
+
+    def second_fails(side, mode, n, *rest):
+        f = fake(side, mode, n, *rest)
+        if side == "tritonllm" and n == 2 and order.count(("tritonllm", "fsdp", 2)) == 2:
+            return {"error": "timed out after 300 s"}
+        return f
+
+    monkeypatch.setattr(dist_train, "_run", second_fails)
+    (row,) = launch(["--nproc", "2", "--parallel", "fsdp", "--rounds", "2", "--no-one-gpu", "--device", "cpu",
+                     f"--out={tmp_path}", *TINY])
+    assert row["step_ms_rounds"] == [101.0, None]
+    assert row["step_ms"] == 101.0 and "error" not in row
+    assert row["speedup_rounds"] == [1.5, None] and row["speedup"] == 1.5
 
 
 def test_no_one_gpu_and_rows_kept_until_reached(tmp_path, monkeypatch):

@@ -26,6 +26,15 @@ measured):
 ``--no-one-gpu`` leaves out the one-GPU runs, for a model whose weights and optimizer state do not fit
 one GPU (the rows then have no scaling efficiency).
 
+``--rounds R`` (default 1) runs each GPU count's configurations R times, round after round, every
+other round in the reverse order (ours first, then the baseline first: A B B A), so that a drift of the
+machine over the call (seen on lent 4-H100 machines: the later of two runs 3-20% faster, whatever it
+ran) falls on both sides alike. A row then holds the run with the median step time (its figures),
+``step_ms_rounds`` (every round's step time, ``None`` where one failed), and ``speedup`` is the
+geometric mean over the rounds of the baseline's step time over ours in the same round
+(``speedup_rounds``): with an even R a drift by a constant factor per run cancels. The one-GPU
+references (CUDA-graphed, steadier) run once.
+
 Each rank feeds its own random tokens; after ``--warmup`` untimed steps, ``--steps`` steps are timed
 between two synchronisations of every rank (``cuda.synchronize`` and a barrier). Figures per
 configuration (rank 0 reports): ``tokens_per_s`` (all ranks), ``tokens_per_s_per_gpu``, ``mfu`` per
@@ -59,6 +68,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -271,6 +281,8 @@ def _parse(argv: list[str]):
     p.add_argument("--warmup", type=int, default=14,
                    help="untimed steps first (compilation, autotuning; DDP's graph is captured after 11)")
     p.add_argument("--no-baseline", action="store_true", help="time tritonllm only")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each parallel configuration, rounds in alternating order (A B B A; even: drift cancels)")
     p.add_argument("--compile-mode", choices=tuple(COMPILE_MODES), default="default",
                    help="torch.compile mode of the baseline's blocks (none: eager)")
     p.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: gloo processes, a smoke test")
@@ -289,6 +301,8 @@ def _parse(argv: list[str]):
         p.error(f"--parallel: comma-separated modes of {', '.join(PARALLEL)}, got {','.join(args.parallel)!r}")
     if args.steps < 1 or args.warmup < 0:
         p.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     return args, overrides
 
 
@@ -397,8 +411,32 @@ def write_rows(path: str, rows: list[dict], header: dict) -> None:
         json.dump(doc, f, indent=1)
 
 
-def _rows(figures: dict, args, stamp: dict) -> list[dict]:
-    """The rows of the GPU counts and modes measured so far (a side not run yet: ``error: not run``)."""
+def _median_run(runs: list[dict]) -> dict:
+    """A configuration's figures over its rounds: the run with the median step time (the lower of the
+    two middle ones), with ``step_ms_rounds`` when there were several; the last error if all failed."""
+    ok = sorted((f for f in runs if "error" not in f), key=lambda f: f["step_ms"])
+    if not ok:
+        return runs[-1]
+    if len(runs) == 1:
+        return ok[0]
+    return {**ok[(len(ok) - 1) // 2], "step_ms_rounds": [f.get("step_ms") for f in runs]}
+
+
+def _paired_speedup(ours: list[dict], base: list[dict]) -> tuple[float | None, list]:
+    """The geometric mean over the rounds of the baseline's step time over ours in the same round, and
+    each round's ratio (``None`` where either side failed). With the rounds' alternating order, a drift
+    by a constant factor per run errs the other way in every other round: an even number of rounds
+    cancels it."""
+    ratios = [None if "error" in o or "error" in b else b["step_ms"] / o["step_ms"] for o, b in zip(ours, base)]
+    done = [r for r in ratios if r is not None]
+    return (round(statistics.geometric_mean(done), 3) if done else None), [
+        None if r is None else round(r, 3) for r in ratios]
+
+
+def _rows(runs: dict, args, stamp: dict) -> list[dict]:
+    """The rows of the GPU counts and modes measured so far (a side not run yet: ``error: not run``);
+    ``runs`` maps each configuration to its runs, one per round."""
+    figures = {key: _median_run(r) for key, r in runs.items()}
     get = lambda *key: figures.get(key, ONE_GPU_SKIPPED if args.no_one_gpu and key[2] == 1 else NOT_RUN)  # noqa: E731
     pick = lambda f, keys: {k: f[k] for k in keys if k in f}  # noqa: E731
     one = get("tritonllm", "none", 1)
@@ -409,16 +447,20 @@ def _rows(figures: dict, args, stamp: dict) -> list[dict]:
             continue  # not reached yet: a row recorded earlier stays
         ours = get("tritonllm", mode, n)
         row = {"model": done["model"], "batch": done["batch"], "seq_len": done["seq_len"], "nproc": n,
-               "parallel": mode, **pick(ours, (*FIGURES, "error")), "scaling_efficiency": _efficiency(ours, one),
+               "parallel": mode, **pick(ours, (*FIGURES, "step_ms_rounds", "error")),
+               "scaling_efficiency": _efficiency(ours, one),
                "one_gpu": pick(one, ONE_GPU_FIGURES), "baselines": {}, "speedup": None, **stamp}
         if not args.no_baseline:
             base = get("baseline", mode, n)
             name = f"{'FSDP2' if mode == 'fsdp' else 'DDP'} + " + (
                 "eager" if args.compile_mode == "none" else "torch.compile")
-            row["baselines"][name] = {**pick(base, (*BASELINE_FIGURES, "error")), "compile_mode": args.compile_mode,
+            row["baselines"][name] = {**pick(base, (*BASELINE_FIGURES, "step_ms_rounds", "error")),
+                                      "compile_mode": args.compile_mode,
                                       "scaling_efficiency": _efficiency(base, get("baseline", "none", 1))}
-            if "error" not in base and "error" not in ours:
-                row["speedup"] = round(base["step_ms"] / ours["step_ms"], 3)
+            row["speedup"], ratios = _paired_speedup(runs.get(("tritonllm", mode, n), []),
+                                                     runs.get(("baseline", mode, n), []))
+            if args.rounds > 1:
+                row["speedup_rounds"] = ratios
         rows.append(row)
     return rows
 
@@ -437,33 +479,39 @@ def launch(argv: list[str]) -> list[dict]:
                  f"{torch.cuda.device_count()} this host has")
     host_cpu = host_cpu_model()
     print(f"host CPU: {host_cpu}", flush=True)
-    # the one-GPU references first (every scaling efficiency needs them), then per GPU count ours and
-    # the baseline's: the most wanted figures before a cut
+    # the one-GPU references first (every scaling efficiency needs them), then per GPU count its rounds,
+    # ours and the baseline's, every other round in the reverse order: the most wanted figures before a cut
     sides = ("tritonllm",) if args.no_baseline else ("tritonllm", "baseline")
     configs = [] if args.no_one_gpu else [(side, "none", 1) for side in sides]
-    configs += [(side, m, n) for n in args.nproc for side in sides for m in args.parallel]
-    figures, path = {}, None
+    for n in args.nproc:
+        one_round = [(side, m, n) for side in sides for m in args.parallel]
+        configs += [c for r in range(args.rounds) for c in (one_round[::-1] if r % 2 else one_round)]
+    runs: dict[tuple, list[dict]] = {}
+    path = None
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # ends the torchrun too
     try:
         with tempfile.TemporaryDirectory() as folder:
             for side, mode, k in configs:
-                figures[side, mode, k] = _run(side, mode, k, args, overrides, folder)
-                done = [f for f in figures.values() if "error" not in f]
+                runs.setdefault((side, mode, k), []).append(_run(side, mode, k, args, overrides, folder))
+                done = [f for r in runs.values() for f in r if "error" not in f]
                 if not done:
                     continue
                 stamp = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": done[0]["torch"],
                          "host_cpu": host_cpu}
                 path = os.path.join(args.out, f"train-{next((f['slug'] for f in done if 'slug' in f), 'cpu')}.json")
-                rows = _rows(figures, args, stamp)
+                rows = _rows(runs, args, stamp)
                 write_rows(path, rows, {"gpu": done[0]["device"], "host_cpu": host_cpu,
                                         "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(f"{'configuration':<26}{'tokens/s':>12}{'per GPU':>12}{'MFU':>8}{'step ms':>10}{'comm ms':>9}"
           f"{'peak GB':>9}{'scaling':>8}")
+    figures = {key: _median_run(r) for key, r in runs.items()}
     for (side, mode, k), f in figures.items():
         eff = None if k == 1 else _efficiency(f, figures.get((side, "none", 1), ONE_GPU_SKIPPED))
-        print(_line(f"{side} {mode} x{k}", f, eff))
+        rounds = f.get("step_ms_rounds")
+        print(_line(f"{side} {mode} x{k}", f, eff)
+              + ("" if rounds is None else "  rounds: " + " / ".join("-" if ms is None else f"{ms:.2f}" for ms in rounds)))
     if path is None:
         sys.exit("tritonllm: error: every configuration failed")
     print(f"wrote {path}")
