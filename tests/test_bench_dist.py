@@ -130,6 +130,57 @@ def test_rounds_alternate_and_pair(tmp_path, monkeypatch):
                                            f"--out={tmp_path}", *TINY])[0]
 
 
+def test_ab_variant_interleaved(tmp_path, monkeypatch):
+    """``--ab NAME=VALUE``: tritonllm again with that environment variable set, a third side in every
+    round (A B C, then C B A), not on one GPU; the row keeps the default's figures and holds the
+    variant's with its paired gain over the default."""
+    import tritonllm.bench.dist_train as dist_train
+
+    order = []
+    fake = _fake_run(order)
+    knob = "TRITONLLM_GEMM_SM_MARGIN=8"
+
+    def faster_variant(side, mode, n, *rest):
+        f = fake(side, mode, n, *rest)
+        return {**f, "step_ms": f["step_ms"] * (0.8 if side == f"tritonllm[{knob}]" else 1.0)}
+
+    monkeypatch.setattr(dist_train, "_run", faster_variant)
+    (row,) = launch(["--nproc", "2", "--parallel", "fsdp", "--rounds", "2", "--ab", knob, "--device", "cpu",
+                     f"--out={tmp_path}", *TINY])
+    ours, var, base = ("tritonllm", "fsdp", 2), (f"tritonllm[{knob}]", "fsdp", 2), ("baseline", "fsdp", 2)
+    assert order == [("tritonllm", "none", 1), ("baseline", "none", 1), ours, var, base, base, var, ours]
+    assert row["step_ms"] == pytest.approx(101.0) and row["speedup"] == pytest.approx(1.5)
+    assert row["ab"]["env"] == knob and row["ab"]["step_ms"] == pytest.approx(80.8)
+    assert row["ab"]["gain"] == pytest.approx(1.25) and row["ab"]["gain_rounds"] == pytest.approx([1.25, 1.25])
+
+
+def test_ab_sets_the_variable_for_the_variant_only(tmp_path, monkeypatch):
+    """``_run`` starts torchrun with ``--side tritonllm`` for the variant, the ``--ab`` variable in its
+    environment and not in the default's; a malformed ``--ab`` is refused, naming the flag."""
+    import tritonllm.bench.dist_train as dist_train
+
+    started = []
+
+    class Torchrun:
+        def __init__(self, cmd, env, **kwargs):
+            started.append((cmd[cmd.index("--side") + 1], env.get("TRITONLLM_GEMM_SM_MARGIN")))
+            with open(cmd[cmd.index("--result") + 1], "w") as f:
+                json.dump({"step_ms": 1.0}, f)
+            self.returncode, self.pid = 0, os.getpid()
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(dist_train.subprocess, "Popen", Torchrun)
+    monkeypatch.delenv("TRITONLLM_GEMM_SM_MARGIN", raising=False)
+    args, _ = dist_train._parse(["--nproc", "2", "--ab", "TRITONLLM_GEMM_SM_MARGIN=8"])
+    for side in ("tritonllm", "tritonllm[TRITONLLM_GEMM_SM_MARGIN=8]", "baseline"):
+        assert dist_train._run(side, "fsdp", 2, args, [], str(tmp_path))["step_ms"] == 1.0
+    assert started == [("tritonllm", None), ("tritonllm", "8"), ("baseline", None)]
+    with pytest.raises(SystemExit):
+        dist_train._parse(["--nproc", "2", "--ab", "8"])
+
+
 def test_rounds_with_a_failed_round(tmp_path, monkeypatch):
     """A round that fails on one side is left out of the paired ratios and shows as None among the
     step times; the median is taken over the runs that finished."""

@@ -35,6 +35,13 @@ geometric mean over the rounds of the baseline's step time over ours in the same
 (``speedup_rounds``): with an even R a drift by a constant factor per run cancels. The one-GPU
 references (CUDA-graphed, steadier) run once.
 
+``--ab NAME=VALUE`` adds a third side to every parallel configuration: tritonllm again with the
+environment variable NAME set to VALUE (a knob read from the environment, e.g.
+``TRITONLLM_GEMM_SM_MARGIN=8``), in the same rounds (A B C, then C B A). The row's figures stay the
+default's; ``ab`` holds the variant's (the median run, ``step_ms_rounds``) and ``gain``, the geometric
+mean over the rounds of our default's step time over the variant's in the same round (> 1: the
+variant is faster; ``gain_rounds``).
+
 Each rank feeds its own random tokens; after ``--warmup`` untimed steps, ``--steps`` steps are timed
 between two synchronisations of every rank (``cuda.synchronize`` and a barrier). Figures per
 configuration (rank 0 reports): ``tokens_per_s`` (all ranks), ``tokens_per_s_per_gpu``, ``mfu`` per
@@ -67,6 +74,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -281,6 +289,8 @@ def _parse(argv: list[str]):
     p.add_argument("--warmup", type=int, default=14,
                    help="untimed steps first (compilation, autotuning; DDP's graph is captured after 11)")
     p.add_argument("--no-baseline", action="store_true", help="time tritonllm only")
+    p.add_argument("--ab", metavar="NAME=VALUE",
+                   help="also time tritonllm with this environment variable set, interleaved in the rounds")
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of each parallel configuration, rounds in alternating order (A B B A; even: drift cancels)")
     p.add_argument("--compile-mode", choices=tuple(COMPILE_MODES), default="default",
@@ -303,7 +313,14 @@ def _parse(argv: list[str]):
         p.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.ab is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", args.ab):
+        p.error(f"--ab: an environment variable and its value, NAME=VALUE, got {args.ab!r}")
     return args, overrides
+
+
+def _variant(ab: str) -> str:
+    """The side name of tritonllm run with the ``--ab`` setting."""
+    return f"tritonllm[{ab}]"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -338,19 +355,25 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) -> dict:
     """One configuration under torchrun; its figures, or ``{"error": ...}``. Its output is appended to
-    ``--log`` (else a file in ``folder``), headed by the configuration and followed by its wall time."""
-    result = os.path.join(folder, f"{side}-{mode}-{n}.json")
+    ``--log`` (else a file in ``folder``), headed by the configuration and followed by its wall time.
+    ``side`` is ``tritonllm``, ``baseline`` or :func:`_variant` (tritonllm with ``--ab`` set)."""
+    env = dict(os.environ)
+    if side.startswith("tritonllm["):
+        name, value = side[len("tritonllm["):-1].split("=", 1)
+        env[name] = value
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "-", side)
+    result = os.path.join(folder, f"{safe}-{mode}-{n}.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "tritonllm.bench.dist_train", "--side", side, "--parallel", mode, "--device", args.device,
+           "-m", "tritonllm.bench.dist_train", "--side", side.split("[")[0], "--parallel", mode, "--device", args.device,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--compile-mode", args.compile_mode,
            "--result", result, *overrides]
     print(f"-- {side} parallel={mode} x{n}", flush=True)
-    log_path = args.log or os.path.join(folder, f"{side}-{mode}-{n}.log")
+    log_path = args.log or os.path.join(folder, f"{safe}-{mode}-{n}.log")
     start = time.monotonic()
     with open(log_path, "a") as log:
         log.write(f"==== {side} parallel={mode} x{n}: {' '.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         error: str | None
         try:
             proc.wait(timeout=args.timeout)
@@ -381,10 +404,10 @@ def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) 
 
 def _line(name: str, f: dict, eff) -> str:
     if "error" in f:
-        return f"{name:<26}failed: {f['error']}"
+        return f"{name:<25} failed: {f['error']}"
     mem = "-" if f.get("peak_mem_gb") is None else f"{f['peak_mem_gb']:.2f}"
     comm = "-" if f.get("comm_ms") is None else f"{f['comm_ms']:.2f}"
-    return (f"{name:<26}{f['tokens_per_s']:>12,}{f['tokens_per_s_per_gpu']:>12,}{f['mfu']:>8.1%}{f['step_ms']:>10.2f}"
+    return (f"{name:<25} {f['tokens_per_s']:>11,}{f['tokens_per_s_per_gpu']:>12,}{f['mfu']:>8.1%}{f['step_ms']:>10.2f}"
             f"{comm:>9}{mem:>9}{'-' if eff is None else f'{eff:.3f}':>8}")
 
 
@@ -461,6 +484,11 @@ def _rows(runs: dict, args, stamp: dict) -> list[dict]:
                                                      runs.get(("baseline", mode, n), []))
             if args.rounds > 1:
                 row["speedup_rounds"] = ratios
+        if args.ab is not None and (_variant(args.ab), mode, n) in runs:
+            variant = runs[_variant(args.ab), mode, n]
+            gain, gains = _paired_speedup(variant, runs.get(("tritonllm", mode, n), []))
+            row["ab"] = {"env": args.ab, **pick(_median_run(variant), (*FIGURES, "step_ms_rounds", "error")),
+                         "gain": gain, "gain_rounds": gains}
         rows.append(row)
     return rows
 
@@ -483,6 +511,7 @@ def launch(argv: list[str]) -> list[dict]:
     # ours and the baseline's, every other round in the reverse order: the most wanted figures before a cut
     sides = ("tritonllm",) if args.no_baseline else ("tritonllm", "baseline")
     configs = [] if args.no_one_gpu else [(side, "none", 1) for side in sides]
+    sides = (sides[0], *([] if args.ab is None else [_variant(args.ab)]), *sides[1:])
     for n in args.nproc:
         one_round = [(side, m, n) for side in sides for m in args.parallel]
         configs += [c for r in range(args.rounds) for c in (one_round[::-1] if r % 2 else one_round)]
@@ -508,7 +537,7 @@ def launch(argv: list[str]) -> list[dict]:
           f"{'peak GB':>9}{'scaling':>8}")
     figures = {key: _median_run(r) for key, r in runs.items()}
     for (side, mode, k), f in figures.items():
-        eff = None if k == 1 else _efficiency(f, figures.get((side, "none", 1), ONE_GPU_SKIPPED))
+        eff = None if k == 1 else _efficiency(f, figures.get((side.split("[")[0], "none", 1), ONE_GPU_SKIPPED))
         rounds = f.get("step_ms_rounds")
         print(_line(f"{side} {mode} x{k}", f, eff)
               + ("" if rounds is None else "  rounds: " + " / ".join("-" if ms is None else f"{ms:.2f}" for ms in rounds)))
