@@ -47,6 +47,8 @@ def test_two_processes_fsdp_rows(tmp_path):
     base = row["baselines"]["FSDP2 + eager"]
     assert base["tokens_per_s"] > 0 and base["scaling_efficiency"] > 0 and base["compile_mode"] == "none"
     assert row["speedup"] == pytest.approx(base["step_ms"] / row["step_ms"], rel=1e-2)
+    for f in (row, base):  # the host's share of a step: within the step (every rank's calls lie between barriers)
+        assert 0 < f["host_ms"] <= f["step_ms"] * 1.1, f
     for loss in (row["loss"], base["loss"]):  # one step from a random init: about ln(512) = 6.24
         assert 5.5 < loss < 7.0, (row, base)
 

@@ -45,7 +45,9 @@ variant is faster; ``gain_rounds``).
 Each rank feeds its own random tokens; after ``--warmup`` untimed steps, ``--steps`` steps are timed
 between two synchronisations of every rank (``cuda.synchronize`` and a barrier). Figures per
 configuration (rank 0 reports): ``tokens_per_s`` (all ranks), ``tokens_per_s_per_gpu``, ``mfu`` per
-GPU (``6 N_active + 12 L H D T`` FLOPs per token at ``trainer.peak_flops``), ``step_ms``,
+GPU (``6 N_active + 12 L H D T`` FLOPs per token at ``trainer.peak_flops``), ``step_ms``, ``host_ms``
+(the mean host time of one step call over the timed steps, the slowest rank's: near ``step_ms`` the
+host or a synchronisation inside the step sets the pace, not the GPU),
 ``peak_mem_gb`` (the largest over the ranks), from 3 profiled steps on rank 0 ``gpu_ms`` (compute
 kernels) and ``comm_ms`` (NCCL kernels, which overlap the compute), ``gpu_busy_ms`` (the time any kernel
 runs, compute and NCCL overlapping counted once), ``top_kernels`` (the 15 longest
@@ -88,7 +90,7 @@ import torch
 COMPILE_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs", "none": None}
 PARALLEL = ("ddp", "fsdp")
 #: the figures of a configuration copied into the rows
-FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_ms", "peak_mem_gb", "gpu_ms", "comm_ms",
+FIGURES = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_ms", "host_ms", "peak_mem_gb", "gpu_ms", "comm_ms",
            "gpu_busy_ms", "cuda_graph", "triton_share", "gemm_grid", "loss", "top_kernels")
 #: kernels (ms a step on rank 0, the longest first) kept per configuration: where a parallel step's GPU
 #: time goes beside the one-GPU step's (``one_gpu`` keeps them too)
@@ -215,8 +217,12 @@ def run_worker(argv: list[str]) -> None:
         torch.cuda.reset_peak_memory_stats(env.device)
     last = {}
 
+    host: list[float] = []  # the timed steps' host time per call, on this rank
+
     def timed():
+        t0 = time.perf_counter()
         last["loss"] = step(x, y)
+        host.append(time.perf_counter() - t0)
 
     # A DDP step captured in a CUDA graph (the NCCL all-reduces inside it) hung under the profiler on
     # 4 H200s; its kernels are profiled on eager steps before the capture instead (the same kernels),
@@ -234,9 +240,16 @@ def run_worker(argv: list[str]) -> None:
                 note("profiled before the CUDA-graph capture")
     sync()
     note(f"{args.warmup} warm-up steps done")
+    host.clear()
     ms = wall_ms(timed, args.steps, sync)
-    note(f"{args.steps} steps timed: {ms:.2f} ms a step")
-    figures = {"step_ms": round(ms, 3), "loss": round(float(last["loss"]), 4), "cuda_graph": graphed()}
+    # the slowest rank's mean host time of a step call: near step_ms, the host (or a synchronisation
+    # inside the step) sets the pace, not the GPU
+    host_ms = torch.tensor(sum(host) / len(host) * 1e3, dtype=torch.float64, device=env.device)
+    if env.distributed:
+        dist.all_reduce(host_ms, op=dist.ReduceOp.MAX)
+    note(f"{args.steps} steps timed: {ms:.2f} ms a step, {float(host_ms):.2f} ms of it on the host")
+    figures = {"step_ms": round(ms, 3), "host_ms": round(float(host_ms), 3), "loss": round(float(last["loss"]), 4),
+               "cuda_graph": graphed()}
     if cuda:
         peak = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 1e9, device=env.device)
         if env.distributed:
@@ -407,8 +420,9 @@ def _line(name: str, f: dict, eff) -> str:
         return f"{name:<25} failed: {f['error']}"
     mem = "-" if f.get("peak_mem_gb") is None else f"{f['peak_mem_gb']:.2f}"
     comm = "-" if f.get("comm_ms") is None else f"{f['comm_ms']:.2f}"
+    host = "-" if f.get("host_ms") is None else f"{f['host_ms']:.2f}"
     return (f"{name:<25} {f['tokens_per_s']:>11,}{f['tokens_per_s_per_gpu']:>12,}{f['mfu']:>8.1%}{f['step_ms']:>10.2f}"
-            f"{comm:>9}{mem:>9}{'-' if eff is None else f'{eff:.3f}':>8}")
+            f"{host:>9}{comm:>9}{mem:>9}{'-' if eff is None else f'{eff:.3f}':>8}")
 
 
 def _efficiency(f: dict, one: dict):
@@ -533,7 +547,7 @@ def launch(argv: list[str]) -> list[dict]:
                                         "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"{'configuration':<26}{'tokens/s':>12}{'per GPU':>12}{'MFU':>8}{'step ms':>10}{'comm ms':>9}"
+    print(f"{'configuration':<26}{'tokens/s':>11}{'per GPU':>12}{'MFU':>8}{'step ms':>10}{'host ms':>9}{'comm ms':>9}"
           f"{'peak GB':>9}{'scaling':>8}")
     figures = {key: _median_run(r) for key, r in runs.items()}
     for (side, mode, k), f in figures.items():
