@@ -103,6 +103,12 @@ def scaling_rows(doc: dict) -> list[str]:
                   if "tokens_per_s_per_gpu" in base else f"{base.get('error', '-')[:60]} | -")
         note = r.get("note", "")
         note = note[:80] + "..." if len(note) > 80 else note
+        parts = [note] if note else []
+        if r.get("speedup_rounds"):
+            parts.append(f"speedup per round (paired): {' / '.join(_num(x, '.3f') for x in r['speedup_rounds'])}")
+        if r.get("ab"):
+            parts.append(f"with {r['ab']['env']}: {_num(r['ab'].get('gain'), '.3f')}x our default's speed")
+        note = "; ".join(parts)
         out.append(f"| {r['model']} | {r['nproc']} | {r['parallel']} | {r['batch']} x {r['seq_len']} | {ours} | "
                    f"{name} | {theirs} | {_num(r.get('speedup'), '.3f')} | {note} |")
     return out
