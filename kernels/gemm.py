@@ -79,8 +79,8 @@ DYNAMIC = False
 #: least one). cuBLAS's ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`` and Transformer Engine's SM margin do the same,
 #: so that NCCL's kernels, launched while a GEMM runs, find free SMs instead of waiting for the GEMM to end.
 #: 0 (none) by default and on one GPU; ``parallelize`` sets it beside NCCL from ``TRITONLLM_GEMM_SM_MARGIN``.
-#: Not yet timed (prediction in docs/perf/NOTES.md). Read when a problem is first planned: set it before the
-#: first GEMM, or clear ``_LAUNCH_CONFIGS``.
+#: Timed under FSDP2 on 4 H100s (2026-11-27, docs/perf/NOTES.md): no gain shown apart from the machine's drift
+#: from run to run. Read when a problem is first planned: set it before the first GEMM, or clear ``_LAUNCH_CONFIGS``.
 SM_MARGIN = 0
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [

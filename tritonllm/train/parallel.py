@@ -232,7 +232,8 @@ def gemm_grid_beside_nccl() -> str:
     tile (``gemm.PERSISTENT = False``); ``tile``: every kernel one program per tile; ``persistent``:
     the single-GPU default, min(#SMs, tiles) programs with a static share of the tiles each.
     ``TRITONLLM_GEMM_SM_MARGIN`` (an integer >= 0, default 0) sets ``gemm.SM_MARGIN``: the SMs the
-    persistent grids leave free for NCCL's kernels (not yet timed; docs/perf/NOTES.md).
+    persistent grids leave free for NCCL's kernels (timed under FSDP2 on 4 H100s: no gain shown apart from
+    the machine's drift from run to run; docs/perf/NOTES.md).
 
     A static share waits for SMs that NCCL holds: on an H100 with 16 SMs held by another kernel for the
     whole op, void1b's four linear layers (fwd+bwd, the WS kernel) took 5.58 ms with the persistent
