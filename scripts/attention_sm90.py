@@ -25,7 +25,6 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tritonllm.bench import reference_ops as ref_ops  # noqa: E402
 from tritonllm.bench.train import host_cpu_model  # noqa: E402
-from tritonllm.kernels._common import next_pow2, tma_scratch  # noqa: E402
 from tritonllm.kernels.flash_attention import flash_attention  # noqa: E402
 
 fa_config = importlib.import_module("tritonllm.kernels.flash_attention.config")
@@ -37,15 +36,9 @@ g = importlib.import_module("tritonllm.kernels.flash_attention.forward_sm90")
 
 def run_config(q, k, v, causal, cfg):
     B, T, Hq, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
-    bm, bn, w, nb, ws = cfg
-    triton.set_allocator(tma_scratch)
-    g._sm90_fwd_kernel[(triton.cdiv(T, bm) * B * Hq,)](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], T, S, Hq, Hq // Hkv, S - T,
-        D ** -0.5 * fa_config.LOG2E, fa_config.group_programs("fwd"), next_pow2(T), next_pow2(S),
-        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, NUM_BUF=nb, CAUSAL=causal, WS=ws, num_warps=w)
+    g.launch(q, k, v, o, lse, causal, D ** -0.5 * fa_config.LOG2E, fa_config.group_programs("fwd"), None, config=cfg)
     return o, lse
 
 

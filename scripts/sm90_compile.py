@@ -5,7 +5,8 @@ every config of ``GPU_CONFIGS`` that the shared-memory pruning keeps for the giv
 ``--kernel attention-fwd`` the flash-attention forward with ``FWD_CONFIGS`` at ``--shape B,Hq,Hkv,T,D``;
 ``--kernel gemm-sm90`` the warp-specialized Gluon GEMM of ``gemm_sm90`` with every config of ``CONFIGS``
 (``--swiglu``: ``GATED_CONFIGS``, ``--store-gu`` also writing the pre-activations; ``--dynamic``: tiles
-from the global counter) at ``--mnk``; ``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90``, and dK/dV with the dQ reduce, with their configs at ``--shape``. Each is specialized as a launch would be; per config
+from the global counter) at ``--mnk``; ``--kernel attention-fwd-sm90`` the Gluon forward of ``forward_sm90`` with every config of its ``CONFIGS`` at
+``--shape``; ``--kernel attention-bwd-sm90`` the Gluon dK/dV and dQ of ``backward_sm90``, and dK/dV with the dQ reduce, with their configs at ``--shape``. Each is specialized as a launch would be; per config
 the script prints the pruning's estimate (GEMM: ``_config_smem``), the shared memory the compiled kernel
 asks for (a launch fails above 232,448 bytes), ptxas's registers per thread and bytes of spill stores,
 and the compiled kernel's warps. A config that does not compile prints its error. ``TRITON_INTERPRET`` is
@@ -205,9 +206,29 @@ def attention_bwd_sm90_main(args) -> None:
         report(fn, rows, kernel_args, flags)
 
 
+def attention_fwd_sm90_main(args) -> None:
+    """Every config of ``forward_sm90.CONFIGS`` at ``--shape`` (contiguous [B, T, H, D], S = T)."""
+    from kernels.flash_attention import forward_sm90
+
+    B, Hq, Hkv, T, D = (int(v) for v in args.shape.split(","))
+    fn = forward_sm90._kernel.fn
+    kernel_args = {**{n: f"*{args.dtype}" for n in ("Q", "K", "V", "O")}, "LSE": "*fp32", "SCHED": "*i32",
+                   "stride_qb": T * Hq * D, "stride_qt": Hq * D, "stride_qh": D, "stride_kb": T * Hkv * D,
+                   "stride_ks": Hkv * D, "stride_kh": D, "stride_vb": T * Hkv * D, "stride_vs": Hkv * D,
+                   "stride_vh": D, "B": B, "T": T, "S": T, "HQ": Hq, "GROUP": Hq // Hkv, "shift": 0,
+                   "qk_scale": D ** -0.5 * attn_config.LOG2E, "group_programs": 264, "sched_pitch": 17,
+                   "T_BUCKET": next_pow2(T), "S_BUCKET": next_pow2(T)}
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, B,Hq,Hkv,T,D {args.shape}, causal {args.causal}")
+    rows = [("{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}"
+             + (" ws" if c.kwargs["WS"] else "") + (" persist" if c.kwargs["PERSIST"] else ""),
+             c, forward_sm90._smem(c, D) <= HOPPER_SMEM, forward_sm90._smem(c, D)) for c in forward_sm90._kernel.configs]
+    report(fn, rows, kernel_args, {"HEAD_DIM": D, "CAUSAL": args.causal})
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", choices=["gemm", "gemm-sm90", "attention-fwd", "attention-bwd-sm90"], default="gemm")
+    p.add_argument("--kernel", choices=["gemm", "gemm-sm90", "attention-fwd", "attention-fwd-sm90",
+                                           "attention-bwd-sm90"], default="gemm")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--all", action="store_true", help="also the configs the pruning drops")
     gemm_args = p.add_argument_group("gemm")
@@ -222,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     attn_args.add_argument("--loops", choices=["one", "three"], help="override the ONE_LOOP knob")
     attn_args.add_argument("--documents", action="store_true", help="packed documents (HAS_DOCS)")
     args = p.parse_args(argv)
-    {"gemm-sm90": gemm_sm90_main, "attention-fwd": attention_fwd_main,
+    {"gemm-sm90": gemm_sm90_main, "attention-fwd": attention_fwd_main, "attention-fwd-sm90": attention_fwd_sm90_main,
      "attention-bwd-sm90": attention_bwd_sm90_main}.get(args.kernel, gemm_main)(args)
 
 

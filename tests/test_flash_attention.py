@@ -391,16 +391,18 @@ SM90_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("ws", [False, True], ids=["overlap", "warp-specialized"])
-def test_flash_attention_sm90_forward(case, ws, monkeypatch):
+@pytest.mark.parametrize("schedule", [(False, False), (True, False), (True, True)],
+                         ids=["overlap", "warp-specialized", "persistent"])
+def test_flash_attention_sm90_forward(case, schedule, monkeypatch):
     """The Hopper forward (forward_sm90, at the head dims of the SM90_FWD knob, here both; its first config of each
-    schedule, WS or not) against the reference, its output and lse beside the portable kernel's, and
-    the backward from its lse."""
+    schedule: WS or not, persistent or not) against the reference, its output and lse beside the portable
+    kernel's, and the backward from its lse."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward is for sm90 (H100, H200)")
     monkeypatch.setattr(fa_config, "SM90_FWD", (64, 128))
     tuned = fa_forward.forward_sm90._kernel
-    monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["WS"] is ws][:1])
+    monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs
+                                           if (c.kwargs["WS"], c.kwargs["PERSIST"]) == schedule][:1])
     _check_fwd_bwd(case, torch.bfloat16)
     q, k, v = (t.detach() for t in _inputs(case, torch.bfloat16, "packed" if case.T == case.S else "contiguous"))
     assert fa_forward.forward_sm90.supported(q, k, v, None, None)
@@ -410,6 +412,30 @@ def test_flash_attention_sm90_forward(case, ws, monkeypatch):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     assert_close("out", out, ref_out.double())
     assert_close("lse", lse[~torch.isneginf(lse)], ref_lse[~torch.isneginf(ref_lse)].double(), atol=1e-4)
+
+
+@pytest.mark.parametrize("B,Hq,T,S,causal,programs", [(2, 3, 1000, 1000, True, 7), (1, 2, 1, 1, True, 132),
+                                                       (3, 4, 777, 1500, False, 5), (4, 16, 2048, 2048, True, 132)])
+def test_sm90_forward_schedule(B, Hq, T, S, causal, programs):
+    """forward_sm90.schedule: every query tile exactly once, the counts in column 0, loads balanced as a greedy
+    list schedule balances them (no program above the mean load by more than the longest tile), and the same
+    table when computed again."""
+    fwd = fa_forward.forward_sm90
+    group = fa_config.group_programs("fwd")
+    table = fwd.schedule(B, Hq, T, S, causal, programs, group, torch.device("cpu"))
+    n_tiles = -(-T // fwd.SCHED_BLOCK_M)
+    assert table.dtype == torch.int32 and table.shape[0] == min(programs, n_tiles * B * Hq)
+    codes = [c for row in table.tolist() for c in row[1:1 + row[0]]]
+    assert sorted(codes) == list(range(n_tiles * B * Hq))
+
+    def cost(code):
+        m0 = (n_tiles - 1 - code % n_tiles) * fwd.SCHED_BLOCK_M
+        keys = min(min(m0 + fwd.SCHED_BLOCK_M, T) + S - T, S) if causal else S
+        return max(keys, 1) / fwd.SCHED_BLOCK_M + fwd.SCHED_TILE_COST
+
+    loads = [sum(cost(c) for c in row[1:1 + row[0]]) for row in table.tolist()]
+    assert max(loads) <= sum(loads) / len(loads) + max(cost(c) for c in codes) + 1e-9
+    assert torch.equal(table, fwd.schedule.__wrapped__(B, Hq, T, S, causal, programs, group, torch.device("cpu")))
 
 
 def test_sm90_backward_head_rows():

@@ -17,6 +17,10 @@ schedules the autotuner picks between (:data:`CONFIGS`, ``WS``):
   rows each run the loop above and take turns at the tensor cores (each waits for its turn before
   issuing a tile's products and then passes the turn), so that one's softmax runs while the other's
   products do.
+- **persistent** (``PERSIST``, warp-specialized): one program an SM runs a list of query tiles that the
+  host balanced (:func:`schedule`), so that the producer loads the next tile's q, k and v while the
+  consumers finish this one (its last value product and the output store), and the launch, the
+  descriptors and the first loads' latency are paid once an SM instead of once a tile.
 
 The same math as :func:`forward._attend` (base-2 online softmax, scores scaled inside the exponent),
 so the output and the natural-log ``lse`` are the portable kernel's, to rounding. Only 16-bit q, k, v
@@ -27,6 +31,7 @@ on sm90, head dim 64 or 128, with or without the causal mask, no window and no d
 from __future__ import annotations
 
 import functools
+import heapq
 
 import torch
 import triton
@@ -34,21 +39,30 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .._common import autotune, next_pow2, smem_budget, tma_scratch
+from .._common import autotune, next_pow2, num_sms, smem_budget, tma_scratch
 from .masks import program_tile
 
 #: the portable kernels' program order (masks.program_tile), compiled as Gluon
 _program_tile = gluon.jit(program_tile.fn)
 
-#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF, WS) the autotuner tries, the first one pinned
+#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF, WS, PERSIST) the autotuner tries, the first one pinned
 #: (TRITONLLM_NO_AUTOTUNE=1). WS False: one or two warpgroups that load their own k and v tiles (a ring of
 #: NUM_BUF, loaded NUM_BUF - 2 tiles ahead); True: FlashAttention-3's warp-specialized schedule, two
 #: consumer warpgroups of 64 rows (BLOCK_M 128) taking turns at the tensor cores and a producer warp
-#: filling a NUM_BUF-deep ring (num_warps 4 is the first consumer's; the kernel runs 12).
+#: filling a NUM_BUF-deep ring (num_warps 4 is the first consumer's; the kernel runs 12). PERSIST (with WS
+#: only): one program an SM over a host-balanced list of tiles (:func:`schedule`; BLOCK_M must be
+#: SCHED_BLOCK_M).
 #: Every config is compiled at each new shape, so only these are kept (scripts/attention_sm90.py, H100): the
 #: WS ones (the fastest at every D128 bench shape) and the overlap configs fastest at D64 (128x64) and at
 #: T16384 D128 (128x128); the rest never came first (docs/perf/attention-sm90-h100.json).
-CONFIGS = [(128, 128, 4, 2, True), (128, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 128, 8, 3, False)]
+CONFIGS = [(128, 128, 4, 2, True, False), (128, 64, 4, 3, True, False), (128, 64, 8, 3, False, False),
+           (128, 128, 8, 3, False, False), (128, 128, 4, 2, True, True), (128, 64, 4, 3, True, True),
+           (128, 128, 4, 3, True, True)]
+#: the query tile of every persistent config: :func:`schedule`'s tiles
+SCHED_BLOCK_M = 128
+#: :func:`schedule`'s cost of a tile beyond its key tiles, in key tiles of SCHED_BLOCK_M keys (the first
+#: score product, which nothing overlaps, and the output store)
+SCHED_TILE_COST = 1.0
 
 
 @gluon.constexpr_function
@@ -120,29 +134,43 @@ def _sm90_fwd_kernel(
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    T, S, HQ, GROUP, shift, qk_scale, group_programs,
+    B, T, S, HQ, GROUP, shift, qk_scale, group_programs,
+    SCHED, sched_pitch,         # PERSIST: schedule()'s table, int32 [programs, sched_pitch]; else unused
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-    CAUSAL: gl.constexpr, WS: gl.constexpr,
+    CAUSAL: gl.constexpr, WS: gl.constexpr, PERSIST: gl.constexpr,
 ):
-    n_tiles = gl.cdiv(T, BLOCK_M)
-    rank, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
-    m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
-    b = (pid_bh // HQ).to(gl.int64)
-    h = (pid_bh % HQ).to(gl.int64)
-    hk = h // GROUP
-    Q_ROWS: gl.constexpr = BLOCK_M // 2 if WS else BLOCK_M  # a q descriptor tile: one consumer's rows
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, HEAD_DIM],
-                                        strides=[stride_qt, 1], block_shape=[Q_ROWS, HEAD_DIM], layout=tile_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
-                                        strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
-                                        strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
     if WS:
-        _ws_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                 NUM_BUF, CAUSAL)
+        # [B, H, T, D] views of the tensors, which serve every tile of a persistent program
+        layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+        q_desc = tma.make_tensor_descriptor(Q, shape=[B, HQ, T, HEAD_DIM], strides=[stride_qb, stride_qh, stride_qt, 1],
+                                            block_shape=[1, 1, BLOCK_M // 2, HEAD_DIM], layout=layout4)
+        k_desc = tma.make_tensor_descriptor(K, shape=[B, HQ // GROUP, S, HEAD_DIM],
+                                            strides=[stride_kb, stride_kh, stride_ks, 1],
+                                            block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=layout4)
+        v_desc = tma.make_tensor_descriptor(V, shape=[B, HQ // GROUP, S, HEAD_DIM],
+                                            strides=[stride_vb, stride_vh, stride_vs, 1],
+                                            block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=layout4)
+        tiles = (SCHED + gl.program_id(0) * sched_pitch, group_programs, B * HQ, PERSIST)
+        _ws_body(q_desc, k_desc, v_desc, O, LSE, tiles, T, S, HQ, GROUP, shift, qk_scale, HEAD_DIM, BLOCK_M,
+                 BLOCK_N, NUM_BUF, CAUSAL)
     else:
+        n_tiles = gl.cdiv(T, BLOCK_M)
+        rank, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
+        m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
+        b = (pid_bh // HQ).to(gl.int64)
+        h = (pid_bh % HQ).to(gl.int64)
+        hk = h // GROUP
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, HEAD_DIM],
+                                            strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM],
+                                            layout=tile_layout)
+        k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
+                                            strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                            layout=tile_layout)
+        v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
+                                            strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                            layout=tile_layout)
         _overlap_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM, BLOCK_M,
                       BLOCK_N, NUM_BUF, CAUSAL)
 
@@ -218,21 +246,62 @@ def _overlap_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_
 
 
 @gluon.jit
-def _ws_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM: gl.constexpr,
+def _key_tiles(m0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, T, S, shift, CAUSAL: gl.constexpr):
+    """The key tiles that query rows m0 .. m0 + BLOCK_M visit (at least one: a block that sees no key
+    still runs one, fully masked, so that its rows get o = 0 and lse = -inf)."""
+    if CAUSAL:
+        hi = gl.minimum(gl.minimum(m0 + BLOCK_M, T) + shift, S)
+    else:
+        hi = S
+    return gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+
+@gluon.jit
+def _tile_count(tiles):
+    """How many query tiles this program runs: its row of the schedule, or one."""
+    sched_row, _, _, PERSIST = tiles
+    if PERSIST:
+        return gl.load(sched_row)
+    else:
+        return 1
+
+
+@gluon.jit
+def _tile(tiles, t, T, HQ, GROUP, BLOCK_M: gl.constexpr):
+    """The program's t-th query tile: ``(b, h, hk, m0)`` (query head h, its KV head hk, rows m0 ..)."""
+    sched_row, group_programs, n_bh, PERSIST = tiles
+    n_tiles = gl.cdiv(T, BLOCK_M)
+    if PERSIST:
+        code = gl.load(sched_row + 1 + t)
+        rank = code % n_tiles
+        pid_bh = code // n_tiles
+    else:
+        rank, pid_bh = _program_tile(n_tiles, n_bh, group_programs)
+    h = pid_bh % HQ
+    return pid_bh // HQ, h, h // GROUP, (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first (causal)
+
+
+@gluon.jit
+def _ws_body(q_desc, k_desc, v_desc, O, LSE, tiles, T, S, HQ, GROUP, shift, qk_scale, HEAD_DIM: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
-    """WS True: the shared memory and barriers, then the three partitions. Each k and v slot is freed
-    by both consumers (count 2); ``turn[c]`` says consumer c may issue its products."""
+    """WS True: the shared memory and barriers, then the three partitions, which run the program's query
+    tiles (:func:`_tile`) in turn. Each k and v slot is freed by both consumers (count 2), and so are the q
+    tiles (``q_empty``, once their last score product is done, so that the next tile's q loads under this
+    tile's last value product and store); ``turn[c]`` says consumer c may issue its products."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], tile_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], tile_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -240,94 +309,110 @@ def _ws_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale
         mbarrier.init(v_empty.index(i), count=2)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
-    if CAUSAL:
-        hi = gl.minimum(gl.minimum(m0 + BLOCK_M, T) + shift, S)
-    else:
-        hi = S
-    n_iter = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # both consumers run every tile of the block
     smem = (q_smem, k_smem, v_smem)
-    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
-    problem = (O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, n_iter)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
+    problem = (O, LSE, tiles, T, S, HQ, GROUP, shift, qk_scale)
     gl.warp_specialize([
-        (_ws_consumer, (smem, bars, problem, 0, HEAD_DIM, BLOCK_N, CAUSAL)),
-        (_ws_consumer, (smem, bars, problem, 1, HEAD_DIM, BLOCK_N, CAUSAL)),
-        (_ws_producer, (q_desc, k_desc, v_desc, smem, bars, m0, n_iter, BLOCK_N)),
+        (_ws_consumer, (smem, bars, problem, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)),
+        (_ws_consumer, (smem, bars, problem, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL)),
+        (_ws_producer, (q_desc, k_desc, v_desc, smem, bars, problem, BLOCK_M, BLOCK_N, CAUSAL)),
     ], [4, 1], [232, 40])  # registers (setmaxnreg) of the second consumer and the producer; the first gets the rest
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, smem, bars, m0, n_iter, BLOCK_N: gl.constexpr):
-    """One warp: both consumers' q rows, then tile after tile of k and v into the ring, each slot
-    once both consumers have freed it."""
+def _ws_producer(q_desc, k_desc, v_desc, smem, bars, problem, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """One warp: per query tile, both consumers' q rows once they freed the last tile's, then tile after
+    tile of k and v into the ring (its slots counted across the program's tiles), each slot once both
+    consumers have freed it."""
     q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    O, LSE, tiles, T, S, HQ, GROUP, shift, qk_scale = problem
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     HALF: gl.constexpr = q_smem.type.shape[1]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [m0 + HALF, 0], q_bar, q_smem.index(1))
-    for j in range(n_iter):
-        s = j % NUM_BUF
-        free = ((j // NUM_BUF) & 1) ^ 1  # a slot starts free: its first wait passes at once
-        mbarrier.wait(k_empty.index(s), free)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), free)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    kv = 0
+    for t in range(_tile_count(tiles)):
+        b, h, hk, m0 = _tile(tiles, t, T, HQ, GROUP, BLOCK_M)
+        mbarrier.wait(q_empty, (t & 1) ^ 1)  # free at the first tile
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready, q_smem.index(0).reshape([1, 1, HALF, HEAD_DIM]))
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + HALF, 0], q_ready,
+                                        q_smem.index(1).reshape([1, 1, HALF, HEAD_DIM]))
+        n_iter = _key_tiles(m0, BLOCK_M, BLOCK_N, T, S, shift, CAUSAL)
+        for j in range(n_iter):
+            s = kv % NUM_BUF
+            free = ((kv // NUM_BUF) & 1) ^ 1  # a slot starts free: its first wait passes at once
+            mbarrier.wait(k_empty.index(s), free)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(s),
+                                            k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            mbarrier.wait(v_empty.index(s), free)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(s),
+                                            v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            kv += 1
 
 
 @gluon.jit
-def _ws_consumer(smem, bars, problem, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-    """Consumer C (a warpgroup): q rows m0 + 64 C .. + 64 over every key tile of the block. Before
-    issuing a tile's products it waits for its turn and then hands the turn to the other consumer,
-    so that one's softmax runs while the other's products do (FlashAttention-3's ping-pong)."""
+def _ws_consumer(smem, bars, problem, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer C (a warpgroup): per query tile, rows m0 + 64 C .. + 64 over every key tile of the block.
+    Before issuing a key tile's products it waits for its turn and then hands the turn to the other
+    consumer, so that one's softmax runs while the other's products do (FlashAttention-3's ping-pong);
+    the turns and ring slots are counted across the program's tiles (``kv``)."""
     q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
-    O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, n_iter = problem
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    O, LSE, tiles, T, S, HQ, GROUP, shift, qk_scale = problem
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     dtype: gl.constexpr = q_smem.dtype
-    s_zero, acc, m_i, l_i, cols0 = _start(ROWS, BLOCK_N, HEAD_DIM, 4)
-    o_layout: gl.constexpr = acc.type.layout
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q = q_smem.index(C)
-    row_layout: gl.constexpr = m_i.type.layout
-    rows, row_end, _, full_end = _bounds(m0 + C * ROWS, ROWS, T, S, shift, row_layout, CAUSAL)
+    kv = 0
+    for t in range(_tile_count(tiles)):
+        b, h, hk, m0 = _tile(tiles, t, T, HQ, GROUP, BLOCK_M)
+        n_iter = _key_tiles(m0, BLOCK_M, BLOCK_N, T, S, shift, CAUSAL)
+        s_zero, acc, m_i, l_i, cols0 = _start(ROWS, BLOCK_N, HEAD_DIM, 4)
+        o_layout: gl.constexpr = acc.type.layout
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = m_i.type.layout
+        rows, row_end, _, full_end = _bounds(m0 + C * ROWS, ROWS, T, S, shift, row_layout, CAUSAL)
 
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(turn.index(C), 1 - C)  # consumer 0 goes first
-    mbarrier.wait(k_ready.index(0), 0)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - C), count=1)
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, 0, full_end, row_end, cols0)
-    p = gl.convert_layout(p32.to(dtype), p_layout)
-
-    for i in range(1, n_iter):
-        cs = i % NUM_BUF
-        ps = (i - 1) % NUM_BUF
-        mbarrier.wait(turn.index(C), (i & 1) ^ (1 - C))
-        mbarrier.wait(k_ready.index(cs), (i // NUM_BUF) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(cs).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(ps), ((i - 1) // NUM_BUF) & 1)
-        o_tok = warpgroup_mma(p, v_smem.index(ps), acc, is_async=True)
+        mbarrier.wait(q_ready, t & 1)
+        mbarrier.wait(turn.index(C), (kv & 1) ^ (1 - C))  # consumer 0 goes first
+        mbarrier.wait(k_ready.index(kv % NUM_BUF), (kv // NUM_BUF) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(kv % NUM_BUF).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.arrive(turn.index(1 - C), count=1)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(cs), count=1)
-        p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, i * BLOCK_N, full_end, row_end, cols0)
-        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-        mbarrier.arrive(v_empty.index(ps), count=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(kv % NUM_BUF), count=1)
+        p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, 0, full_end, row_end, cols0)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
-    ls = (n_iter - 1) % NUM_BUF
-    mbarrier.wait(v_ready.index(ls), ((n_iter - 1) // NUM_BUF) & 1)
-    acc = warpgroup_mma(p, v_smem.index(ls), acc)
-    mbarrier.arrive(v_empty.index(ls), count=1)
-    _store_rows(acc, l_i, m_i, rows, O, LSE, b, h, T, HQ, HEAD_DIM)
+        for i in range(1, n_iter):
+            g = kv + i
+            cs = g % NUM_BUF
+            ps = (g - 1) % NUM_BUF
+            mbarrier.wait(turn.index(C), (g & 1) ^ (1 - C))
+            mbarrier.wait(k_ready.index(cs), (g // NUM_BUF) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(cs).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(ps), ((g - 1) // NUM_BUF) & 1)
+            o_tok = warpgroup_mma(p, v_smem.index(ps), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - C), count=1)
+            s = warpgroup_mma_wait(1, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(cs), count=1)
+            p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, i * BLOCK_N, full_end, row_end, cols0)
+            acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+            mbarrier.arrive(v_empty.index(ps), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p = gl.convert_layout(p32.to(dtype), p_layout)
+
+        mbarrier.arrive(q_empty, count=1)  # every score product of the tile is done
+        kv += n_iter
+        ls = (kv - 1) % NUM_BUF
+        mbarrier.wait(v_ready.index(ls), ((kv - 1) // NUM_BUF) & 1)
+        acc = warpgroup_mma(p, v_smem.index(ls), acc)
+        mbarrier.arrive(v_empty.index(ls), count=1)
+        _store_rows(acc, l_i, m_i, rows, O, LSE, b.to(gl.int64), h.to(gl.int64), T, HQ, HEAD_DIM)
 
 
 def _smem(config: triton.Config, head_dim: int) -> int:
@@ -343,10 +428,46 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if _smem(c, d) <= smem_budget(0)] or configs[:1]
 
 
-_kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "WS": ws}, num_warps=w, num_stages=1)
-                    for bm, bn, w, nb, ws in CONFIGS],
+_kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "WS": ws, "PERSIST": persist},
+                                  num_warps=w, num_stages=1) for bm, bn, w, nb, ws, persist in CONFIGS],
                    key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
                    prune_configs_by={"early_config_prune": _prune})(_sm90_fwd_kernel)
+assert all(bm == SCHED_BLOCK_M for bm, *_, persist in CONFIGS if persist), "schedule() plans SCHED_BLOCK_M tiles"
+
+
+@functools.lru_cache(maxsize=64)
+def schedule(B: int, Hq: int, T: int, S: int, causal: bool, programs: int, group_programs: int,
+             device: torch.device) -> torch.Tensor:
+    """The persistent configs' tiles: int32 ``[P, 1 + L]``, row p program p's count n, then its n tiles
+    (``pid_bh * n_tiles + rank`` of the query tiles of SCHED_BLOCK_M rows; the rest of the row unused).
+
+    The tiles come in :func:`masks.program_tile`'s order (groups of about ``group_programs`` tiles, the
+    longest causal tiles first in each), and each goes to the program that would be free first (a program's
+    load: the key tiles of its tiles, plus SCHED_TILE_COST each; ties to the lower program): the greedy
+    list schedule that the hardware gives a one-tile-a-program grid, without its cost per program. P is
+    ``min(programs, tiles)``. Cached per problem (the training step calls it with a handful)."""
+    n_tiles = triton.cdiv(T, SCHED_BLOCK_M)
+    n_bh = B * Hq
+    heads_per_group = max(group_programs // n_tiles, 1)
+    per_group = heads_per_group * n_tiles
+    P = min(programs, n_tiles * n_bh)
+    loads = [(0.0, p) for p in range(P)]
+    rows: list[list[int]] = [[] for _ in range(P)]
+    for pid in range(n_tiles * n_bh):
+        group, r = divmod(pid, per_group)
+        heads = min(n_bh - group * heads_per_group, heads_per_group)
+        rank, pid_bh = r // heads, group * heads_per_group + r % heads
+        m0 = (n_tiles - 1 - rank) * SCHED_BLOCK_M
+        keys = min(min(m0 + SCHED_BLOCK_M, T) + S - T, S) if causal else S
+        load, p = heapq.heappop(loads)
+        heapq.heappush(loads, (load + max(keys, 1) / SCHED_BLOCK_M + SCHED_TILE_COST, p))
+        rows[p].append(pid_bh * n_tiles + rank)
+    width = 1 + max(len(r) for r in rows)
+    table = torch.zeros(P, width, dtype=torch.int32)
+    for p, r in enumerate(rows):
+        table[p, 0] = len(r)
+        table[p, 1:1 + len(r)] = torch.tensor(r, dtype=torch.int32)
+    return table.to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,13 +484,21 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window, documen
             and all(t.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in t.stride()[:3]) for t in (q, k, v)))
 
 
-def launch(q, k, v, o, lse, causal: bool, qk_scale: float, group_programs: int, key) -> None:
+def launch(q, k, v, o, lse, causal: bool, qk_scale: float, group_programs: int, key, config=None) -> None:
     """Run the kernel into ``o`` [B, T, Hq, D] and ``lse`` [B, Hq, T]; ``key`` determines the shapes,
-    strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`)."""
+    strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`). ``config``: one
+    of :data:`CONFIGS`, launched as it is instead (scripts/attention_sm90.py times them one by one)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,)  # noqa: E731
+    sched = schedule(B, Hq, T, S, causal, num_sms(q.device.index), group_programs, q.device)
+    grid = lambda meta: (sched.shape[0] if meta["PERSIST"] else triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,)  # noqa: E731
     triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
-    _kernel.launch(key, grid, q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                   k.stride(2), v.stride(0), v.stride(1), v.stride(2), T, S, Hq, Hq // Hkv, S - T, qk_scale,
-                   group_programs, next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
+    args = (q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), B, T, S, Hq, Hq // Hkv, S - T, qk_scale, group_programs,
+            sched, sched.shape[1], next_pow2(T), next_pow2(S))
+    if config is None:
+        _kernel.launch(key, grid, *args, HEAD_DIM=D, CAUSAL=causal)
+    else:
+        bm, bn, w, nb, ws, persist = config
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "WS": ws, "PERSIST": persist}
+        _sm90_fwd_kernel[grid(meta)](*args, HEAD_DIM=D, CAUSAL=causal, num_warps=w, **meta)
