@@ -189,7 +189,7 @@ def attention_bwd_sm90_main(args) -> None:
                 "stride_vb": T * Hkv * D, "stride_vs": Hkv * D, "stride_vh": D, "T": T, "S": T, "HQ": Hq, "HKV": Hkv,
                 "stat_pitch": -(-T // 4) * 4, "shift": 0, "qk_scale": D ** -0.5 * attn_config.LOG2E,
                 "softmax_scale": D ** -0.5, "group_programs": 2**31 - 1, "T_BUCKET": next_pow2(T),
-                "S_BUCKET": next_pow2(T), "LSE2": "*fp32", "DELTA": "*fp32"}
+                "S_BUCKET": next_pow2(T), "LSE2": "*fp32", "DELTA": "*fp32", "B": B, "COUNTER": "*i32"}
     tensors = {**{n: f"*{args.dtype}" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}, "DQ_ACC": "*fp32"}
     outputs = {"dkdv": {"stride_dkb": T * Hkv * D, "stride_dks": Hkv * D, "stride_dkh": D},
                "dq": {"stride_dqb": T * Hq * D, "stride_dqt": Hq * D, "stride_dqh": D}}
@@ -200,7 +200,7 @@ def attention_bwd_sm90_main(args) -> None:
         kernel_args = {n: v for n, v in {**tensors, **matrices, **outputs[name[:4]]}.items() if n in fn.arg_names}
         need = lambda c: backward_sm90.smem(c, D, name != "dq", reduce)  # noqa: E731
         rows = [(f"{name} " + "{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}"
-                 + (" dv_wait" if c.kwargs.get("DV_WAIT") else ""), c, need(c) <= HOPPER_SMEM, need(c))
+                 + (" dv_wait" if c.kwargs.get("DV_WAIT") else "") + (" persist" if c.kwargs.get("PERSIST") else ""), c, need(c) <= HOPPER_SMEM, need(c))
                 for c in tuned.configs]
         flags = {"HEAD_DIM": D, "CAUSAL": args.causal, **({"DQ_REDUCE": reduce} if name != "dq" else {})}
         report(fn, rows, kernel_args, flags)

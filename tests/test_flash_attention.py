@@ -454,7 +454,7 @@ def test_sm90_backward_head_rows():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("config", range(4), ids=lambda i: f"config{i}")
+@pytest.mark.parametrize("config", range(6), ids=lambda i: f"config{i}")
 def test_flash_attention_sm90_backward(case, config, monkeypatch):
     """The Hopper backward (backward_sm90's dK/dV and dQ, at the head dims of the SM90_BWD knob, here both;
     each of their configs) against the float64 reference, beside the portable kernels' gradients, and
@@ -463,8 +463,8 @@ def test_flash_attention_sm90_backward(case, config, monkeypatch):
         pytest.skip("the Gluon backward is for sm90 (H100, H200)")
     sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
     monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (64, 128), "dq": (64, 128)})
-    for tuned in (sm90._dkdv_kernel, sm90._dq_kernel):
-        monkeypatch.setattr(tuned, "configs", [tuned.configs[config]])
+    for tuned in (sm90._dkdv_kernel, sm90._dq_kernel):  # the i-th config of each (the i-th modulo their number)
+        monkeypatch.setattr(tuned, "configs", [tuned.configs[config % len(tuned.configs)]])
     _check_fwd_bwd(case, torch.bfloat16)
     layout = "packed" if case.T == case.S else "contiguous"
     side_by_side = [t.detach() for t in _inputs(case, torch.bfloat16, layout)]

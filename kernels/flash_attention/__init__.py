@@ -22,10 +22,11 @@ block), tiles wholly inside are processed without masks: either in three loops (
 mask-free middle, masked tail) or in one loop whose edge tiles take a masking branch (``ONE_LOOP``).
 On sm90+ GPUs (and under the interpreter) 16-bit inputs with 16-byte aligned strides stream their
 tiles through tensor descriptors (TMA, knob ``TMA``); other inputs through masked pointer loads.
-On Hopper, at the head dims of ``config.SM90_FWD`` (128 by default), the forward runs
+On Hopper, at the head dims of ``config.SM90_FWD`` (64 and 128 by default), the forward runs
 FlashAttention-3's warp-specialized schedule instead, written in Gluon (``forward_sm90``: a producer
 warp loading k and v tiles, two consumer warpgroups taking turns at the tensor cores, each overlapping
-its softmax with its own products); ``config.SM90_BWD`` names, per kernel of the deterministic
+its softmax with its own products; persistent, one program an SM over a host-balanced list of query
+tiles); ``config.SM90_BWD`` names, per kernel of the deterministic
 backward, the head dims that run its Gluon version (``backward_sm90``): by default both kernels at
 D128, faster there as measured; D64 stays portable.
 Decode (``T <= 16``, or too few query blocks to fill the GPU) uses a split-KV (flash-decoding)

@@ -133,7 +133,7 @@ def _flash_attention_bwd_dkdv_kernel(
 ):
     n_tiles = tl.cdiv(S, BLOCK_N)
     # first key blocks first: with causal they are seen by the most queries
-    pid_n, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, group_programs)
+    pid_n, pid_bh = program_tile(tl.program_id(0), n_tiles, tl.num_programs(0) // n_tiles, group_programs)
     b = (pid_bh // HKV).to(tl.int64)
     hk = (pid_bh % HKV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -236,7 +236,7 @@ def _flash_attention_bwd_dq_kernel(
     HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
 ):
     n_tiles = tl.cdiv(T, BLOCK_M)
-    rank, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, group_programs)
+    rank, pid_bh = program_tile(tl.program_id(0), n_tiles, tl.num_programs(0) // n_tiles, group_programs)
     pid_m = n_tiles - 1 - rank  # last query blocks first: with causal they see the most keys
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)

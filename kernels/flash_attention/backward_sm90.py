@@ -47,7 +47,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from .._common import autotune, next_pow2, smem_budget, tma_scratch
+from .._common import autotune, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
 from .forward_sm90 import supported, wgmma_layout
 from .masks import program_tile
 
@@ -62,7 +62,13 @@ _program_tile = gluon.jit(program_tile.fn)
 #: H100, dK/dV at B8 Hq32/Hkv8 T4096 / B1 T16384 D128 (attention-sm90-h100.json): 64x64 w4 b2 4.26 /
 #: 7.11 ms, 64x128 b2 4.53 / 8.06, 64x128 b3 4.53 / 8.17, 32x128 5.93 / 10.51; the portable one 4.36 / 8.21.
 DKDV_CONFIGS = [(64, 64, 4, 2, True), (64, 128, 8, 2, True), (64, 128, 8, 3, True), (32, 128, 8, 3, False)]
-DQ_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
+#: dQ's PERSIST (last): programs that take query tiles from a global counter until none is left
+DQ_CONFIGS = [(64, 64, 4, 2, False), (128, 64, 8, 2, False), (128, 64, 8, 3, False), (128, 128, 8, 2, False),
+              (64, 64, 4, 2, True), (128, 64, 8, 2, True)]
+#: the persistent dQ's grid, in programs an SM: at least as many as fit at once (the 64x64 tile: two at D128,
+#: three at D64 by registers); a program that finds no room starts once another has found no tile left,
+#: and ends at once
+DQ_PROGRAMS_PER_SM = 4
 #: the dK/dV kernel with DQ_REDUCE (64 queries a tile: the dQ chunk's rows, one warpgroup's wgmma height).
 #: 64x128 halves the reduces of 64x64. Not yet measured (NOTES.md).
 DKDV_REDUCE_CONFIGS = [(64, 128, 8, 2, True), (64, 128, 8, 3, True), (64, 64, 4, 2, True)]
@@ -102,15 +108,16 @@ def _descriptors(Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, strid
 
 
 @gluon.jit
-def _buffers(a_desc, b_desc, ring_a_desc, ring_b_desc, ROWS: gl.constexpr, RING_ROWS: gl.constexpr,
-             NUM_BUF: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _buffers(dtype: gl.constexpr, ROWS: gl.constexpr, RING_ROWS: gl.constexpr, NUM_BUF: gl.constexpr,
+             HEAD_DIM: gl.constexpr):
     """A program's shared memory: two resident tiles of ROWS rows (one barrier for both), and two rings of
-    NUM_BUF tiles of RING_ROWS rows (a barrier per slot for both rings' tiles), the barriers initialised."""
-    dtype: gl.constexpr = a_desc.dtype
-    a = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], a_desc.layout)
-    b = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], b_desc.layout)
-    ring_a = gl.allocate_shared_memory(dtype, [NUM_BUF, RING_ROWS, HEAD_DIM], ring_a_desc.layout)
-    ring_b = gl.allocate_shared_memory(dtype, [NUM_BUF, RING_ROWS, HEAD_DIM], ring_b_desc.layout)
+    NUM_BUF tiles of RING_ROWS rows (a barrier per slot for both rings' tiles), the barriers initialised;
+    128-byte swizzled, as every descriptor's tiles."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    a = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], layout)
+    b = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], layout)
+    ring_a = gl.allocate_shared_memory(dtype, [NUM_BUF, RING_ROWS, HEAD_DIM], layout)
+    ring_b = gl.allocate_shared_memory(dtype, [NUM_BUF, RING_ROWS, HEAD_DIM], layout)
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bar, count=1)
@@ -156,15 +163,14 @@ def _sm90_dkdv_kernel(
     GROUP = HQ // HKV
     n_tiles = gl.cdiv(S, BLOCK_N)
     # first key blocks first: with causal they are seen by the most queries
-    pid_n, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
+    pid_n, pid_bh = _program_tile(gl.program_id(0), n_tiles, gl.num_programs(0) // n_tiles, group_programs)
     hk = pid_bh % HKV
     b = (pid_bh // HKV).to(gl.int64)
     n0 = pid_n * BLOCK_N
     q_desc, do_desc, k_desc, v_desc = _descriptors(
         Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
-    k_smem, v_smem, q_smem, do_smem, kv_bar, ready = _buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
-                                                              NUM_BUF, HEAD_DIM)
+    k_smem, v_smem, q_smem, do_smem, kv_bar, ready = _buffers(q_desc.dtype, BLOCK_N, BLOCK_M, NUM_BUF, HEAD_DIM)
 
     # the query tiles that see keys n0 ..: from the one holding row n0 - shift (causal) to T; those that
     # start at or after full_from see every key of the block (no mask)
@@ -341,14 +347,28 @@ def _dkdv_body(descs, smem, problem, dq, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, it, ok):
-    """Issue the TMA loads of key tile ``it`` (k and v) into ring slot it % NUM_BUF, if ``ok``."""
+def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot, b, hk, it, ok):
+    """Issue the TMA loads of key tile ``it`` of KV head (b, hk) (k and v, through [B, H, S, D] descriptors)
+    into ring slot ``slot`` % NUM_BUF, if ``ok``."""
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    s = it % NUM_BUF
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    s = slot % NUM_BUF
     mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [it * BLOCK_N, 0], ready.index(s), k_smem.index(s), pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [it * BLOCK_N, 0], ready.index(s), v_smem.index(s), pred=ok)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, it * BLOCK_N, 0], ready.index(s),
+                                    k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]), pred=ok)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, it * BLOCK_N, 0], ready.index(s),
+                                    v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]), pred=ok)
+
+
+@gluon.jit
+def _descriptor4(ptr, batch, heads, rows, stride_b, stride_h, stride_row, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A TMA descriptor of a [batch, heads, rows, HEAD_DIM] view with [1, 1, ROWS, HEAD_DIM] blocks; rows past
+    ``rows`` read as zeros."""
+    layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    return tma.make_tensor_descriptor(ptr, shape=[batch, heads, rows, HEAD_DIM],
+                                      strides=[stride_b, stride_h, stride_row, 1],
+                                      block_shape=[1, 1, ROWS, HEAD_DIM], layout=layout4)
 
 
 @gluon.jit
@@ -360,80 +380,106 @@ def _sm90_dq_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dqb, stride_dqt, stride_dqh,
     T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
+    B, COUNTER,                 # batch size; PERSIST: int32 [2] zeros (_common.tile_counter), else unread
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, PERSIST: gl.constexpr,
 ):
     """dQ of BLOCK_M query rows of one head: q, dO resident, k and v tiles through a NUM_BUF-deep ring.
     Per key tile: issue S = q k^T and dP = dO v^T; P while dP runs; dS = P (dP - delta); issue dQ += dS k,
-    left in flight into the next tile (whose first wait frees this tile's slot)."""
+    left in flight into the next tile (whose first wait frees this tile's slot). A program runs one query
+    tile (its program id), or with PERSIST tile after tile from the global ``COUNTER`` (in the order of
+    :func:`masks.program_tile`) until none is left, with its descriptors, buffers and barriers set up once
+    and its ring slots counted across its tiles; the last program to finish zeroes the counter again."""
     n_tiles = gl.cdiv(T, BLOCK_M)
-    rank, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
-    m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
-    h = pid_bh % HQ
-    b = (pid_bh // HQ).to(gl.int64)
-    q_desc, do_desc, k_desc, v_desc = _descriptors(
-        Q, K, V, DO, b, h // (HQ // HKV), stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows,
-        do_cols, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
-    dtype: gl.constexpr = q_desc.dtype
+    n_work = n_tiles * B * HQ
+    # [B, H, L, D] views: head h of one batch entry's matrix (_head_rows) is its block at (h * head_rows, h * head_cols)
+    q_desc = _descriptor4(Q, B, HQ, T, stride_qb, q_head_rows * stride_qt + q_head_cols, stride_qt, BLOCK_M, HEAD_DIM)
+    do_desc = _descriptor4(DO, B, HQ, T, stride_dob, do_head_rows * stride_dot + do_head_cols, stride_dot, BLOCK_M,
+                           HEAD_DIM)
+    k_desc = _descriptor4(K, B, HKV, S, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+    v_desc = _descriptor4(V, B, HKV, S, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM)
+    dtype: gl.constexpr = Q.dtype.element_ty
     NW: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = wgmma_layout(NW, BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-
-    q_smem, do_smem, k_smem, v_smem, qd_bar, ready = _buffers(q_desc, do_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
-                                                              NUM_BUF, HEAD_DIM)
-
-    # row r sees keys [0, row_end_r); the block keys [0, hi); tiles past full_end - BLOCK_N need the mask
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    if CAUSAL:
-        row_end = gl.minimum(rows + shift + 1, S)
-        hi = gl.maximum(gl.minimum(gl.minimum(m0 + BLOCK_M, T) + shift, S), 0)
-        full_end = m0 + shift + 1
-    else:
-        row_end = gl.zeros_like(rows) + S
-        hi = S
-        full_end = S
-    n_iter = gl.cdiv(hi, BLOCK_N)  # may be 0 (rows that see no key): dQ = 0 is still stored
-    stat = (b * HQ + h) * stat_pitch + rows
-    lse2 = gl.load(LSE2 + stat, mask=rows < T, other=float("inf"))  # rows past T: p = 0
-    delta = gl.load(DELTA + stat, mask=rows < T, other=0.0)
+    q_smem, do_smem, k_smem, v_smem, qd_bar, ready = _buffers(dtype, BLOCK_M, BLOCK_N, NUM_BUF, HEAD_DIM)
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
-    mbarrier.expect(qd_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [m0 + h * q_head_rows, h * q_head_cols], qd_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [m0 + h * do_head_rows, h * do_head_cols], qd_bar, do_smem)
-    for j in gl.static_range(NUM_BUF):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, j, j < n_iter)
-
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
-    ds16 = gl.zeros([BLOCK_M, BLOCK_N], dtype, op_layout)  # the last dQ product's register operand
-    mbarrier.wait(qd_bar, 0)
-    for it in range(n_iter):
-        s = it % NUM_BUF
-        mbarrier.wait(ready.index(s), (it // NUM_BUF) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_smem, v_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # S done, and with it the last tile's dQ product (issued before): its ring slot is free again
-        st, dq_r, ds16 = warpgroup_mma_wait(1, deps=(s_tok, dq, ds16))
-        nxt = it - 1 + NUM_BUF
-        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, nxt, (it > 0) & (nxt < n_iter))
-        p = gl.exp2(st * qk_scale - lse2[:, None])
-        if it * BLOCK_N + BLOCK_N > full_end:
-            p = gl.where((it * BLOCK_N + cols0)[None, :] < row_end[:, None], p, 0.0)
-        dp = warpgroup_mma_wait(0, deps=(dp_tok,))
-        ds16 = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
-        dq = warpgroup_mma(ds16, k_smem.index(s), dq_r, is_async=True)
 
-    dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
+    if PERSIST:
+        work = gl.atomic_add(COUNTER, 1)
+    else:
+        work = gl.program_id(0)
+    done = 0  # tiles run by this program
+    base = 0  # key tiles streamed by this program: the ring slots' count
+    while work < n_work:
+        rank, pid_bh = _program_tile(work, n_tiles, B * HQ, group_programs)
+        m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
+        h = pid_bh % HQ
+        hk = h // (HQ // HKV)
+        b = pid_bh // HQ
+        # row r sees keys [0, row_end_r); the block keys [0, hi); tiles past full_end - BLOCK_N need the mask
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        if CAUSAL:
+            row_end = gl.minimum(rows + shift + 1, S)
+            hi = gl.maximum(gl.minimum(gl.minimum(m0 + BLOCK_M, T) + shift, S), 0)
+            full_end = m0 + shift + 1
+        else:
+            row_end = gl.zeros_like(rows) + S
+            hi = S
+            full_end = S
+        n_iter = gl.cdiv(hi, BLOCK_N)  # may be 0 (rows that see no key): dQ = 0 is still stored
+        stat = (b.to(gl.int64) * HQ + h) * stat_pitch + rows
+        lse2 = gl.load(LSE2 + stat, mask=rows < T, other=float("inf"))  # rows past T: p = 0
+        delta = gl.load(DELTA + stat, mask=rows < T, other=0.0)
+
+        mbarrier.expect(qd_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], qd_bar, q_smem.reshape([1, 1, BLOCK_M, HEAD_DIM]))
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], qd_bar, do_smem.reshape([1, 1, BLOCK_M, HEAD_DIM]))
+        for j in gl.static_range(NUM_BUF):
+            _load_kv(k_desc, v_desc, k_smem, v_smem, ready, base + j, b, hk, j, j < n_iter)
+
+        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+        ds16 = gl.zeros([BLOCK_M, BLOCK_N], dtype, op_layout)  # the last dQ product's register operand
+        mbarrier.wait(qd_bar, done & 1)
+        for it in range(n_iter):
+            g = base + it
+            s = g % NUM_BUF
+            mbarrier.wait(ready.index(s), (g // NUM_BUF) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do_smem, v_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # S done, and with it the last tile's dQ product (issued before): its ring slot is free again
+            st, dq_r, ds16 = warpgroup_mma_wait(1, deps=(s_tok, dq, ds16))
+            nxt = it - 1 + NUM_BUF
+            _load_kv(k_desc, v_desc, k_smem, v_smem, ready, base + nxt, b, hk, nxt, (it > 0) & (nxt < n_iter))
+            p = gl.exp2(st * qk_scale - lse2[:, None])
+            if it * BLOCK_N + BLOCK_N > full_end:
+                p = gl.where((it * BLOCK_N + cols0)[None, :] < row_end[:, None], p, 0.0)
+            dp = warpgroup_mma_wait(0, deps=(dp_tok,))
+            ds16 = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)
+            dq = warpgroup_mma(ds16, k_smem.index(s), dq_r, is_async=True)
+
+        dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
+        out_rows = gl.convert_layout(rows, gl.SliceLayout(1, acc_layout))
+        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        out = (b.to(gl.int64) * stride_dqb + h * stride_dqh + out_rows.to(gl.int64)[:, None] * stride_dqt
+               + out_cols[None, :])
+        gl.store(DQ + out, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=(out_rows < T)[:, None])
+        done += 1
+        base += n_iter
+        if PERSIST:
+            work = gl.atomic_add(COUNTER, 1)
+        else:
+            work = n_work
     mbarrier.invalidate(qd_bar)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(i))
-    out_rows = gl.convert_layout(rows, gl.SliceLayout(1, acc_layout))
-    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    out = b * stride_dqb + h * stride_dqh + out_rows.to(gl.int64)[:, None] * stride_dqt + out_cols[None, :]
-    gl.store(DQ + out, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=(out_rows < T)[:, None])
+    if PERSIST:
+        if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
+            gl.atomic_xchg(COUNTER, 0)
+            gl.atomic_xchg(COUNTER + 1, 0)
 
 
 def smem(config: triton.Config, head_dim: int, keys_resident: bool, dq_reduce: bool = False) -> int:
@@ -464,7 +510,7 @@ def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = (), dq
 
 _dkdv_kernel = _tuned(_sm90_dkdv_kernel, DKDV_CONFIGS, True, ("DV_WAIT",))
 _dkdv_reduce_kernel = _tuned(_sm90_dkdv_kernel, DKDV_REDUCE_CONFIGS, True, ("DV_WAIT",), dq_reduce=True)
-_dq_kernel = _tuned(_sm90_dq_kernel, DQ_CONFIGS, False)
+_dq_kernel = _tuned(_sm90_dq_kernel, DQ_CONFIGS, False, ("PERSIST",))
 
 
 def _head_rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -516,11 +562,16 @@ def launch_dkdv(q, k, v, do, lse2, delta, dk, dv, args: tuple, causal: bool, sca
 
 def launch_dq(q, k, v, do, lse2, delta, dq, args: tuple, causal: bool, scale: float, qk_scale: float,
               group_programs: int, key) -> None:
-    """dQ into ``dq`` [B, T, Hq, D]; the rest as :func:`launch_dkdv`."""
+    """dQ into ``dq`` [B, T, Hq, D]; the rest as :func:`launch_dkdv`. A PERSIST config runs DQ_PROGRAMS_PER_SM
+    programs an SM (fewer where there are fewer query tiles)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,)  # noqa: E731
+
+    def grid(meta):
+        tiles = triton.cdiv(T, meta["BLOCK_M"]) * B * Hq
+        return (min(tiles, DQ_PROGRAMS_PER_SM * num_sms(q.device.index)) if meta["PERSIST"] else tiles,)
+
     triton.set_allocator(tma_scratch)
     _dq_kernel.launch(key, grid, q, k, v, do, lse2, delta, dq, *args, *dq.stride()[:3],
-                      T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs, next_pow2(T),
-                      next_pow2(S), HEAD_DIM=D, CAUSAL=causal)
+                      T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs, B, tile_counter(),
+                      next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal)

@@ -67,12 +67,11 @@ ONE_LOOP = {"fwd": {"causal": True, "window": True},
 GROUP_WAVES: dict[str, float | None] = {"fwd": 2, "dkdv": None, "dq": 2}
 #: the head dims at which the forward on Hopper runs forward_sm90's Gluon kernel (wherever it applies,
 #: :func:`forward_sm90.supported`); the portable kernel runs every other forward, and everywhere with ``()``.
-#: On an H100 (scripts/attention_sm90.py, CUDA graphs, docs/perf/attention-sm90-h100.json) its
-#: warp-specialized config ran 1.26x the portable forward at B1 Hq32/Hkv8 T16384 D128 (3.73 against
-#: 4.71 ms; cuDNN 3.86), 1.16x at B8 T4096 (2.25 / 2.61; cuDNN 2.08) and 1.07x at B4 Hq16/Hkv4 T2048 D128
-#: (0.174 / 0.186; cuDNN 0.157); at B16 Hq12 T1024 D64 every Gluon config was slower (best 0.113 against
-#: 0.102 ms): D64 stays portable.
-SM90_FWD: tuple[int, ...] = (128,)
+#: On an H100 (CUDA graphs, docs/perf/NOTES.md, 142f866) its persistent warp-specialized configs ran the
+#: bench's D128 shapes at 1.08x / 1.02x / 1.12x cuDNN (B4 Hq16/Hkv4 T2048, B8 Hq32/Hkv8 T4096, B1 T16384; 0.138 /
+#: 2.007 / 3.444 ms), and B16 Hq12 T1024 D64 at 0.0955 ms against the portable kernel's 0.1022 in one run
+#: (scripts/attention_sm90.py; autotuned in the bench 0.0984 against 0.0997; cuDNN 0.086).
+SM90_FWD: tuple[int, ...] = (64, 128)
 #: per gradient kernel of the deterministic backward ("dkdv", "dq"), the head dims at which it runs
 #: backward_sm90's Gluon kernel on Hopper (wherever they apply, :func:`backward_sm90.matrix_args`);
 #: ``()``: the portable kernel. Both give bitwise the same gradients. H100, each kernel alone in CUDA

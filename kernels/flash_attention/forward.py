@@ -111,7 +111,7 @@ def _flash_attention_fwd_kernel(
     HAS_DOCS: tl.constexpr,     # packed documents: a position sees only its own document's positions
 ):
     n_tiles = tl.cdiv(T, BLOCK_M)
-    rank, pid_bh = program_tile(n_tiles, tl.num_programs(0) // n_tiles, group_programs)
+    rank, pid_bh = program_tile(tl.program_id(0), n_tiles, tl.num_programs(0) // n_tiles, group_programs)
     pid_m = n_tiles - 1 - rank  # last query blocks first: with causal they see the most keys
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)

@@ -25,7 +25,7 @@ schedules the autotuner picks between (:data:`CONFIGS`, ``WS``):
 The same math as :func:`forward._attend` (base-2 online softmax, scores scaled inside the exponent),
 so the output and the natural-log ``lse`` are the portable kernel's, to rounding. Only 16-bit q, k, v
 on sm90, head dim 64 or 128, with or without the causal mask, no window and no documents
-(:func:`supported`); ``config.SM90_FWD`` names the head dims it runs (128 by default, see the knob).
+(:func:`supported`); ``config.SM90_FWD`` names the head dims it runs (64 and 128 by default, see the knob).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _sm90_fwd_kernel(
                  BLOCK_N, NUM_BUF, CAUSAL)
     else:
         n_tiles = gl.cdiv(T, BLOCK_M)
-        rank, pid_bh = _program_tile(n_tiles, gl.num_programs(0) // n_tiles, group_programs)
+        rank, pid_bh = _program_tile(gl.program_id(0), n_tiles, gl.num_programs(0) // n_tiles, group_programs)
         m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
         b = (pid_bh // HQ).to(gl.int64)
         h = (pid_bh % HQ).to(gl.int64)
@@ -276,7 +276,7 @@ def _tile(tiles, t, T, HQ, GROUP, BLOCK_M: gl.constexpr):
         rank = code % n_tiles
         pid_bh = code // n_tiles
     else:
-        rank, pid_bh = _program_tile(n_tiles, n_bh, group_programs)
+        rank, pid_bh = _program_tile(gl.program_id(0), n_tiles, n_bh, group_programs)
     h = pid_bh % HQ
     return pid_bh // HQ, h, h // GROUP, (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first (causal)
 

@@ -57,14 +57,13 @@ def segments(first, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def program_tile(n_tiles, n_heads, group_programs):
-    """(rank, head) of this program in a 1-D grid of ``n_tiles * n_heads`` programs: the (batch,
-    head) pairs are taken in groups of about ``group_programs`` programs (whole pairs, at least one),
-    and inside a group rank-major (rank 0 of every pair, then rank 1, ...). The caller maps rank 0 to
-    its most expensive tile, so that the longest programs start first and the short ones fill the
-    end (causal tiles differ in work up to n_tiles-fold); small groups keep the pairs whose tensors
-    are streamed at once few (L2)."""
-    pid = tl.program_id(0)
+def program_tile(pid, n_tiles, n_heads, group_programs):
+    """(rank, head) of tile ``pid`` of ``n_tiles * n_heads`` (a 1-D grid's program id, or a persistent
+    program's next tile): the (batch, head) pairs are taken in groups of about ``group_programs`` tiles
+    (whole pairs, at least one), and inside a group rank-major (rank 0 of every pair, then rank 1, ...).
+    The caller maps rank 0 to its most expensive tile, so that the longest programs start first and the
+    short ones fill the end (causal tiles differ in work up to n_tiles-fold); small groups keep the pairs
+    whose tensors are streamed at once few (L2)."""
     heads_per_group = tl.maximum(group_programs // n_tiles, 1)
     per_group = heads_per_group * n_tiles
     group = pid // per_group
