@@ -139,7 +139,8 @@ def backward_part(res: dict) -> None:
                 fa_config.SM90_BWD = {**off, name: (D,)}
                 tuned.configs = [cfg]
                 label = ("sm90 {BLOCK_M}x{BLOCK_N} w{w} buf{NUM_BUF}".format(w=cfg.num_warps, **cfg.kwargs)
-                         + (" dv_wait" if cfg.kwargs.get("DV_WAIT") else ""))
+                         + (" dv_wait" if cfg.kwargs.get("DV_WAIT") else "")
+                         + (" persist" if cfg.kwargs.get("PERSIST") else ""))
                 try:
                     ms, got = one_kernel(name)
                 except Exception as e:  # noqa: BLE001  (a config that fails is a result)
