@@ -200,6 +200,7 @@ def _sm90_dkdv_kernel(
             base += _dkdv_item(work, problem, BLOCK_N, BLOCK_M, CAUSAL)[6]
             done += 1
             work = _next_work(COUNTER, n_work, PERSIST)
+        _end_work(COUNTER, PERSIST)
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(i))
@@ -385,16 +386,10 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot, b, hk, it, ok):
 @gluon.jit
 def _next_work(COUNTER, n_work, PERSIST: gl.constexpr):
     """A program's next work item after its first (:func:`_first_work`): PERSIST, the next one nobody has
-    taken, from the global ``COUNTER`` (int32 [2]: the next item, the programs that have run out); the
-    last program to run out (an item of ``n_work`` or more) sets both back to zero for the next launch.
-    Otherwise ``n_work``: one item a program."""
+    taken, from the global ``COUNTER`` (int32 [2]: the next item, the programs done; see :func:`_end_work`),
+    an item of ``n_work`` or more once none is left. Otherwise ``n_work``: one item a program."""
     if PERSIST:
-        work = gl.atomic_add(COUNTER, 1)
-        if work >= n_work:
-            if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
-                gl.atomic_xchg(COUNTER, 0)
-                gl.atomic_xchg(COUNTER + 1, 0)
-        return work
+        return gl.atomic_add(COUNTER, 1)
     else:
         return n_work
 
@@ -403,9 +398,20 @@ def _next_work(COUNTER, n_work, PERSIST: gl.constexpr):
 def _first_work(COUNTER, n_work, PERSIST: gl.constexpr):
     """A program's first work item: PERSIST, as :func:`_next_work`; otherwise its program id."""
     if PERSIST:
-        return _next_work(COUNTER, n_work, True)
+        return gl.atomic_add(COUNTER, 1)
     else:
         return gl.program_id(0)
+
+
+@gluon.jit
+def _end_work(COUNTER, PERSIST: gl.constexpr):
+    """After a program's last item (PERSIST): the last program to get here sets ``COUNTER`` back to zero for
+    the next launch. Outside any branch of the kernel: a scalar atomic is one thread's, its result handed to
+    the others through shared memory (an illegal instruction inside the work loop's branch, H100, Triton 3.6)."""
+    if PERSIST:
+        if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
+            gl.atomic_xchg(COUNTER, 0)
+            gl.atomic_xchg(COUNTER + 1, 0)
 
 
 @gluon.jit
@@ -514,6 +520,7 @@ def _sm90_dq_kernel(
         done += 1
         base += n_iter
         work = _next_work(COUNTER, n_work, True)
+    _end_work(COUNTER, True)
     mbarrier.invalidate(qd_bar)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(i))
