@@ -2,13 +2,7 @@
 kernels with the tensor-core products of one tile in flight while the softmax gradient of the same tile
 runs, and the next tile's products issued before the last tile's accumulation is waited for.
 
-Both kernels are persistent: a program takes work items (dK/dV: a key block; dQ: a query block) from a
-global counter until none is left (the DQ_REDUCE variant below: one item a program, its writer warp
-following it), with its descriptors, buffers and barriers set up once; each item is
-computed by one program in a fixed order, whichever program takes it, so the gradients do not depend on
-the schedule.
-
-dK/dV: an item is BLOCK_N keys of one KV head (one or two warpgroups, 64 keys each), k and v kept
+dK/dV: a program owns BLOCK_N keys of one KV head (one or two warpgroups, 64 keys each) and keeps k and v
 in shared memory; q and dO tiles of BLOCK_M queries stream through a NUM_BUF-deep ring (TMA, one mbarrier
 per slot), over every query head of the group and every query tile that sees these keys. Per tile, with
 scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
@@ -21,8 +15,9 @@ scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
     issue dK += dS^T q                                  (async; waited in the next tile)
     load the next tile's lse2                           (its latency under dK and the next S^T)
 
-dQ: an item is BLOCK_M queries of one head with q and dO resident, and streams k and v tiles the same
-way: issue S = q k^T and dP = dO v^T; P while dP runs; issue dQ += dS k, waited in the next tile.
+dQ: a program (persistent: it takes query blocks from a global counter until none is left, each computed
+in a fixed order whichever program takes it) owns BLOCK_M queries of one head at a time with q and dO
+resident, and streams k and v tiles the same way: issue S = q k^T and dP = dO v^T; P while dP runs; issue dQ += dS k, waited in the next tile.
 
 With ``DQ_REDUCE`` (the backward of ``deterministic=False``) the dK/dV kernel also computes each tile's
 share of dQ, FlashAttention's fifth product, and no dQ kernel runs, in FlashAttention-3's arrangement:
@@ -35,7 +30,8 @@ accumulator into dQ. Five products per tile pair instead of seven; the order in 
 land varies between runs.
 
 dK = softmax_scale * sum dS^T q, dV = sum P^T dO over the group's query heads and dQ = softmax_scale *
-sum dS k, each in a fixed order without DQ_REDUCE: no atomics, so the backward stays bitwise reproducible.
+sum dS k, each in a fixed order without DQ_REDUCE: no atomic adds (the dQ kernel's counter only hands out
+work), so the backward stays bitwise reproducible.
 Only 16-bit q, k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO
 with each token's heads side by side or each head's tokens in a row (a head is then a column or a row
 block of one descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD``
@@ -60,23 +56,23 @@ from .masks import program_tile
 _program_tile = gluon.jit(program_tile.fn)
 
 #: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF[, DV_WAIT]) the autotuners try, the first one pinned
-#: (TRITONLLM_NO_AUTOTUNE=1). dK/dV: BLOCK_N keys an item (64 a warpgroup), q and dO tiles of BLOCK_M
-#: queries through a NUM_BUF-deep ring; DV_WAIT: see the kernel. dQ: BLOCK_M queries an item, k and v
+#: (TRITONLLM_NO_AUTOTUNE=1). dK/dV: BLOCK_N keys a program (64 a warpgroup), q and dO tiles of BLOCK_M
+#: queries through a NUM_BUF-deep ring; DV_WAIT: see the kernel. dQ: BLOCK_M queries a program, k and v
 #: tiles of BLOCK_N keys through the ring. 64x64 w4 b2 (98 KB of shared memory): two programs an SM.
 #: Offline sm_90 compile at D128, causal: dK/dV 32x128 227 registers, no spills; with DV_WAIT 64x128
 #: spills 20 (b3) and 40 (b2) bytes (188-228 without), 64x64 w4 b2 16; dQ 170-253 registers, no spills.
 #: H100, dK/dV at B8 Hq32/Hkv8 T4096 / B1 T16384 D128 (attention-sm90-h100.json): 64x64 w4 b2 4.26 /
 #: 7.11 ms, 64x128 b2 4.53 / 8.06, 64x128 b3 4.53 / 8.17, 32x128 5.93 / 10.51; the portable one 4.36 / 8.21.
 DKDV_CONFIGS = [(64, 64, 4, 2, True), (64, 128, 8, 2, True), (64, 128, 8, 3, True), (32, 128, 8, 3, False)]
-#: dQ: persistent programs (tiles from a global counter). H100, dQ alone (NOTES.md, a01a1ec): 64x64 w4 b2 0.112 /
-#: 0.205 / 2.72 / 4.96 ms at B16 Hq12 T1024 D64, B4 Hq16/Hkv4 T2048, B8 Hq32/Hkv8 T4096, B1 T16384 D128, against
-#: 0.132 / 0.217 / 2.88 / 4.99 one tile a program and 0.117 / 0.224 / 3.07 / 5.44 for the portable kernel; the
-#: 128-row tiles 8-15% slower (one tile a program: 128x64 b3 and 128x128 b2 no better, dropped).
+#: dQ: persistent programs (query tiles from a global counter). H100, dQ alone (NOTES.md, a01a1ec): 64x64 w4 b2
+#: 0.112 / 0.205 / 2.72 / 4.96 ms at B16 Hq12 T1024 D64, B4 Hq16/Hkv4 T2048, B8 Hq32/Hkv8 T4096, B1 T16384 D128,
+#: against 0.132 / 0.217 / 2.88 / 4.99 one tile a program and 0.117 / 0.224 / 3.07 / 5.44 for the portable
+#: kernel; the 128-row tile 8-15% slower (one tile a program: 128x64 b3 and 128x128 b2 no better, dropped).
 DQ_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2)]
-#: the persistent grids, in programs an SM: at least as many as fit at once (dQ's 64x64 tile: two at D128,
+#: the persistent dQ's grid, in programs an SM: at least as many as fit at once (the 64x64 tile: two at D128,
 #: three at D64 by registers); a program that finds no room starts once another has found no tile left,
 #: and ends at once
-PROGRAMS_PER_SM = 4
+DQ_PROGRAMS_PER_SM = 4
 #: the dK/dV kernel with DQ_REDUCE (64 queries a tile: the dQ chunk's rows, one warpgroup's wgmma height).
 #: 64x128 halves the reduces of 64x64. Not yet measured (NOTES.md).
 DKDV_REDUCE_CONFIGS = [(64, 128, 8, 2, True), (64, 128, 8, 3, True), (64, 64, 4, 2, True)]
@@ -95,6 +91,24 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     (``tma.store_wait``). Triton 3.6's Gluon builds the op but exports no function for it on Hopper."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _descriptors(Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA descriptors of batch entry b: its queries and dO each as one matrix whose blocks are the heads
+    (tiles of BLOCK_M rows), and KV head hk's keys and values (tiles of BLOCK_N rows)."""
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, shape=[q_rows, q_cols], strides=[stride_qt, 1],
+                                        block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob, shape=[do_rows, do_cols], strides=[stride_dot, 1],
+                                         block_shape=[BLOCK_M, HEAD_DIM], layout=tile_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
+                                        strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
+                                        strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=tile_layout)
+    return q_desc, do_desc, k_desc, v_desc
 
 
 @gluon.jit
@@ -117,21 +131,20 @@ def _buffers(dtype: gl.constexpr, ROWS: gl.constexpr, RING_ROWS: gl.constexpr, N
 
 
 @gluon.jit
-def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, slot, it, ok, n_m, lo, b, h0):
+def _load_tile(q_desc, do_desc, q_smem, do_smem, ready, it, ok, n_m, lo, h0, q_head, do_head):
     """Issue the TMA loads of streamed tile ``it`` (query head h = h0 + it // n_m, query rows m = lo +
-    (it % n_m) * BLOCK_M of batch entry b, through [B, H, T, D] descriptors) into ring slot ``slot`` %
-    NUM_BUF, if ``ok``."""
+    (it % n_m) * BLOCK_M, at [m + h * rows, h * cols] of a descriptor with per-head offsets
+    ``(rows, cols)`` = q_head / do_head) into ring slot it % NUM_BUF, if ``ok``."""
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
-    s = slot % NUM_BUF
+    s = it % NUM_BUF
     m = lo + (it % n_m) * BLOCK_M
     h = h0 + it // n_m
     mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(q_desc, [b, h, m, 0], ready.index(s),
-                                    q_smem.index(s).reshape([1, 1, BLOCK_M, HEAD_DIM]), pred=ok)
-    tma.async_copy_global_to_shared(do_desc, [b, h, m, 0], ready.index(s),
-                                    do_smem.index(s).reshape([1, 1, BLOCK_M, HEAD_DIM]), pred=ok)
+    tma.async_copy_global_to_shared(q_desc, [m + h * q_head[0], h * q_head[1]], ready.index(s), q_smem.index(s),
+                                    pred=ok)
+    tma.async_copy_global_to_shared(do_desc, [m + h * do_head[0], h * do_head[1]], ready.index(s), do_smem.index(s),
+                                    pred=ok)
 
 
 @gluon.jit
@@ -145,36 +158,44 @@ def _sm90_dkdv_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,      # h * head_cols) block (_head_rows); dO too
     stride_dkb, stride_dks, stride_dkh,
     T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
-    B, COUNTER,                 # batch size; int32 [2] zeros (_common.tile_counter; unread with DQ_REDUCE)
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
     DV_WAIT: gl.constexpr,      # wait for a tile's dV product before its dS: P's registers freed, less overlap
     CAUSAL: gl.constexpr,
     DQ_REDUCE: gl.constexpr,    # also add each tile's dS k into DQ_ACC through a writer warp (see the module doc)
 ):
-    """dK and dV of BLOCK_N keys of one KV head a work item. Without DQ_REDUCE a program runs item after item,
-    taken from the global ``COUNTER`` (in the order of :func:`masks.program_tile`, first key blocks first: with
-    causal they are seen by the most queries) until none is left, with its descriptors, buffers and barriers
-    set up once and its ring slots counted across its items; with DQ_REDUCE one item, its program id."""
-    PERSIST: gl.constexpr = not DQ_REDUCE
-    n_work = gl.cdiv(S, BLOCK_N) * B * HKV
-    # [B, H, L, D] views: head h of one batch entry's matrix (_head_rows) is its block at (h * head_rows, h * head_cols)
-    q_desc = _descriptor4(Q, B, HQ, T, stride_qb, q_head_rows * stride_qt + q_head_cols, stride_qt, BLOCK_M, HEAD_DIM)
-    do_desc = _descriptor4(DO, B, HQ, T, stride_dob, do_head_rows * stride_dot + do_head_cols, stride_dot, BLOCK_M,
-                           HEAD_DIM)
-    k_desc = _descriptor4(K, B, HKV, S, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-    v_desc = _descriptor4(V, B, HKV, S, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM)
+    GROUP = HQ // HKV
+    n_tiles = gl.cdiv(S, BLOCK_N)
+    # first key blocks first: with causal they are seen by the most queries
+    pid_n, pid_bh = _program_tile(gl.program_id(0), n_tiles, gl.num_programs(0) // n_tiles, group_programs)
+    hk = pid_bh % HKV
+    b = (pid_bh // HKV).to(gl.int64)
+    n0 = pid_n * BLOCK_N
+    q_desc, do_desc, k_desc, v_desc = _descriptors(
+        Q, K, V, DO, b, hk, stride_qb, stride_qt, q_rows, q_cols, stride_dob, stride_dot, do_rows, do_cols,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, S, HEAD_DIM, BLOCK_M, BLOCK_N)
     k_smem, v_smem, q_smem, do_smem, kv_bar, ready = _buffers(q_desc.dtype, BLOCK_N, BLOCK_M, NUM_BUF, HEAD_DIM)
+
+    # the query tiles that see keys n0 ..: from the one holding row n0 - shift (causal) to T; those that
+    # start at or after full_from see every key of the block (no mask)
+    if CAUSAL:
+        lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
+        full_from = n0 + BLOCK_N - 1 - shift
+    else:
+        lo = 0
+        full_from = 0
+    n_m = gl.maximum(gl.cdiv(T - lo, BLOCK_M), 0)
+    n_iter = GROUP * n_m  # may be 0: dK = dV = 0 are still stored
+    h0 = hk * GROUP
     descs = (q_desc, do_desc, k_desc, v_desc)
     smem = (k_smem, v_smem, q_smem, do_smem, kv_bar, ready)
-    problem = (LSE2, DELTA, DK, DV, stride_dkb, stride_dks, stride_dkh, T, S, HQ, HKV, stat_pitch, shift, qk_scale,
-               softmax_scale, group_programs, B)
-    work = _first_work(COUNTER, n_work, PERSIST)
+    problem = (LSE2, DELTA, DK, DV, b, hk, n0, lo, full_from, n_m, n_iter, h0, q_head_rows, q_head_cols,
+               do_head_rows, do_head_cols, stride_dkb, stride_dks, stride_dkh, T, S, HQ, stat_pitch, shift, qk_scale,
+               softmax_scale)
     if DQ_REDUCE:
         gl.static_assert(DV_WAIT and BLOCK_M == 64, "DQ_REDUCE needs DV_WAIT and BLOCK_M 64")
-        b, hk, n0, lo, full_from, n_m, n_iter, h0 = _dkdv_item(work, problem, BLOCK_N, BLOCK_M, CAUSAL)
         staging_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        dq_desc = tma.make_tensor_descriptor(DQ_ACC + b.to(gl.int64) * HQ * T * HEAD_DIM, shape=[HQ * T, HEAD_DIM],
+        dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * HQ * T * HEAD_DIM, shape=[HQ * T, HEAD_DIM],
                                              strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, DQ_CHUNK],
                                              layout=staging_layout)
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout(
@@ -187,47 +208,11 @@ def _sm90_dkdv_kernel(
             mbarrier.init(dq_empty.index(i), count=1)
         dq = (ds_smem, staging, dq_full, dq_empty)
         gl.warp_specialize([
-            (_dkdv_body, (descs, smem, problem, work, 0, 0, dq, HEAD_DIM, BLOCK_N, BLOCK_M, NUM_BUF,
-                          DV_WAIT, CAUSAL, True)),  # the program's first item, its ring from slot 0
+            (_dkdv_body, (descs, smem, problem, dq, HEAD_DIM, BLOCK_N, BLOCK_M, NUM_BUF, DV_WAIT, CAUSAL, True)),
             (_dq_writer, (dq_desc, staging, dq_full, dq_empty, n_iter, n_m, lo, h0, T, HEAD_DIM)),
         ], [1], [DQ_WRITER_REGS])
     else:
-        done = 0  # items run by this program
-        base = 0  # query tiles streamed by this program: the ring slots' count
-        while work < n_work:
-            _dkdv_body(descs, smem, problem, work, done, base, (0, 0, 0, 0), HEAD_DIM, BLOCK_N, BLOCK_M, NUM_BUF,
-                       DV_WAIT, CAUSAL, False)
-            base += _dkdv_item(work, problem, BLOCK_N, BLOCK_M, CAUSAL)[6]
-            done += 1
-            work = _next_work(COUNTER, n_work, PERSIST)
-        _end_work(COUNTER, PERSIST)
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(ready.index(i))
-
-
-@gluon.jit
-def _dkdv_item(work, problem, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item ``work`` of the dK/dV kernel: ``(b, hk, n0, lo, full_from, n_m, n_iter, h0)``: batch entry b, KV
-    head hk, keys n0 .. n0 + BLOCK_N; the query tiles that see them, from the one holding row n0 - shift
-    (causal) to T, start at lo, n_m of them for each of the group's query heads h0 ..: n_iter in all (may
-    be 0: dK = dV = 0 are still stored); those that start at or after full_from see every key of the block
-    (no mask)."""
-    (LSE2, DELTA, DK, DV, stride_dkb, stride_dks, stride_dkh, T, S, HQ, HKV, stat_pitch, shift, qk_scale,
-     softmax_scale, group_programs, B) = problem
-    n_tiles = gl.cdiv(S, BLOCK_N)
-    pid_n, pid_bh = _program_tile(work, n_tiles, B * HKV, group_programs)
-    hk = pid_bh % HKV
-    n0 = pid_n * BLOCK_N
-    if CAUSAL:
-        lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
-        full_from = n0 + BLOCK_N - 1 - shift
-    else:
-        lo = 0
-        full_from = 0
-    n_m = gl.maximum(gl.cdiv(T - lo, BLOCK_M), 0)
-    GROUP = HQ // HKV
-    return pid_bh // HKV, hk, n0, lo, full_from, n_m, GROUP * n_m, hk * GROUP
+        _dkdv_body(descs, smem, problem, (0, 0, 0, 0), HEAD_DIM, BLOCK_N, BLOCK_M, NUM_BUF, DV_WAIT, CAUSAL, False)
 
 
 @gluon.jit
@@ -248,23 +233,21 @@ def _dq_writer(dq_desc, staging, dq_full, dq_empty, n_iter, n_m, lo, h0, T, HEAD
 
 
 @gluon.jit
-def _dkdv_body(descs, smem, problem, work, done, base, dq, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-               BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr, DV_WAIT: gl.constexpr, CAUSAL: gl.constexpr,
-               DQ_REDUCE: gl.constexpr):
-    """Work item ``work`` of the dK/dV kernel (all its warps; with DQ_REDUCE the default partition beside the
-    writer warp), the program's ``done``-th, after ``base`` streamed tiles: the tile loop of the module doc,
-    then dK and dV stored."""
+def _dkdv_body(descs, smem, problem, dq, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+               NUM_BUF: gl.constexpr, DV_WAIT: gl.constexpr, CAUSAL: gl.constexpr, DQ_REDUCE: gl.constexpr):
+    """The dK/dV kernel's work (all its warps; with DQ_REDUCE the default partition beside the writer warp):
+    the tile loop of the module doc, then dK and dV stored."""
     q_desc, do_desc, k_desc, v_desc = descs
     k_smem, v_smem, q_smem, do_smem, kv_bar, ready = smem
-    (LSE2, DELTA, DK, DV, stride_dkb, stride_dks, stride_dkh, T, S, HQ, HKV, stat_pitch, shift, qk_scale,
-     softmax_scale, group_programs, B) = problem
-    b, hk, n0, lo, full_from, n_m, n_iter, h0 = _dkdv_item(work, problem, BLOCK_N, BLOCK_M, CAUSAL)
-    b = b.to(gl.int64)
+    (LSE2, DELTA, DK, DV, b, hk, n0, lo, full_from, n_m, n_iter, h0, q_head_rows, q_head_cols, do_head_rows,
+     do_head_cols, stride_dkb, stride_dks, stride_dkh, T, S, HQ, stat_pitch, shift, qk_scale, softmax_scale) = problem
     NW: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = wgmma_layout(NW, BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    q_head = (q_head_rows, q_head_cols)
+    do_head = (do_head_rows, do_head_cols)
     if DQ_REDUCE:
         ds_smem, staging, dq_full, dq_empty = dq
         # a dQ chunk [BLOCK_M, DQ_CHUNK]: one warpgroup's 64 rows, its columns split between warpgroups
@@ -273,13 +256,10 @@ def _dkdv_body(descs, smem, problem, work, done, base, dq, HEAD_DIM: gl.constexp
         dq_zero = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, dq_layout)
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b.to(gl.int32), hk, n0, 0], kv_bar,
-                                    k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
-    tma.async_copy_global_to_shared(v_desc, [b.to(gl.int32), hk, n0, 0], kv_bar,
-                                    v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
     for j in gl.static_range(NUM_BUF):
-        _load_tile(q_desc, do_desc, q_smem, do_smem, ready, base + j, j, j < n_iter, gl.maximum(n_m, 1), lo,
-                   b.to(gl.int32), h0)
+        _load_tile(q_desc, do_desc, q_smem, do_smem, ready, j, j < n_iter, gl.maximum(n_m, 1), lo, h0, q_head, do_head)
 
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
@@ -294,14 +274,13 @@ def _dkdv_body(descs, smem, problem, work, done, base, dq, HEAD_DIM: gl.constexp
     # last product, so that the load's latency passes under that product and the next tile's first two
     lse2 = gl.load(LSE2 + (b * HQ + h0) * stat_pitch + lo + offs_m, mask=(lo + offs_m < T) & (n_iter > 0),
                    other=float("inf"))
-    mbarrier.wait(kv_bar, done & 1)
+    mbarrier.wait(kv_bar, 0)
 
     for it in range(n_iter):
         start_m = lo + (it % n_m) * BLOCK_M
         rows = start_m + offs_m
-        g = base + it
-        s = g % NUM_BUF
-        mbarrier.wait(ready.index(s), (g // NUM_BUF) & 1)
+        s = it % NUM_BUF
+        mbarrier.wait(ready.index(s), (it // NUM_BUF) & 1)
         st_tok = warpgroup_mma(k_smem, q_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_smem, do_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # S^T done, and with it the last tile's dV and dK (issued before): its ring slot is free again
@@ -312,8 +291,8 @@ def _dkdv_body(descs, smem, problem, work, done, base, dq, HEAD_DIM: gl.constexp
         else:
             st, dv_r, dk_r, p16, ds16 = warpgroup_mma_wait(1, deps=(st_tok, dv, dk, p16, ds16))
         nxt = it - 1 + NUM_BUF
-        _load_tile(q_desc, do_desc, q_smem, do_smem, ready, base + nxt, nxt, (it > 0) & (nxt < n_iter), n_m, lo,
-                   b.to(gl.int32), h0)
+        _load_tile(q_desc, do_desc, q_smem, do_smem, ready, nxt, (it > 0) & (nxt < n_iter), n_m, lo, h0, q_head,
+                   do_head)
         # delta, first needed after dP^T: loaded here, not with lse2, which would keep it in registers
         # through the loop's end (spills at 64x128)
         delta = gl.load(DELTA + (b * HQ + h0 + it // n_m) * stat_pitch + rows, mask=rows < T, other=0.0)
@@ -360,6 +339,9 @@ def _dkdv_body(descs, smem, problem, work, done, base, dq, HEAD_DIM: gl.constexp
         dv, dk, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, ds16))
     else:
         dv, dk, p16, ds16 = warpgroup_mma_wait(0, deps=(dv, dk, p16, ds16))
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(i))
     out_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     out = b * stride_dkb + hk * stride_dkh + out_rows.to(gl.int64)[:, None] * stride_dks + out_cols[None, :]
@@ -381,37 +363,6 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot, b, hk, it, ok):
                                     k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]), pred=ok)
     tma.async_copy_global_to_shared(v_desc, [b, hk, it * BLOCK_N, 0], ready.index(s),
                                     v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]), pred=ok)
-
-
-@gluon.jit
-def _next_work(COUNTER, n_work, PERSIST: gl.constexpr):
-    """A program's next work item after its first (:func:`_first_work`): PERSIST, the next one nobody has
-    taken, from the global ``COUNTER`` (int32 [2]: the next item, the programs done; see :func:`_end_work`),
-    an item of ``n_work`` or more once none is left. Otherwise ``n_work``: one item a program."""
-    if PERSIST:
-        return gl.atomic_add(COUNTER, 1)
-    else:
-        return n_work
-
-
-@gluon.jit
-def _first_work(COUNTER, n_work, PERSIST: gl.constexpr):
-    """A program's first work item: PERSIST, as :func:`_next_work`; otherwise its program id."""
-    if PERSIST:
-        return gl.atomic_add(COUNTER, 1)
-    else:
-        return gl.program_id(0)
-
-
-@gluon.jit
-def _end_work(COUNTER, PERSIST: gl.constexpr):
-    """After a program's last item (PERSIST): the last program to get here sets ``COUNTER`` back to zero for
-    the next launch. Outside any branch of the kernel: a scalar atomic is one thread's, its result handed to
-    the others through shared memory (an illegal instruction inside the work loop's branch, H100, Triton 3.6)."""
-    if PERSIST:
-        if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
-            gl.atomic_xchg(COUNTER, 0)
-            gl.atomic_xchg(COUNTER + 1, 0)
 
 
 @gluon.jit
@@ -442,8 +393,8 @@ def _sm90_dq_kernel(
     Per key tile: issue S = q k^T and dP = dO v^T; P while dP runs; dS = P (dP - delta); issue dQ += dS k,
     left in flight into the next tile (whose first wait frees this tile's slot). A program runs query tile
     after query tile, taken from the global ``COUNTER`` (in the order of :func:`masks.program_tile`) until
-    none is left, with its descriptors, buffers and barriers set up once and its ring slots counted across
-    its tiles."""
+    none is left, with its descriptors, buffers and barriers set up once
+    and its ring slots counted across its tiles; the last program to finish zeroes the counter again."""
     n_tiles = gl.cdiv(T, BLOCK_M)
     n_work = n_tiles * B * HQ
     # [B, H, L, D] views: head h of one batch entry's matrix (_head_rows) is its block at (h * head_rows, h * head_cols)
@@ -461,7 +412,7 @@ def _sm90_dq_kernel(
     cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
-    work = _first_work(COUNTER, n_work, True)
+    work = gl.atomic_add(COUNTER, 1)
     done = 0  # tiles run by this program
     base = 0  # key tiles streamed by this program: the ring slots' count
     while work < n_work:
@@ -519,11 +470,15 @@ def _sm90_dq_kernel(
         gl.store(DQ + out, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=(out_rows < T)[:, None])
         done += 1
         base += n_iter
-        work = _next_work(COUNTER, n_work, True)
-    _end_work(COUNTER, True)
+        work = gl.atomic_add(COUNTER, 1)
     mbarrier.invalidate(qd_bar)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(i))
+    # after the loop, outside any branch: scalar atomics in the loop's branches hit an illegal instruction or a
+    # hang on the H100 (Triton 3.6; NOTES.md)
+    if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
+        gl.atomic_xchg(COUNTER, 0)
+        gl.atomic_xchg(COUNTER + 1, 0)
 
 
 def smem(config: triton.Config, head_dim: int, keys_resident: bool, dq_reduce: bool = False) -> int:
@@ -596,25 +551,21 @@ def launch_dkdv(q, k, v, do, lse2, delta, dk, dv, args: tuple, causal: bool, sca
     (zeroed, [B, Hq, T, D] fp32, contiguous) the DQ_REDUCE kernel also adds dQ / scale into it."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    items = lambda meta: triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv  # noqa: E731
-    if dq_acc is None:  # persistent: PROGRAMS_PER_SM programs an SM at most
-        grid = lambda meta: (min(items(meta), PROGRAMS_PER_SM * num_sms(q.device.index)),)  # noqa: E731
-    else:
-        grid = lambda meta: (items(meta),)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * B * Hkv,)  # noqa: E731
     triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
     kernel = _dkdv_kernel if dq_acc is None else _dkdv_reduce_kernel
     kernel.launch(key, grid, q, k, v, do, lse2, delta, dk, dv, dk if dq_acc is None else dq_acc, *args,
-                  *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs, B,
-                  tile_counter(), next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal, DQ_REDUCE=dq_acc is not None)
+                  *dk.stride()[:3], T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs,
+                  next_pow2(T), next_pow2(S), HEAD_DIM=D, CAUSAL=causal, DQ_REDUCE=dq_acc is not None)
 
 
 def launch_dq(q, k, v, do, lse2, delta, dq, args: tuple, causal: bool, scale: float, qk_scale: float,
               group_programs: int, key) -> None:
-    """dQ into ``dq`` [B, T, Hq, D]; the rest as :func:`launch_dkdv`. PROGRAMS_PER_SM programs an SM (fewer
+    """dQ into ``dq`` [B, T, Hq, D]; the rest as :func:`launch_dkdv`. DQ_PROGRAMS_PER_SM programs an SM (fewer
     where there are fewer query tiles)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    grid = lambda meta: (min(triton.cdiv(T, meta["BLOCK_M"]) * B * Hq, PROGRAMS_PER_SM * num_sms(q.device.index)),)  # noqa: E731
+    grid = lambda meta: (min(triton.cdiv(T, meta["BLOCK_M"]) * B * Hq, DQ_PROGRAMS_PER_SM * num_sms(q.device.index)),)  # noqa: E731
 
     triton.set_allocator(tma_scratch)
     _dq_kernel.launch(key, grid, q, k, v, do, lse2, delta, dq, *args, *dq.stride()[:3],

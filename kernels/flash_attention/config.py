@@ -78,8 +78,11 @@ SM90_FWD: tuple[int, ...] = (64, 128)
 #: graphs (scripts/attention_sm90.py, docs/perf/attention-sm90-h100.json): the Gluon dK/dV (best config)
 #: ran 1.02x / 1.15x / 1.14x the portable one at B8 Hq32/Hkv8 T4096, B1 T16384, B4 Hq16/Hkv4 T2048 D128
 #: (4.26 / 7.11 / 0.262 ms), 0.88x at B16 Hq12 T1024 D64; the Gluon dQ's 64x64 4-warp tile (two programs an
-#: SM) 1.08x / 1.09x / 1.05x at those D128 shapes (2.83 / 4.99 / 0.214 ms), 0.91x at D64.
-SM90_BWD: dict[str, tuple[int, ...]] = {"dkdv": (128,), "dq": (128,)}
+#: SM) 1.08x / 1.09x / 1.05x at those D128 shapes (2.83 / 4.99 / 0.214 ms), 0.91x at D64. The dQ made persistent
+#: (a01a1ec, 74286c6): 1.05x the portable one at D64 (0.112 against 0.117 ms, in both runs), 1.13x / 1.10x / 1.09x
+#: at the D128 shapes; dK/dV made persistent too ran 0.97x / 0.99x its one-item programs at T4096 / T2048 D128
+#: (more spills) and 0.98x the portable kernel at D64: not kept.
+SM90_BWD: dict[str, tuple[int, ...]] = {"dkdv": (128,), "dq": (64, 128)}
 #: the head dims at which ``deterministic=False`` runs on Hopper as backward_sm90's dK/dV kernel with DQ_REDUCE
 #: (dQ added by a writer warp's TMA bulk reduces; FlashAttention-3's arrangement) instead of the portable fused
 #: kernel. Off until measured: the same kernel without the writer warp (each reduce between CTA barriers of
