@@ -17,7 +17,8 @@ scores kept transposed ([keys, queries]) as in :func:`backward._dkdv_inner`:
 
 dQ: a program (persistent: it takes query blocks from a global counter until none is left, each computed
 in a fixed order whichever program takes it) owns BLOCK_M queries of one head at a time with q and dO
-resident, and streams k and v tiles the same way: issue S = q k^T and dP = dO v^T; P while dP runs; issue dQ += dS k, waited in the next tile.
+resident, and streams k and v tiles the same way: issue S = q k^T and dP = dO v^T; P while dP runs; issue
+dQ += dS k, waited in the next tile.
 
 With ``DQ_REDUCE`` (the backward of ``deterministic=False``) the dK/dV kernel also computes each tile's
 share of dQ, FlashAttention's fifth product, and no dQ kernel runs, in FlashAttention-3's arrangement:
@@ -393,8 +394,8 @@ def _sm90_dq_kernel(
     Per key tile: issue S = q k^T and dP = dO v^T; P while dP runs; dS = P (dP - delta); issue dQ += dS k,
     left in flight into the next tile (whose first wait frees this tile's slot). A program runs query tile
     after query tile, taken from the global ``COUNTER`` (in the order of :func:`masks.program_tile`) until
-    none is left, with its descriptors, buffers and barriers set up once
-    and its ring slots counted across its tiles; the last program to finish zeroes the counter again."""
+    none is left, with its descriptors, buffers and barriers set up once and its ring slots counted across
+    its tiles; the last program to finish zeroes the counter again."""
     n_tiles = gl.cdiv(T, BLOCK_M)
     n_work = n_tiles * B * HQ
     # [B, H, L, D] views: head h of one batch entry's matrix (_head_rows) is its block at (h * head_rows, h * head_cols)

@@ -73,20 +73,18 @@ def wgmma_layout(num_warps, n):
 
 @gluon.jit
 def _bounds(m0, ROWS: gl.constexpr, T, S, shift, layout: gl.constexpr, CAUSAL: gl.constexpr):
-    """For query rows m0 .. m0 + ROWS (``layout``: the scores' row slice): ``(rows, row_end, hi,
-    full_end)``: each row sees keys [0, row_end); the rows together keys [0, hi); tiles that start
-    at or after full_end - BLOCK_N + 1 need the mask (the causal edge, keys past S)."""
+    """For query rows m0 .. m0 + ROWS (``layout``: the scores' row slice): ``(rows, row_end, full_end)``:
+    each row sees keys [0, row_end) (:func:`_key_tiles`: the tiles the rows visit together); tiles that
+    start at or after full_end - BLOCK_N + 1 need the mask (the causal edge, keys past S)."""
     rows = m0 + gl.arange(0, ROWS, layout=layout)
     if CAUSAL:
         # rows past T take row T - 1's end: they are never stored and must not widen the loop
         row_end = gl.minimum(gl.minimum(rows, T - 1) + shift + 1, S)
-        hi = gl.minimum(gl.minimum(m0 + ROWS, T) + shift, S)
         full_end = gl.minimum(m0 + shift + 1, S)
     else:
         row_end = gl.zeros_like(rows) + S
-        hi = S
         full_end = S
-    return rows, row_end, hi, full_end
+    return rows, row_end, full_end
 
 
 @gluon.jit
@@ -195,9 +193,8 @@ def _overlap_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_
         mbarrier.init(v_bars.index(i), count=1)
 
     row_layout: gl.constexpr = m_i.type.layout
-    rows, row_end, hi, full_end = _bounds(m0, BLOCK_M, T, S, shift, row_layout, CAUSAL)
-    # a block that sees no key still runs one (fully masked) tile: its rows get o = 0, lse = -inf
-    n_iter = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+    rows, row_end, full_end = _bounds(m0, BLOCK_M, T, S, shift, row_layout, CAUSAL)
+    n_iter = _key_tiles(m0, BLOCK_M, BLOCK_N, T, S, shift, CAUSAL)
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
 
     mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
@@ -376,7 +373,7 @@ def _ws_consumer(smem, bars, problem, C: gl.constexpr, HEAD_DIM: gl.constexpr, B
         o_layout: gl.constexpr = acc.type.layout
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = m_i.type.layout
-        rows, row_end, _, full_end = _bounds(m0 + C * ROWS, ROWS, T, S, shift, row_layout, CAUSAL)
+        rows, row_end, full_end = _bounds(m0 + C * ROWS, ROWS, T, S, shift, row_layout, CAUSAL)
 
         mbarrier.wait(q_ready, t & 1)
         mbarrier.wait(turn.index(C), (kv & 1) ^ (1 - C))  # consumer 0 goes first
