@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from .._common import autotune, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
-from .forward_sm90 import supported, wgmma_layout
+from .forward_sm90 import descriptor4, supported, wgmma_layout
 from .masks import program_tile
 
 _program_tile = gluon.jit(program_tile.fn)
@@ -367,16 +367,6 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot, b, hk, it, ok):
 
 
 @gluon.jit
-def _descriptor4(ptr, batch, heads, rows, stride_b, stride_h, stride_row, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """A TMA descriptor of a [batch, heads, rows, HEAD_DIM] view with [1, 1, ROWS, HEAD_DIM] blocks; rows past
-    ``rows`` read as zeros."""
-    layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    return tma.make_tensor_descriptor(ptr, shape=[batch, heads, rows, HEAD_DIM],
-                                      strides=[stride_b, stride_h, stride_row, 1],
-                                      block_shape=[1, 1, ROWS, HEAD_DIM], layout=layout4)
-
-
-@gluon.jit
 def _sm90_dq_kernel(
     Q, K, V, DO, LSE2, DELTA,   # as in _sm90_dkdv_kernel
     DQ,                         # out [B, T, Hq, D] (last dim contiguous)
@@ -399,11 +389,11 @@ def _sm90_dq_kernel(
     n_tiles = gl.cdiv(T, BLOCK_M)
     n_work = n_tiles * B * HQ
     # [B, H, L, D] views: head h of one batch entry's matrix (_head_rows) is its block at (h * head_rows, h * head_cols)
-    q_desc = _descriptor4(Q, B, HQ, T, stride_qb, q_head_rows * stride_qt + q_head_cols, stride_qt, BLOCK_M, HEAD_DIM)
-    do_desc = _descriptor4(DO, B, HQ, T, stride_dob, do_head_rows * stride_dot + do_head_cols, stride_dot, BLOCK_M,
+    q_desc = descriptor4(Q, B, HQ, T, stride_qb, q_head_rows * stride_qt + q_head_cols, stride_qt, BLOCK_M, HEAD_DIM)
+    do_desc = descriptor4(DO, B, HQ, T, stride_dob, do_head_rows * stride_dot + do_head_cols, stride_dot, BLOCK_M,
                            HEAD_DIM)
-    k_desc = _descriptor4(K, B, HKV, S, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-    v_desc = _descriptor4(V, B, HKV, S, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM)
+    k_desc = descriptor4(K, B, HKV, S, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+    v_desc = descriptor4(V, B, HKV, S, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = Q.dtype.element_ty
     NW: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = wgmma_layout(NW, BLOCK_N)

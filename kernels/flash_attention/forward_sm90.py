@@ -72,6 +72,16 @@ def wgmma_layout(num_warps, n):
 
 
 @gluon.jit
+def descriptor4(ptr, batch, heads, rows, stride_b, stride_h, stride_row, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A TMA descriptor of a [batch, heads, rows, HEAD_DIM] view with [1, 1, ROWS, HEAD_DIM] blocks; rows past
+    ``rows`` read as zeros."""
+    layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    return tma.make_tensor_descriptor(ptr, shape=[batch, heads, rows, HEAD_DIM],
+                                      strides=[stride_b, stride_h, stride_row, 1],
+                                      block_shape=[1, 1, ROWS, HEAD_DIM], layout=layout4)
+
+
+@gluon.jit
 def _bounds(m0, ROWS: gl.constexpr, T, S, shift, layout: gl.constexpr, CAUSAL: gl.constexpr):
     """For query rows m0 .. m0 + ROWS (``layout``: the scores' row slice): ``(rows, row_end, full_end)``:
     each row sees keys [0, row_end) (:func:`_key_tiles`: the tiles the rows visit together); tiles that
@@ -140,15 +150,9 @@ def _sm90_fwd_kernel(
 ):
     if WS:
         # [B, H, T, D] views of the tensors, which serve every tile of a persistent program
-        layout4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-        q_desc = tma.make_tensor_descriptor(Q, shape=[B, HQ, T, HEAD_DIM], strides=[stride_qb, stride_qh, stride_qt, 1],
-                                            block_shape=[1, 1, BLOCK_M // 2, HEAD_DIM], layout=layout4)
-        k_desc = tma.make_tensor_descriptor(K, shape=[B, HQ // GROUP, S, HEAD_DIM],
-                                            strides=[stride_kb, stride_kh, stride_ks, 1],
-                                            block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=layout4)
-        v_desc = tma.make_tensor_descriptor(V, shape=[B, HQ // GROUP, S, HEAD_DIM],
-                                            strides=[stride_vb, stride_vh, stride_vs, 1],
-                                            block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=layout4)
+        q_desc = descriptor4(Q, B, HQ, T, stride_qb, stride_qh, stride_qt, BLOCK_M // 2, HEAD_DIM)
+        k_desc = descriptor4(K, B, HQ // GROUP, S, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+        v_desc = descriptor4(V, B, HQ // GROUP, S, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM)
         tiles = (SCHED + gl.program_id(0) * sched_pitch, group_programs, B * HQ, PERSIST)
         _ws_body(q_desc, k_desc, v_desc, O, LSE, tiles, T, S, HQ, GROUP, shift, qk_scale, HEAD_DIM, BLOCK_M,
                  BLOCK_N, NUM_BUF, CAUSAL)
