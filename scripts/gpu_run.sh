@@ -5,8 +5,8 @@
 # contention: scripts/sm_contention.py (CONTENTION_ARGS): our GEMM against cuBLAS with some SMs held
 # sm90: the Gluon kernels' GPU tests (-k sm90: attention forward and backward, the WS GEMM; spread over the
 #   workers test by test, not file by file: each case autotunes Gluon configs), then
-#   scripts/attention_sm90.py (SM90_PARTS, default fwd,bwd) under SM90_TIMEOUT: a hung barrier stops a part,
-#   not the stage
+#   scripts/attention_sm90.py (SM90_PARTS, default fwd,bwd; SM90_ARGS e.g. --no-errors) under SM90_TIMEOUT: a hung
+#   barrier stops a part, not the stage; SM90_K narrows the tests (a pytest -k expression, default sm90)
 # trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
 # train: TRAIN_ARGS e.g. "--compiled --baselines compile" (the model under torch.compile beside eager)
 # finetune: python -m tritonllm.bench finetune (FINETUNE_ARGS; default TinyLlama shape, B4 T2048, rank 16)
@@ -50,11 +50,11 @@ for stage in $stages; do
             timeout ${TUNE_TIMEOUT:-330} python3 scripts/tune_linear.py ${TUNE_LINEAR:-splits swiglu} 2>&1 \
                 | tee "$OUT/tune-linear.log" | tail -${TAIL:-80} ;;
         sm90)
-            timeout -s INT -k 30 ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -n 8 --dist load -k sm90 \
+            timeout -s INT -k 30 ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -n 8 --dist load -k "${SM90_K:-sm90}" \
                 tests/test_flash_attention.py tests/test_linear.py -p no:cacheprovider > "$OUT/tests-sm90.log" 2>&1
             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-sm90.log" | head -40
             for part in $(echo ${SM90_PARTS:-fwd,bwd} | tr , ' '); do
-                timeout ${SM90_TIMEOUT:-240} python3 scripts/attention_sm90.py --parts $part > "$OUT/attention-sm90-$part.log" 2>&1
+                timeout ${SM90_TIMEOUT:-240} python3 scripts/attention_sm90.py --parts $part ${SM90_ARGS:-} > "$OUT/attention-sm90-$part.log" 2>&1
                 echo "attention_sm90 --parts $part: rc $?"; grep -v "^{'case'" "$OUT/attention-sm90-$part.log" | tail -${TAIL:-12}
                 [ -f "$OUT/attention-sm90.json" ] && mv "$OUT/attention-sm90.json" "$OUT/attention-sm90-$part.json"
             done ;;
