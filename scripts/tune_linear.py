@@ -481,7 +481,8 @@ def section_lce(state):
 
     impls = {}
     defaults = (LCE.DEFAULT_CHUNK, LCE.DW_FP32, LCE.GRAD_IN_PLACE)
-    sets = dict.fromkeys([defaults, (None, False, True), (2048, False, True), (2048, True, False)])
+    sets = dict.fromkeys([defaults, (None, False, True)] + [(c, False, True) for c in (2048, 4096, 8192, 16384)]
+                         + [(2048, True, False)])
     knob_sets = [(f"chunk={c or 'auto'} dW={'fp32' if f else 'W dtype'} {'in-place' if i else 'copy'}", c, f, i)
                  for c, f, i in sets]
 

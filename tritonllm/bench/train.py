@@ -62,7 +62,8 @@ Per side, after ``--warmup`` untimed steps (>= 3, so that tritonllm's graph is c
 
 tritonllm's graphed profile also gives ``triton_share``, the fraction of its GPU kernel time spent
 in tritonllm's own Triton kernels, recognised by name (every ``@triton.jit`` kernel of
-``tritonllm.kernels`` is ``_<name>_kernel``); every other kernel is listed (``other_kernels_ms``).
+``tritonllm.kernels`` is ``_<name>_kernel``); the TOP_KERNELS of them that take the most GPU time a step
+are listed (``kernels_ms``, each kernel's launches summed) and every other kernel (``other_kernels_ms``).
 The host CPU's model (``lscpu``, else ``/proc/cpuinfo``) is printed and recorded, since the host
 figures depend on it. The row goes to ``docs/perf/train-<gpu>.json`` (DESIGN.md section 6),
 rewritten after every side so that a run cut short keeps what it measured.
@@ -93,6 +94,8 @@ BASELINE_MODES = {"compile": None, "reduce-overhead": "reduce-overhead", "max-au
 #: the JSON name of each baseline
 BASELINE_NAMES = {"compile": "torch.compile", "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune"}
 PROFILED_STEPS = 3
+#: how many of tritonllm's kernels the row lists by GPU time a step (kernels_ms)
+TOP_KERNELS = 20
 
 
 # --- host CPU --------------------------------------------------------------------------------------
@@ -523,8 +526,11 @@ def main(argv: list[str]) -> None:
     row = {"model": model_cfg.name, "batch": B, "seq_len": T, "nproc": 1, "parallel": "none", "cuda_graph": captured,
            **graphed, "eager": eager, **({"compiled": compiled} if compiled else {}), "baselines": {}, "speedup": None,
            "triton_share": round(sum(ours_ms.values()) / total, 4) if total else None, "host_cpu": host_cpu,
+           "kernels_ms": {k: round(v, 3) for k, v in sorted(ours_ms.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]},
            "other_kernels_ms": {k: round(v, 3) for k, v in sorted(other_ms.items(), key=lambda kv: -kv[1])}}
     print(f"tritonllm triton_share {row['triton_share']}; host CPU: {host_cpu}")
+    for name, ms in row["kernels_ms"].items():
+        print(f"  tritonllm kernel {ms:8.3f} ms  {name}")
     for name, ms in row["other_kernels_ms"].items():
         print(f"  non-tritonllm kernel {ms:8.3f} ms  {name}")
     experts = None
