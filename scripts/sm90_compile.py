@@ -216,12 +216,10 @@ def attention_fwd_sm90_main(args) -> None:
                    "stride_qb": T * Hq * D, "stride_qt": Hq * D, "stride_qh": D, "stride_kb": T * Hkv * D,
                    "stride_ks": Hkv * D, "stride_kh": D, "stride_vb": T * Hkv * D, "stride_vs": Hkv * D,
                    "stride_vh": D, "B": B, "T": T, "S": T, "HQ": Hq, "GROUP": Hq // Hkv, "shift": 0,
-                   "qk_scale": D ** -0.5 * attn_config.LOG2E, "group_programs": 264, "sched_pitch": 17,
+                   "qk_scale": D ** -0.5 * attn_config.LOG2E, "sched_pitch": 17,
                    "T_BUCKET": next_pow2(T), "S_BUCKET": next_pow2(T)}
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, B,Hq,Hkv,T,D {args.shape}, causal {args.causal}")
-    rows = [("{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}"
-             + (" ws" if c.kwargs["WS"] else "") + (" persist" if c.kwargs["PERSIST"] else ""),
-             c, forward_sm90._smem(c, D) <= HOPPER_SMEM, forward_sm90._smem(c, D)) for c in forward_sm90._kernel.configs]
+    rows = [("{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}", c, forward_sm90._smem(c, D) <= HOPPER_SMEM, forward_sm90._smem(c, D)) for c in forward_sm90._kernel.configs]
     report(fn, rows, kernel_args, {"HEAD_DIM": D, "CAUSAL": args.causal})
 
 

@@ -1,26 +1,20 @@
-"""Flash attention forward for Hopper (sm90), written in Gluon (Triton's lower-level language), in two
-schedules the autotuner picks between (:data:`CONFIGS`, ``WS``):
+"""Flash attention forward for Hopper (sm90), written in Gluon (Triton's lower-level language):
+FlashAttention-3's warp-specialized schedule on a persistent grid.
 
-- **overlap** (measured, docs/perf/NOTES.md): one or two warpgroups that load their own k and v tiles;
-  the score product of the next key tile and the value product of the last one are in flight on the
-  tensor cores while this tile's softmax runs (FlashAttention-3's intra-warpgroup overlap). ``tl.dot``
-  cannot express it: with the next tile's ``q k^T`` issued before this tile's softmax in the source,
-  Triton 3.6 still waits for it right after issuing it (offline sm_90 compile).
+- A producer warp fills a ring of k and v tiles (TMA, mbarriers both ways); two consumer warpgroups of
+  64 query rows each take turns at the tensor cores (each waits for its turn before issuing a tile's
+  products and then passes the turn), so that one's softmax runs while the other's products do. Each
+  consumer keeps the score product of the next key tile in flight during this tile's softmax:
 
       issue S_j = q k_j^T                  (async)
       issue O += P_{j-1} v_{j-1}           (async)
       wait S_j; mask; online softmax -> P_j, alpha_j   (overlaps the value product)
       wait O; O *= alpha_j
 
-- **warp-specialized** (measured, the fastest at D128): FlashAttention-3's whole schedule. A producer
-  warp fills a ring of k and v tiles (TMA, mbarriers both ways); two consumer warpgroups of 64 query
-  rows each run the loop above and take turns at the tensor cores (each waits for its turn before
-  issuing a tile's products and then passes the turn), so that one's softmax runs while the other's
-  products do.
-- **persistent** (``PERSIST``, warp-specialized): one program an SM runs a list of query tiles that the
-  host balanced (:func:`schedule`), so that the producer loads the next tile's q, k and v while the
-  consumers finish this one (its last value product and the output store), and the launch, the
-  descriptors and the first loads' latency are paid once an SM instead of once a tile.
+- One program an SM runs a list of query tiles that the host balanced (:func:`schedule`), so that the
+  producer loads the next tile's q, k and v while the consumers finish this one (its last value product
+  and the output store), and the launch, the descriptors and the first loads' latency are paid once an
+  SM instead of once a tile.
 
 The same math as :func:`forward._attend` (base-2 online softmax, scores scaled inside the exponent),
 so the output and the natural-log ``lse`` are the portable kernel's, to rounding. Only 16-bit q, k, v
@@ -40,25 +34,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .._common import autotune, next_pow2, num_sms, smem_budget, tma_scratch
-from .masks import program_tile
 
-#: the portable kernels' program order (masks.program_tile), compiled as Gluon
-_program_tile = gluon.jit(program_tile.fn)
-
-#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF, WS, PERSIST) the autotuner tries, the first one pinned
-#: (TRITONLLM_NO_AUTOTUNE=1). WS False: one or two warpgroups that load their own k and v tiles (a ring of
-#: NUM_BUF, loaded NUM_BUF - 2 tiles ahead); True: FlashAttention-3's warp-specialized schedule, two
-#: consumer warpgroups of 64 rows (BLOCK_M 128) taking turns at the tensor cores and a producer warp
-#: filling a NUM_BUF-deep ring (num_warps 4 is the first consumer's; the kernel runs 12). PERSIST (with WS
-#: only): one program an SM over a host-balanced list of tiles (:func:`schedule`; BLOCK_M must be
-#: SCHED_BLOCK_M).
-#: Every config is compiled at each new shape, so only these are kept (scripts/attention_sm90.py, H100): the
-#: WS ones (the fastest at every D128 bench shape) and the overlap configs fastest at D64 (128x64) and at
-#: T16384 D128 (128x128); the rest never came first (docs/perf/attention-sm90-h100.json).
-CONFIGS = [(128, 128, 4, 2, True, False), (128, 64, 4, 3, True, False), (128, 64, 8, 3, False, False),
-           (128, 128, 8, 3, False, False), (128, 128, 4, 2, True, True), (128, 64, 4, 3, True, True),
-           (128, 128, 4, 3, True, True)]
-#: the query tile of every persistent config: :func:`schedule`'s tiles
+#: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF): the kernel's one config (num_warps 4 is the first consumer's; the
+#: kernel runs 12: two consumer warpgroups and the producer warp; BLOCK_M must be SCHED_BLOCK_M). Measured
+#: on an H100 (scripts/attention_sm90.py, docs/perf/attention-sm90-h100.json): a ring of 3 ran within 1% of
+#: it at the four bench shapes, 64-key tiles 7-14% slower, and the one-tile-a-program schedules (warp-specialized
+#: or not) 1.1-1.6x slower at every shape; they were removed.
+CONFIGS = [(128, 128, 4, 2)]
+#: the query tile: :func:`schedule`'s tiles
 SCHED_BLOCK_M = 128
 #: :func:`schedule`'s cost of a tile beyond its key tiles, in key tiles of SCHED_BLOCK_M keys (the first
 #: score product, which nothing overlaps, and the output store)
@@ -142,108 +125,18 @@ def _sm90_fwd_kernel(
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    B, T, S, HQ, GROUP, shift, qk_scale, group_programs,
-    SCHED, sched_pitch,         # PERSIST: schedule()'s table, int32 [programs, sched_pitch]; else unused
+    B, T, S, HQ, GROUP, shift, qk_scale,
+    SCHED, sched_pitch,         # schedule()'s table, int32 [programs, sched_pitch]
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-    CAUSAL: gl.constexpr, WS: gl.constexpr, PERSIST: gl.constexpr,
+    CAUSAL: gl.constexpr,
 ):
-    if WS:
-        # [B, H, T, D] views of the tensors, which serve every tile of a persistent program
-        q_desc = descriptor4(Q, B, HQ, T, stride_qb, stride_qh, stride_qt, BLOCK_M // 2, HEAD_DIM)
-        k_desc = descriptor4(K, B, HQ // GROUP, S, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
-        v_desc = descriptor4(V, B, HQ // GROUP, S, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM)
-        tiles = (SCHED + gl.program_id(0) * sched_pitch, group_programs, B * HQ, PERSIST)
-        _ws_body(q_desc, k_desc, v_desc, O, LSE, tiles, T, S, HQ, GROUP, shift, qk_scale, HEAD_DIM, BLOCK_M,
-                 BLOCK_N, NUM_BUF, CAUSAL)
-    else:
-        n_tiles = gl.cdiv(T, BLOCK_M)
-        rank, pid_bh = _program_tile(gl.program_id(0), n_tiles, gl.num_programs(0) // n_tiles, group_programs)
-        m0 = (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first: with causal they see the most keys
-        b = (pid_bh // HQ).to(gl.int64)
-        h = (pid_bh % HQ).to(gl.int64)
-        hk = h // GROUP
-        tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[T, HEAD_DIM],
-                                            strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM],
-                                            layout=tile_layout)
-        k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, shape=[S, HEAD_DIM],
-                                            strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                            layout=tile_layout)
-        v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, shape=[S, HEAD_DIM],
-                                            strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                            layout=tile_layout)
-        _overlap_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM, BLOCK_M,
-                      BLOCK_N, NUM_BUF, CAUSAL)
-
-
-@gluon.jit
-def _overlap_body(q_desc, k_desc, v_desc, O, LSE, b, h, m0, T, S, HQ, shift, qk_scale, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
-    """WS False: every warp computes (BLOCK_M / 64 warpgroups) and loads its own k and v tiles."""
-    dtype: gl.constexpr = q_desc.dtype
-    s_zero, acc, m_i, l_i, cols0 = _start(BLOCK_M, BLOCK_N, HEAD_DIM, gl.num_warps())
-    o_layout: gl.constexpr = acc.type.layout
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-
-    row_layout: gl.constexpr = m_i.type.layout
-    rows, row_end, full_end = _bounds(m0, BLOCK_M, T, S, shift, row_layout, CAUSAL)
-    n_iter = _key_tiles(m0, BLOCK_M, BLOCK_N, T, S, shift, CAUSAL)
-    TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
-
-    mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
-    for j in gl.static_range(NUM_BUF - 1):
-        mbarrier.expect(k_bars.index(j), TILE_BYTES, pred=j < n_iter)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_bars.index(j), k_smem.index(j), pred=j < n_iter)
-        mbarrier.expect(v_bars.index(j), TILE_BYTES, pred=j < n_iter)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_bars.index(j), v_smem.index(j), pred=j < n_iter)
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_bars.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False)
-    p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, 0, full_end, row_end, cols0)
-    p = gl.convert_layout(p32.to(dtype), p_layout)
-
-    for i in range(1, n_iter):
-        # the ring slot of tile i + NUM_BUF - 2 last held tile i - 2, whose products are done
-        t = i + NUM_BUF - 2
-        ts = t % NUM_BUF
-        mbarrier.expect(k_bars.index(ts), TILE_BYTES, pred=t < n_iter)
-        tma.async_copy_global_to_shared(k_desc, [t * BLOCK_N, 0], k_bars.index(ts), k_smem.index(ts), pred=t < n_iter)
-        mbarrier.expect(v_bars.index(ts), TILE_BYTES, pred=t < n_iter)
-        tma.async_copy_global_to_shared(v_desc, [t * BLOCK_N, 0], v_bars.index(ts), v_smem.index(ts), pred=t < n_iter)
-
-        cs = i % NUM_BUF
-        mbarrier.wait(k_bars.index(cs), (i // NUM_BUF) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(cs).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        ps = (i - 1) % NUM_BUF
-        mbarrier.wait(v_bars.index(ps), ((i - 1) // NUM_BUF) & 1)
-        o_tok = warpgroup_mma(p, v_smem.index(ps), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        p32, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, i * BLOCK_N, full_end, row_end, cols0)
-        acc, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p = gl.convert_layout(p32.to(dtype), p_layout)
-
-    ls = (n_iter - 1) % NUM_BUF
-    mbarrier.wait(v_bars.index(ls), ((n_iter - 1) // NUM_BUF) & 1)
-    acc = warpgroup_mma(p, v_smem.index(ls), acc)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-    _store_rows(acc, l_i, m_i, rows, O, LSE, b, h, T, HQ, HEAD_DIM)
+    # [B, H, T, D] views of the tensors, which serve every tile of the program
+    q_desc = descriptor4(Q, B, HQ, T, stride_qb, stride_qh, stride_qt, BLOCK_M // 2, HEAD_DIM)
+    k_desc = descriptor4(K, B, HQ // GROUP, S, stride_kb, stride_kh, stride_ks, BLOCK_N, HEAD_DIM)
+    v_desc = descriptor4(V, B, HQ // GROUP, S, stride_vb, stride_vh, stride_vs, BLOCK_N, HEAD_DIM)
+    _ws_body(q_desc, k_desc, v_desc, O, LSE, SCHED + gl.program_id(0) * sched_pitch, T, S, HQ, GROUP, shift,
+             qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)
 
 
 @gluon.jit
@@ -258,26 +151,13 @@ def _key_tiles(m0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, T, S, shift, CA
 
 
 @gluon.jit
-def _tile_count(tiles):
-    """How many query tiles this program runs: its row of the schedule, or one."""
-    sched_row, _, _, PERSIST = tiles
-    if PERSIST:
-        return gl.load(sched_row)
-    else:
-        return 1
-
-
-@gluon.jit
 def _tile(tiles, t, T, HQ, GROUP, BLOCK_M: gl.constexpr):
-    """The program's t-th query tile: ``(b, h, hk, m0)`` (query head h, its KV head hk, rows m0 ..)."""
-    sched_row, group_programs, n_bh, PERSIST = tiles
+    """The program's t-th query tile (``tiles``: its row of the schedule, the count first):
+    ``(b, h, hk, m0)`` (query head h, its KV head hk, rows m0 ..)."""
     n_tiles = gl.cdiv(T, BLOCK_M)
-    if PERSIST:
-        code = gl.load(sched_row + 1 + t)
-        rank = code % n_tiles
-        pid_bh = code // n_tiles
-    else:
-        rank, pid_bh = _program_tile(gl.program_id(0), n_tiles, n_bh, group_programs)
+    code = gl.load(tiles + 1 + t)
+    rank = code % n_tiles
+    pid_bh = code // n_tiles
     h = pid_bh % HQ
     return pid_bh // HQ, h, h // GROUP, (n_tiles - 1 - rank) * BLOCK_M  # last query blocks first (causal)
 
@@ -285,8 +165,8 @@ def _tile(tiles, t, T, HQ, GROUP, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _ws_body(q_desc, k_desc, v_desc, O, LSE, tiles, T, S, HQ, GROUP, shift, qk_scale, HEAD_DIM: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
-    """WS True: the shared memory and barriers, then the three partitions, which run the program's query
-    tiles (:func:`_tile`) in turn. Each k and v slot is freed by both consumers (count 2), and so are the q
+    """The shared memory and barriers, then the three partitions, which run the program's query tiles
+    (:func:`_tile`; ``tiles``: the program's row of the schedule) in turn. Each k and v slot is freed by both consumers (count 2), and so are the q
     tiles (``q_empty``, once their last score product is done, so that the next tile's q loads under this
     tile's last value product and store); ``turn[c]`` says consumer c may issue its products."""
     dtype: gl.constexpr = q_desc.dtype
@@ -333,7 +213,7 @@ def _ws_producer(q_desc, k_desc, v_desc, smem, bars, problem, BLOCK_M: gl.conste
     HALF: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     kv = 0
-    for t in range(_tile_count(tiles)):
+    for t in range(gl.load(tiles)):
         b, h, hk, m0 = _tile(tiles, t, T, HQ, GROUP, BLOCK_M)
         mbarrier.wait(q_empty, (t & 1) ^ 1)  # free at the first tile
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
@@ -370,7 +250,7 @@ def _ws_consumer(smem, bars, problem, C: gl.constexpr, HEAD_DIM: gl.constexpr, B
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(C)
     kv = 0
-    for t in range(_tile_count(tiles)):
+    for t in range(gl.load(tiles)):
         b, h, hk, m0 = _tile(tiles, t, T, HQ, GROUP, BLOCK_M)
         n_iter = _key_tiles(m0, BLOCK_M, BLOCK_N, T, S, shift, CAUSAL)
         s_zero, acc, m_i, l_i, cols0 = _start(ROWS, BLOCK_N, HEAD_DIM, 4)
@@ -429,17 +309,17 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if _smem(c, d) <= smem_budget(0)] or configs[:1]
 
 
-_kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "WS": ws, "PERSIST": persist},
-                                  num_warps=w, num_stages=1) for bm, bn, w, nb, ws, persist in CONFIGS],
+_kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb}, num_warps=w, num_stages=1)
+                    for bm, bn, w, nb in CONFIGS],
                    key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
                    prune_configs_by={"early_config_prune": _prune})(_sm90_fwd_kernel)
-assert all(bm == SCHED_BLOCK_M for bm, *_, persist in CONFIGS if persist), "schedule() plans SCHED_BLOCK_M tiles"
+assert all(bm == SCHED_BLOCK_M for bm, *_ in CONFIGS), "schedule() plans SCHED_BLOCK_M tiles"
 
 
 @functools.lru_cache(maxsize=64)
 def schedule(B: int, Hq: int, T: int, S: int, causal: bool, programs: int, group_programs: int,
              device: torch.device) -> torch.Tensor:
-    """The persistent configs' tiles: int32 ``[P, 1 + L]``, row p program p's count n, then its n tiles
+    """The programs' query tiles: int32 ``[P, 1 + L]``, row p program p's count n, then its n tiles
     (``pid_bh * n_tiles + rank`` of the query tiles of SCHED_BLOCK_M rows; the rest of the row unused).
 
     The tiles come in :func:`masks.program_tile`'s order (groups of about ``group_programs`` tiles, the
@@ -492,14 +372,13 @@ def launch(q, k, v, o, lse, causal: bool, qk_scale: float, group_programs: int, 
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     sched = schedule(B, Hq, T, S, causal, num_sms(q.device.index), group_programs, q.device)
-    grid = lambda meta: (sched.shape[0] if meta["PERSIST"] else triton.cdiv(T, meta["BLOCK_M"]) * B * Hq,)  # noqa: E731
+    grid = (sched.shape[0],)
     triton.set_allocator(tma_scratch)  # the in-kernel descriptors' scratch; per call: the allocator is per thread
     args = (q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), B, T, S, Hq, Hq // Hkv, S - T, qk_scale, group_programs,
+            v.stride(0), v.stride(1), v.stride(2), B, T, S, Hq, Hq // Hkv, S - T, qk_scale,
             sched, sched.shape[1], next_pow2(T), next_pow2(S))
     if config is None:
         _kernel.launch(key, grid, *args, HEAD_DIM=D, CAUSAL=causal)
     else:
-        bm, bn, w, nb, ws, persist = config
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb, "WS": ws, "PERSIST": persist}
-        _sm90_fwd_kernel[grid(meta)](*args, HEAD_DIM=D, CAUSAL=causal, num_warps=w, **meta)
+        bm, bn, w, nb = config
+        _sm90_fwd_kernel[grid](*args, HEAD_DIM=D, CAUSAL=causal, num_warps=w, BLOCK_M=bm, BLOCK_N=bn, NUM_BUF=nb)
