@@ -60,12 +60,14 @@ from .softcap import check_cap, softcap_math
 REDUCTIONS = ("mean", "sum", "none")
 
 # Knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/NOTES.md, issue 3).
-#: tokens per chunk when ``chunk_size`` is None. None: the most (a multiple of 64) whose logits
-#: buffer plus dx split partials fit Liger-Kernel's logits chunk (:func:`default_chunk`); an int
-#: fixes it (the dW read-modify-write, 4 V H bytes per chunk in bf16, shrinks as it grows).
-#: 2048: measured on an H200 at 16384x768x32000 fwd+bwd, 6.17 ms (1.02x Liger, peak 0.23 GB) against
-#: 8.43 ms (0.75x, peak 0.106 GB, Liger's memory) for the memory-matched size: speed is chosen.
-DEFAULT_CHUNK: int | None = 2048
+#: bytes of the [chunk, V] logits buffer when ``chunk_size`` is None: the tokens go through in the fewest
+#: chunks of equal size (a multiple of 64 tokens) whose buffer fits (:func:`chunk_for`). None: Liger-Kernel's
+#: extra memory (:func:`default_chunk`). Fewer chunks are faster: each chunk after the first adds a
+#: read-modify-write of dW (4 V H bytes in bf16), and a chunk of few tokens under-fills the dx GEMM.
+#: 1 GiB: measured on an H100 at 16384x768x32000 fwd+bwd (one chunk) 4.93 ms, peak 1.12 GB, against 5.82 ms
+#: (0.23 GB) at chunks of 2048 tokens, 5.39 at 4096 and 8192, and 9.54 (0.106 GB) at Liger's memory
+#: (docs/perf/NOTES.md); torch.compile's unfused head takes 2.1 GB there.
+CHUNK_BYTES: int | None = 1 << 30
 #: default_chunk: the least share of the SMs the dx GEMM's split programs may fill when memory caps
 #: the number of splits
 MIN_DX_FILL = 0.75
@@ -285,10 +287,18 @@ def _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduct
             raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}") from e
 
 
+def chunk_for(T: int, V: int, elem: int, budget: int) -> int:
+    """Tokens per chunk (``CHUNK_BYTES``): the fewest chunks of equal size, rounded up to a multiple of
+    64 tokens, whose [chunk, V] buffer of ``elem``-byte logits fits ``budget`` bytes; at least 64 tokens
+    (whatever the budget), at most T."""
+    chunks = max(1, triton.cdiv(T * V * elem, budget))
+    return max(1, min(T, max(64, triton.cdiv(triton.cdiv(T, chunks), 64) * 64)))
+
+
 @functools.lru_cache(maxsize=None)
 def default_chunk(T: int, H: int, V: int, elem: int, sms: int) -> tuple[int, int]:
-    """(tokens per chunk, splits of the dx GEMM) when no chunk size is given (``DEFAULT_CHUNK``
-    None): the most tokens, in multiples of 64, whose [C, V] logits buffer plus the dx GEMM's fp32
+    """(tokens per chunk, splits of the dx GEMM) when no chunk size is given and ``CHUNK_BYTES`` is
+    None: the most tokens, in multiples of 64, whose [C, V] logits buffer plus the dx GEMM's fp32
     split partials [splits, C, H] fit Liger-Kernel's logits chunk, next_pow2(T / ceil(V / H)) rows
     of V (the same extra memory), with splits up to :func:`split_k_for`'s choice and filling at
     least MIN_DX_FILL of the GPU (or exactly that choice). At least 64 tokens, at most T."""
@@ -339,10 +349,10 @@ def _chunk_loop(x2, weight, t, ignore_index, label_smoothing, z_loss, chunk, all
     V = weight.shape[0]
     dev = x2.device
     dx_splits = None  # split_k_for's choice
-    if chunk is None and DEFAULT_CHUNK is None:
+    if chunk is None and CHUNK_BYTES is None:
         chunk, dx_splits = default_chunk(T, H, V, x2.element_size(), num_sms())
     elif chunk is None:
-        chunk = DEFAULT_CHUNK
+        chunk = chunk_for(T, V, x2.element_size(), CHUNK_BYTES)
     loss_rows = torch.empty(T, dtype=torch.float32, device=dev)
     z_rows = torch.empty(T, dtype=torch.float32, device=dev) if store_z else None
     dx = torch.empty((T, H), dtype=x2.dtype, device=dev) if need_dx else None
@@ -500,8 +510,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     logits z = c tanh(l / c) capped in fp32 inside the fused kernel: loss_i = lse - (1 - ls) z_t - ls/V sum_j z_j + z_loss lse^2 per non-ignored row,
     reduced by ``mean`` (over non-ignored rows; 0 when all are ignored), ``sum`` or ``none``
     (per-row fp32 losses, 0 on ignored rows). Tokens go through in chunks of ``chunk_size``
-    (default: :func:`default_chunk`, Liger-Kernel's extra memory): extra memory is one
-    [chunk_size, V] buffer (plus the dx GEMM's split partials). For ``mean``/``sum`` the gradients
+    (default: the fewest equal chunks whose logits fit ``CHUNK_BYTES``, 1 GiB; :func:`chunk_for`): extra
+    memory is one [chunk_size, V] buffer (plus the dx GEMM's split partials). For ``mean``/``sum`` the gradients
     are computed in the forward and backward only scales them (in place by default: the returned
     gradients are buffers of the forward). Returns the fp32 loss, or ``(loss, z_loss_term)`` when
     ``return_z_loss`` (the z-loss part of the loss, reduced the same way, for logging; not

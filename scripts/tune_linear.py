@@ -25,7 +25,7 @@ Sections, in this order:
            stream beside dx where linear.OVERLAP_DW applies or one after the other (static or dynamic
            tiles), against cuBLAS.
   lce      linear_cross_entropy 16384x768x32000 fwd+bwd ms and peak memory for sets of
-           DEFAULT_CHUNK / DW_FP32 / GRAD_IN_PLACE, against Liger-Kernel and eager PyTorch.
+           CHUNK_BYTES / DW_FP32 / GRAD_IN_PLACE, against Liger-Kernel and eager PyTorch.
   configs  stage B: every candidate config with each problem's best knob set.
   splits   the three GEMMs of linear (fwd, dx, dW) at every benchmark shape, each replayed in a CUDA
            graph, the best of CANDIDATES with the default knobs and (on Hopper) of gemm_sm90's WS
@@ -480,15 +480,15 @@ def section_lce(state):
         return F.cross_entropy(F.linear(x, w).float(), t)
 
     impls = {}
-    defaults = (LCE.DEFAULT_CHUNK, LCE.DW_FP32, LCE.GRAD_IN_PLACE)
-    sets = dict.fromkeys([defaults, (None, False, True)] + [(c, False, True) for c in (2048, 4096, 8192, 16384)]
-                         + [(2048, True, False)])
-    knob_sets = [(f"chunk={c or 'auto'} dW={'fp32' if f else 'W dtype'} {'in-place' if i else 'copy'}", c, f, i)
-                 for c, f, i in sets]
+    defaults = (LCE.CHUNK_BYTES, LCE.DW_FP32, LCE.GRAD_IN_PLACE)
+    sets = dict.fromkeys([defaults, (None, False, True)] + [(c * V * 2, False, True) for c in (2048, 4096, 8192)]
+                         + [(2048 * V * 2, True, False)])
+    knob_sets = [(f"chunk={LCE.chunk_for(T, V, 2, c) if c else 'liger'} dW={'fp32' if f else 'W dtype'} "
+                  f"{'in-place' if i else 'copy'}", c, f, i) for c, f, i in sets]
 
-    def ours_with(chunk, fp32, in_place):
+    def ours_with(chunk_bytes, fp32, in_place):
         def run(x, w, t):
-            LCE.DEFAULT_CHUNK, LCE.DW_FP32, LCE.GRAD_IN_PLACE = chunk, fp32, in_place
+            LCE.CHUNK_BYTES, LCE.DW_FP32, LCE.GRAD_IN_PLACE = chunk_bytes, fp32, in_place
             return linear_cross_entropy(x, w, t)
         return run
 
@@ -499,7 +499,7 @@ def section_lce(state):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         impls["liger"] = lambda x, w, t: LigerFusedLinearCrossEntropyLoss()(w, x, t)
-    print(f"\n== linear_cross_entropy {T}x{H}x{V} fwd+bwd (auto chunk = {LCE.default_chunk(T, H, V, 2, L.num_sms())}"
+    print(f"\n== linear_cross_entropy {T}x{H}x{V} fwd+bwd (liger chunk = {LCE.default_chunk(T, H, V, 2, L.num_sms())}"
           " (tokens, dx splits)); target >= 1.2x liger at <= liger's peak memory")
     ref, rows = None, {}
     for name, impl in impls.items():
@@ -519,7 +519,7 @@ def section_lce(state):
         except Exception as e:  # noqa: BLE001
             print(f"  {name}: {type(e).__name__}: {str(e)[:150]}")
         torch.cuda.empty_cache()
-    LCE.DEFAULT_CHUNK, LCE.DW_FP32, LCE.GRAD_IN_PLACE = defaults
+    LCE.CHUNK_BYTES, LCE.DW_FP32, LCE.GRAD_IN_PLACE = defaults
     if "liger" in rows:
         for name in (n for n, *_ in knob_sets if n in rows):
             print(f"  {name:<32}{rows['liger']['ms'] / rows[name]['ms']:.2f}x liger, memory "

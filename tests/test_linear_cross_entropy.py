@@ -12,6 +12,8 @@ from _checks import DEVICE, DTYPES, assert_close, dtype_id, gemm_atol, non_conti
 from tritonllm.bench.reference_ops import linear_cross_entropy as ref_linear_cross_entropy
 from tritonllm.kernels import linear_cross_entropy
 
+LCE = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
+
 IGNORE = -100
 #: (loss, z-loss term) of the fp32 (or float64) logits by PyTorch ops
 reference = functools.partial(ref_linear_cross_entropy, return_z_loss=True)
@@ -79,6 +81,32 @@ def test_chunk_sizes(chunk):
     check(x, w, t, torch.float32, ignore_index=7, label_smoothing=0.05, chunk_size=chunk)
 
 
+@pytest.mark.parametrize("T,V,budget", [(16384, 32000, 1 << 30), (16384, 50304, 1 << 30), (65536, 32000, 1 << 30),
+                                         (1000, 100, 64), (37, 100, 1 << 30), (200, 1 << 20, 1 << 20)])
+def test_chunk_for(T, V, budget):
+    """CHUNK_BYTES's chunk: the fewest equal chunks (a multiple of 64 tokens, else all T) whose [chunk, V]
+    bf16 buffer fits the budget; 64 tokens when not even that fits."""
+    chunk = LCE.chunk_for(T, V, 2, budget)
+    chunks = -(-T // chunk)
+    assert 1 <= chunk <= T and (chunk % 64 == 0 or chunk == T)
+    if 64 * V * 2 > budget:
+        assert chunk == min(64, T)
+        return
+    assert chunk * V * 2 <= budget
+    assert chunks == max(1, -(-T * V * 2 // budget)) and T - (chunks - 1) * chunk > 0
+
+
+def test_chunk_bytes_default(monkeypatch):
+    """chunk_size None takes CHUNK_BYTES's chunks (here several, the last one partial) or, with
+    CHUNK_BYTES None, Liger-Kernel's memory (default_chunk)."""
+    x = randn(150, 17, requires_grad=True)
+    w = randn(50, 17, scale=0.3, requires_grad=True)
+    t = targets((150,), 50)
+    for budget in (64 * 50 * 4, None):
+        monkeypatch.setattr(LCE, "CHUNK_BYTES", budget)
+        check(x, w, t, torch.float32, label_smoothing=0.05)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored(reduction, poisoned_empty):
     x = randn(6, 17, requires_grad=True)
@@ -132,9 +160,8 @@ def test_long_vocabulary_knobs_and_rescaled_backward(dtype, dw_fp32, in_place, m
     """A vocabulary over the interpreter's single-pass row limit (blocked two-sweep row kernel) and
     over two split-K minimums (the dx GEMM splits along V); dW accumulated in W's dtype or fp32,
     gradients scaled in place or copied; a retained graph's second backward with another dloss."""
-    lce = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
-    monkeypatch.setattr(lce, "DW_FP32", dw_fp32)
-    monkeypatch.setattr(lce, "GRAD_IN_PLACE", in_place)
+    monkeypatch.setattr(LCE, "DW_FP32", dw_fp32)
+    monkeypatch.setattr(LCE, "GRAD_IN_PLACE", in_place)
     x = randn(8, 16, dtype=dtype, requires_grad=True)
     w = randn(4100, 16, dtype=dtype, scale=0.25, requires_grad=True)
     t = targets((8,), 4100)
