@@ -213,7 +213,18 @@ def timed_ms(make_fn: Callable[[], Callable], label: str) -> tuple[float, bool]:
     except Exception as e:  # a pass that synchronises with the host cannot be captured
         torch.cuda.synchronize()
         print(f"  [{label}] not capturable, timed eagerly: {type(e).__name__}: {str(e)[:160]}")
+        _close_failed_capture()
         return time_ms(make_fn()), False
+
+
+def _close_failed_capture() -> None:
+    """One trivial capture after a failed one. When a capture fails, ``capture_end`` raises before PyTorch's
+    CUDA generator leaves its capture mode, and every later random op on the device then fails ("Offset
+    increment outside graph capture"): a capture that completes takes the generator out of it again."""
+    graph, x = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
+    with torch.cuda.graph(graph, stream=_capture_stream()):
+        x.add_(1)
+    torch.cuda.synchronize()
 
 
 def host_us(fn: Callable, calls: int = 200, rounds: int = 5) -> float:
