@@ -16,7 +16,7 @@ the kernels (no CUDA device visible and Triton not imported yet) and logs a line
 imported, it changes nothing. ``interpreting()`` tells which mode is on, and a CPU tensor given to
 a kernel while the interpreter is off is refused with an error naming the argument and the variable.
 
-Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``, ``swiglu_mlp``,
+Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
 ``swiglu``, ``relu2``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``rope_flash_attention``, ``split_heads``,
 ``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``, ``moe_router``,
 ``moe_sort``, ``moe_gather``, ``moe_combine``, ``grouped_linear``, ``grouped_linear_swiglu``) is also
@@ -68,7 +68,7 @@ from .cross_entropy import cross_entropy  # noqa: E402
 from .adamw import adamw_step_, clip_grads_  # noqa: E402
 from .muon import muon_step_, orthogonalize  # noqa: E402
 # matrix products
-from .linear import linear, linear_swiglu, swiglu_mlp  # noqa: E402
+from .linear import linear, linear_swiglu  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 # attention
 from .flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd, rope_flash_attention  # noqa: E402
@@ -84,7 +84,7 @@ __all__ = [
     "rms_norm", "swiglu", "relu2", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
     "clip_grads_", "weighted_add", "fork", "add_fork",
     "muon_step_", "orthogonalize",
-    "linear", "linear_swiglu", "swiglu_mlp", "linear_cross_entropy",
+    "linear", "linear_swiglu", "linear_cross_entropy",
     "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "rope_flash_attention", "split_heads",
     "MoERouting", "moe_router", "MoEPlan", "moe_sort", "moe_gather", "moe_combine",
     "grouped_linear", "grouped_linear_swiglu", "moe",

@@ -28,10 +28,9 @@ import triton
 import triton.language as tl
 
 from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
-from .swiglu import swiglu_grads
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
-PLAIN, SWIGLU_FWD, SWIGLU_BWD = 0, 1, 2
+PLAIN, SWIGLU_FWD = 0, 1
 
 # Tuning knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/NOTES.md, issue 3).
 #: flatten the persistent tile loop into the K loop (``tl.range(flatten=...)``): the pipeliner
@@ -176,9 +175,8 @@ def _store_tile(desc, base, stride_m, stride_n, tile, m0, n0, M, N,
 def _matmul_kernel(
     a_ptr,  # A [M, K], strides (stride_am, stride_ak)
     b_ptr,  # B [K, N] (SWIGLU_FWD: [K, 2N], gate columns [0, N), up columns [N, 2N))
-    c_ptr,  # C [M, N] output, read too when ACCUMULATE; SPLIT_K > 1: fp32 partials [SPLIT_K, M, N];
-            # SWIGLU_BWD: [M, 2N], [dgate, dup], strides (stride_cm, 1)
-    gu_ptr,  # [M, 2N] gate then up pre-activations, strides (stride_gm, 1): out (STORE_GU), in (SWIGLU_BWD)
+    c_ptr,  # C [M, N] output, read too when ACCUMULATE; SPLIT_K > 1: fp32 partials [SPLIT_K, M, N]
+    gu_ptr,  # [M, 2N] out (STORE_GU): gate then up pre-activations, strides (stride_gm, 1)
     bias_ptr,  # [N] bias added to every row (HAS_BIAS)
     e_ptr,  # [M, N] residual added to C (HAS_RESIDUAL)
     sa_ptr,  # [M] fp32 scale of A's rows (SCALED): C = sa[m] sb[n] (A @ B) before the other epilogue terms
@@ -189,7 +187,7 @@ def _matmul_kernel(
     stride_cs, stride_cm, stride_cn,  # element strides of C (stride_cs: between split-K partials)
     stride_gm,  # row stride of gu
     stride_em, stride_en,  # element strides of the residual
-    EPILOGUE: tl.constexpr,  # PLAIN, SWIGLU_FWD or SWIGLU_BWD
+    EPILOGUE: tl.constexpr,  # PLAIN or SWIGLU_FWD
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # C += A @ B (beta = 1) instead of C = A @ B
@@ -208,7 +206,7 @@ def _matmul_kernel(
     WARP_SPECIALIZE: tl.constexpr,  # module knob WARP_SPECIALIZE (TMA path only)
     EPILOGUE_SUBTILE: tl.constexpr,  # module knob EPILOGUE_SUBTILE (TMA_STORE only)
 ):
-    GATED: tl.constexpr = EPILOGUE == 1  # SWIGLU_FWD: two accumulators
+    GATED: tl.constexpr = EPILOGUE != 0
     WS: tl.constexpr = WARP_SPECIALIZE and USE_TMA
     FLAT: tl.constexpr = FLATTEN and not WS
     SUBTILE: tl.constexpr = EPILOGUE_SUBTILE and TMA_STORE
@@ -229,9 +227,6 @@ def _matmul_kernel(
             g_desc = tl.make_tensor_descriptor(gu_ptr, shape=[M, N], strides=[stride_gm, 1],
                                                block_shape=[BLOCK_M, STORE_N])
             u_desc = tl.make_tensor_descriptor(gu_ptr + N, shape=[M, N], strides=[stride_gm, 1],
-                                               block_shape=[BLOCK_M, STORE_N])
-        if EPILOGUE == 2:  # the dup half of C
-            u_desc = tl.make_tensor_descriptor(c_ptr + N, shape=[M, N], strides=[stride_cm, 1],
                                                block_shape=[BLOCK_M, STORE_N])
     else:
         c_desc = c_ptr
@@ -322,19 +317,12 @@ def _matmul_kernel(
                         acc += tl.load(c_old, mask=mask, other=0.0).to(tl.float32)
             c_split = c_ptr + (unit_c // num_tiles).to(tl.int64) * stride_cs
             _store_tile(c_desc, c_split, stride_cm, stride_cn, acc, mc, nc, M, N, TMA_STORE, SUBTILE)
-        elif EPILOGUE == 1:
+        else:
             if STORE_GU:
                 _store_tile(g_desc, gu_ptr, stride_gm, 1, acc, mc, nc, M, N, TMA_STORE, SUBTILE)
                 _store_tile(u_desc, gu_ptr + N, stride_gm, 1, acc_up, mc, nc, M, N, TMA_STORE, SUBTILE)
             h = acc * tl.sigmoid(acc) * acc_up
             _store_tile(c_desc, c_ptr, stride_cm, stride_cn, h, mc, nc, M, N, TMA_STORE, SUBTILE)
-        else:  # SWIGLU_BWD: the product is dh; C = [dgate, dup] from the pre-activations in gu
-            g_ptrs = (gu_ptr + mc.to(tl.int64) * stride_gm + nc) + (rm[:, None] * stride_gm + rn[None, :])
-            mask = (mc + rm < M)[:, None] & (nc + rn < N)[None, :]
-            dgate, dup = swiglu_grads(acc, tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32),
-                                      tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32))
-            _store_tile(c_desc, c_ptr, stride_cm, 1, dgate, mc, nc, M, N, TMA_STORE, SUBTILE)
-            _store_tile(u_desc, c_ptr + N, stride_cm, 1, dup, mc, nc, M, N, TMA_STORE, SUBTILE)
 
 
 @triton.jit
@@ -365,13 +353,12 @@ def _config_smem(cfg: triton.Config, args: dict) -> int:
     1/8 to 1 tile by warps and dtype)."""
     kw = cfg.kwargs
     elem = args["a_ptr"].element_size()
-    b_tiles = 2 if args["EPILOGUE"] == SWIGLU_FWD else 1
+    b_tiles = 2 if args["EPILOGUE"] != PLAIN else 1
     pipeline = cfg.num_stages * kw["BLOCK_K"] * (kw["BLOCK_M"] + kw["BLOCK_N"] * b_tiles) * elem
     tile = kw["BLOCK_M"] * kw["BLOCK_N"] * args["c_ptr"].element_size()
     tma_store = args.get("TMA_STORE", False)
     converts = not tma_store or args.get("HAS_RESIDUAL", False)
-    # SWIGLU_BWD: the gate and up loads (pointers), converted like the residual's
-    extra_tiles = (tma_store + converts + args.get("ACCUMULATE", False) + 2 * (args["EPILOGUE"] == SWIGLU_BWD))
+    extra_tiles = (tma_store + converts + args.get("ACCUMULATE", False))
     if tma_store and kw.get("EPILOGUE_SUBTILE", False):
         extra_tiles -= 0.5
     return int(pipeline + extra_tiles * tile)
@@ -408,7 +395,7 @@ def prune_configs(configs, named_args, **kwargs):
     smallest one shrunk until it fits (:func:`_shrink_to_fit`). Also used by
     kernels.grouped_linear (no TMA_STORE / STORE_GU arguments there)."""
     args = {**named_args, **kwargs}
-    gated, budget = args["EPILOGUE"] == SWIGLU_FWD, smem_budget(SMEM_RESERVE)
+    gated, budget = args["EPILOGUE"] != PLAIN, smem_budget(SMEM_RESERVE)
     keep = [c for c in configs if _config_smem(c, args) <= budget and not (gated and gated_too_large(c.kwargs))]
     return keep or [_shrink_to_fit(min(configs, key=lambda c: _config_smem(c, args)), args)]
 
@@ -512,7 +499,7 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
     if (a_scale is None) != (b_scale is None) or (a_scale is not None and epilogue != PLAIN):
         raise ValueError("a_scale and b_scale go together, with the PLAIN epilogue")
     M, K = a.shape
-    N = c.shape[1] // 2 if epilogue == SWIGLU_BWD else c.shape[1]
+    N = c.shape[1]
     a_k, b_n = _tma_operand(a), _tma_operand(b)
     can_tma = K > 0 and a_k is not None and b_n is not None
     if use_tma is None:
@@ -527,8 +514,7 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
     out = c if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=c.device)
     store_gu = epilogue == SWIGLU_FWD and gu is not None
     tma_store = (TMA_STORE and bool(use_tma) and split_k == 1 and _tma_operand(c) is True
-                 and (not store_gu or (_tma_operand(gu) is True and (N * gu.element_size()) % 16 == 0))
-                 and (epilogue != SWIGLU_BWD or (N * c.element_size()) % 16 == 0))
+                 and (not store_gu or (_tma_operand(gu) is True and (N * gu.element_size()) % 16 == 0)))
     precision = "ieee" if (a.dtype == torch.float32 and not allow_tf32) else "tf32"
     args = dict(
         a_ptr=a, b_ptr=b, c_ptr=out, gu_ptr=c if gu is None else gu, bias_ptr=c if bias is None else bias,
@@ -568,14 +554,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     [N] and ``residual`` [M, N] when given, and the old value of c when ``accumulate``.
     ``SWIGLU_FWD`` takes b [K, 2N] (gate columns, then up columns), writes c [M, N] = silu(gate) * up
     and, when ``gu`` [M, 2N] (unit column stride) is given, the pre-activations [gate, up] into it.
-    ``SWIGLU_BWD`` is its backward fused into the product dh = a @ b [M, N]: it reads the pre-activations
-    ``gu`` [M, 2N] and writes c [M, 2N] = [dgate, dup] (:func:`kernels.swiglu.swiglu_grads`; both with a unit column stride),
-    never storing dh.
     ``use_tma`` forces the tensor-descriptor path (True) or the pointer path (False); None picks
     TMA where it can. ``split_k`` splits K over that many programs per output tile (PLAIN with no
     bias, residual or accumulate; fp32 partials summed in a fixed order); None picks it
     (:func:`split_k_for`). ``config`` launches that config instead of the autotuner's choice
-    (scripts/tune_linear.py); one of ``gemm_sm90.configs(epilogue)`` (it has ``PINGPONG``) runs the warp-specialized Hopper kernel. fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
+    (scripts/tune_linear.py); one of ``gemm_sm90.configs()`` (it has ``PINGPONG``; ``configs(gated=True)``
+    for ``SWIGLU_FWD``) runs the warp-specialized Hopper kernel. fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
     ``b_scale`` [N] (fp32, ``PLAIN``): c = a_scale[m] b_scale[n] (a @ b), fp32 accumulation
     promoted once per BLOCK_K. ``dynamic`` sets :data:`DYNAMIC` for this call (None: the module's value).
     """
@@ -639,10 +623,9 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
             ws = _sm90_ws()
             if not ws.applies(args, a.dtype, c.dtype):
                 raise ValueError("config: a gemm_sm90 config (PINGPONG) needs a problem its kernel takes: 16-bit, "
-                                 "PLAIN with at most a residual, SWIGLU_FWD or SWIGLU_BWD, unsplit, through tensor "
-                                 "descriptors")
-            if epilogue != PLAIN and config.kwargs not in [g.kwargs for g in ws.configs(epilogue)]:
-                raise ValueError("config: a SWIGLU_FWD or SWIGLU_BWD problem takes one of gemm_sm90.configs(epilogue)")
+                                 "PLAIN with at most a residual or SWIGLU_FWD, unsplit, through tensor descriptors")
+            if epilogue != PLAIN and config.kwargs not in [g.kwargs for g in ws.configs(gated=True)]:
+                raise ValueError("config: a SWIGLU_FWD problem takes one of gemm_sm90.configs(gated=True)")
             kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
     elif (SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and (epilogue == PLAIN or SM90_WS_GATED)
           and _sm90_ws().applies(args, a.dtype, c.dtype)):

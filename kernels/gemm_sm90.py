@@ -28,10 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from . import gemm
-from .swiglu import swiglu_grads
-
-#: the SwiGLU backward's math (kernels.swiglu), compiled as Gluon
-_swiglu_grads = gluon.jit(swiglu_grads.fn)
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PINGPONG) the autotuner tries; one producer warp beside the consumers.
 #: PINGPONG False: one consumer partition of 8 warps (two warpgroups splitting each tile's rows); True: two
@@ -42,11 +38,6 @@ CONFIGS = [(128, 256, 64, 3, False), (128, 128, 64, 4, False), (128, 128, 64, 5,
 #: the same for the gated (SwiGLU) forward: two accumulators (gate, up) of BLOCK_M x BLOCK_N each and
 #: a B ring twice as deep (4 stages of 128 x 128: 224 KiB with c_smem)
 GATED_CONFIGS = [(128, 128, 64, 3, False), (128, 128, 64, 4, False), (64, 128, 64, 4, True), (64, 128, 64, 3, True)]
-#: the same for the SwiGLU backward epilogue (gemm.SWIGLU_BWD): beside the accumulator each thread holds the
-#: tile's gate and up values, so the tiles are those of GATED_CONFIGS (at most 128x128 over 8 warps, or 64x128
-#: over a ping-pong warpgroup) on the plain ring
-SWIGLU_BWD_CONFIGS = [(128, 128, 64, 4, False), (128, 128, 64, 5, False), (64, 128, 64, 5, True),
-                      (64, 128, 64, 4, True)]
 #: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
 LOAD_REGS = gl.constexpr(40)
 #: slots of the ring through which the producer hands tile indices to the consumers: how many tiles it
@@ -194,40 +185,28 @@ def _store_tile(x, desc, c_smem, m0, n0):
 
 @gluon.jit
 def _epilogue(acc, acc_up, descs, c_smem, e_ptr, m0, n0, M, N, stride_em, stride_en, HAS_RESIDUAL: gl.constexpr,
-              GATED: gl.constexpr, STORE_GU: gl.constexpr, SWIGLU_BWD: gl.constexpr):
+              GATED: gl.constexpr, STORE_GU: gl.constexpr):
     """The tile (plus the residual) into C; GATED: silu(gate) * up into C, and with STORE_GU the gate
-    and up tiles into their halves of gu first. ``descs``: C's, gu's gate half's and up half's.
-    SWIGLU_BWD: the tile is dh; ``e_ptr`` is gu (the pre-activations), and [dgate, dup] go into the two
-    halves of C (``descs``: C's dgate half's, its dup half's)."""
+    and up tiles into their halves of gu first. ``descs``: C's, gu's gate half's and up half's."""
     c_desc, g_desc, u_desc = descs
-    if SWIGLU_BWD:
+    if GATED:
+        if STORE_GU:
+            _store_tile(acc, g_desc, c_smem, m0, n0)
+            _store_tile(acc_up, u_desc, c_smem, m0, n0)
+        acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+    if HAS_RESIDUAL:
         rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
         cols = n0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
-        ptrs = e_ptr + rows.to(gl.int64)[:, None] * stride_em + cols.to(gl.int64)[None, :] * stride_en
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        dgate, dup = _swiglu_grads(acc, gl.load(ptrs, mask=mask, other=0.0).to(gl.float32),
-                                   gl.load(ptrs + N * stride_en, mask=mask, other=0.0).to(gl.float32))
-        _store_tile(dgate, c_desc, c_smem, m0, n0)
-        _store_tile(dup, g_desc, c_smem, m0, n0)
-    else:
-        if GATED:
-            if STORE_GU:
-                _store_tile(acc, g_desc, c_smem, m0, n0)
-                _store_tile(acc_up, u_desc, c_smem, m0, n0)
-            acc = acc / (1.0 + gl.exp(-acc)) * acc_up
-        if HAS_RESIDUAL:
-            rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
-            cols = n0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
-            e = gl.load(e_ptr + rows.to(gl.int64)[:, None] * stride_em + cols.to(gl.int64)[None, :] * stride_en,
-                        mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
-            acc = acc + e.to(gl.float32)
-        _store_tile(acc, c_desc, c_smem, m0, n0)
+        e = gl.load(e_ptr + rows.to(gl.int64)[:, None] * stride_em + cols.to(gl.int64)[None, :] * stride_en,
+                    mask=(rows < M)[:, None] & (cols < N)[None, :], other=0.0)
+        acc = acc + e.to(gl.float32)
+    _store_tile(acc, c_desc, c_smem, m0, n0)
 
 
 @gluon.jit
 def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr,
-                   GATED: gl.constexpr, STORE_GU: gl.constexpr, SWIGLU_BWD: gl.constexpr):
+                   GATED: gl.constexpr, STORE_GU: gl.constexpr):
     """Consumer C of CONSUMERS. One (cooperative: its warpgroups split each tile's rows): every tile of
     the program. Two (ping-pong, a warpgroup each): the program's tiles C, C + 2, ... of the sequence
     the producer hands out (:func:`_take`), in its own c_smem slot; each runs a tile's products on its
@@ -254,7 +233,7 @@ def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDU
         if CONSUMERS > 1:
             mbarrier.arrive(turn.index(1 - C), count=1)
         _epilogue(acc, acc_up, descs, c_smem.index(C), e_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_em,
-                  stride_en, HAS_RESIDUAL, GATED, STORE_GU, SWIGLU_BWD)
+                  stride_en, HAS_RESIDUAL, GATED, STORE_GU)
         seq += CONSUMERS
         tile = _take(ids, id_ready, id_empty, seq)
     tma.store_wait(0)
@@ -285,8 +264,7 @@ def ws_matmul_kernel(
         a_desc, a_bufs = _operand(a_ptr, M, K, stride_am, BLOCK_M, BLOCK_K, STAGES)
     else:
         a_desc, a_bufs = _operand(a_ptr, K, M, stride_ak, BLOCK_K, BLOCK_M, STAGES)
-    GATED: gl.constexpr = EPILOGUE == 1  # gemm.SWIGLU_FWD: B [K, 2N], gate columns then up columns
-    SWIGLU_BWD: gl.constexpr = EPILOGUE == 2  # gemm.SWIGLU_BWD: C [M, 2N], read gu [M, 2N]
+    GATED: gl.constexpr = EPILOGUE != 0  # gemm.SWIGLU_FWD: B [K, 2N], gate columns then up columns
     B_SLOTS: gl.constexpr = 2 * STAGES if GATED else STAGES
     if B_N_CONTIGUOUS:
         b_desc, b_bufs = _operand(b_ptr, K, 2 * N if GATED else N, stride_bk, BLOCK_K, BLOCK_N, B_SLOTS)
@@ -301,20 +279,8 @@ def ws_matmul_kernel(
                                             block_shape=[BLOCK_M, BLOCK_N], layout=layout),
                  tma.make_tensor_descriptor(gu_ptr + N, shape=[M, N], strides=[stride_gm, 1],
                                             block_shape=[BLOCK_M, BLOCK_N], layout=layout))
-    elif SWIGLU_BWD:  # C [M, 2N]: the dgate half (c_desc) and the dup half
-        descs = (c_desc,
-                 tma.make_tensor_descriptor(c_ptr + N, shape=[M, N], strides=[stride_cm, 1],
-                                            block_shape=[BLOCK_M, BLOCK_N], layout=layout), c_desc)
     else:
         descs = (c_desc, c_desc, c_desc)
-    if SWIGLU_BWD:  # the epilogue's pointer loads read gu instead of a residual
-        e_src = gu_ptr
-        e_sm = stride_gm
-        e_sn = 1
-    else:
-        e_src = e_ptr
-        e_sm = stride_em
-        e_sn = stride_en
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [CONSUMERS, BLOCK_M, BLOCK_N], layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -332,22 +298,23 @@ def ws_matmul_kernel(
     for i in gl.static_range(ID_SLOTS):
         mbarrier.init(id_ready.index(i), count=1)
         mbarrier.init(id_empty.index(i), count=1)
-    problem = (a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_src, M, N, K, e_sm, e_sn)
+    problem = (a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_ptr, M, N, K, stride_em,
+               stride_en)
     FIRST: gl.constexpr = 0  # consumer indices as constexprs (a literal in the partitions' arguments is not one)
     SECOND: gl.constexpr = 1
     if PINGPONG:
         gl.warp_specialize([
             (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
-                               STORE_GU, SWIGLU_BWD)),
+                               STORE_GU)),
             (_mma_partition, (problem, SECOND, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
-                               STORE_GU, SWIGLU_BWD)),
+                               STORE_GU)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
                                N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED))],
             [4, 1], [232, LOAD_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
-                               STORE_GU, SWIGLU_BWD)),
+                               STORE_GU)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
                                N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED))],
             [1], [LOAD_REGS])
@@ -355,8 +322,8 @@ def ws_matmul_kernel(
 
 def applies(args: dict, a_dtype, c_dtype) -> bool:
     """This kernel computes the problem gemm planned as ``args`` (gemm._gemm_plan's): the PLAIN epilogue
-    with at most a residual, SWIGLU_FWD (with or without gu) or SWIGLU_BWD, no split along K, 16-bit operands
-    and output through tensor descriptors."""
+    with at most a residual, or SWIGLU_FWD (with or without gu), no split along K, 16-bit operands and
+    output through tensor descriptors."""
     return (not (args["HAS_BIAS"] or args["ACCUMULATE"] or args["SCALED"] or args["FP8"])
             and (args["EPILOGUE"] == gemm.PLAIN or not args["HAS_RESIDUAL"])
             and args["SPLIT_K"] == 1 and args["USE_TMA"] and args["TMA_STORE"] and args["K"] > 0
@@ -364,23 +331,22 @@ def applies(args: dict, a_dtype, c_dtype) -> bool:
             and (not args["STORE_GU"] or args["gu_ptr"].dtype == c_dtype))  # gu goes out through c_smem
 
 
-def configs(epilogue: int = gemm.PLAIN) -> list[triton.Config]:
-    """The configs of a gemm epilogue (:data:`CONFIGS`; SWIGLU_FWD: :data:`GATED_CONFIGS`; SWIGLU_BWD:
-    :data:`SWIGLU_BWD_CONFIGS`) as autotuner configs (num_warps: the first consumer partition's; the second
-    consumer warpgroup of a ping-pong config and the producer warp come on top)."""
-    table = {gemm.PLAIN: CONFIGS, gemm.SWIGLU_FWD: GATED_CONFIGS, gemm.SWIGLU_BWD: SWIGLU_BWD_CONFIGS}[epilogue]
+def configs(gated: bool = False) -> list[triton.Config]:
+    """:data:`CONFIGS` (``gated``: :data:`GATED_CONFIGS`) as autotuner configs (num_warps: the first
+    consumer partition's; the second consumer warpgroup of a ping-pong config and the producer warp
+    come on top)."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": st, "GROUP_M": 8, "PINGPONG": pp},
-                          num_warps=4 if pp else 8, num_stages=1) for bm, bn, bk, st, pp in table]
+                          num_warps=4 if pp else 8, num_stages=1)
+            for bm, bn, bk, st, pp in (GATED_CONFIGS if gated else CONFIGS)]
 
 
 #: the flags of gemm._gemm_plan's arguments that this kernel takes
 FLAG_ARGS = ("EPILOGUE", "STORE_GU", "HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS")
 _TUNE_KEY = ["M", "N", "K", *FLAG_ARGS, "DYNAMIC"]
-#: the autotuner of each epilogue (gemm.PLAIN, SWIGLU_FWD, SWIGLU_BWD) over its configs
-TUNED = {e: triton.autotune(configs=configs(e), key=_TUNE_KEY)(ws_matmul_kernel)
-         for e in (gemm.PLAIN, gemm.SWIGLU_FWD, gemm.SWIGLU_BWD)}
+ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=_TUNE_KEY)(ws_matmul_kernel)
+ws_gated_kernel_tuned = triton.autotune(configs=configs(gated=True), key=_TUNE_KEY)(ws_matmul_kernel)
 
 
 def tuned(args: dict):
-    """The autotuner of ``args``'s problem (gemm._gemm_plan's), by its epilogue."""
-    return TUNED[args["EPILOGUE"]]
+    """The autotuner of ``args``'s problem (gemm._gemm_plan's): gated (SwiGLU) or not."""
+    return ws_gated_kernel_tuned if args["EPILOGUE"] != gemm.PLAIN else ws_matmul_kernel_tuned

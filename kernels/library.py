@@ -370,54 +370,6 @@ def linear_swiglu(x: Tensor, w13: Tensor, *, allow_tf32: bool = True) -> Tensor:
     return linear_swiglu_fwd(x, w13, allow_tf32)[0]
 
 
-@_custom_op("tritonllm::swiglu_mlp_fwd", mutates_args=())
-def swiglu_mlp_fwd(x: Tensor, w13: Tensor, w2: Tensor, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, h, gu)``: :func:`kernels.linear.swiglu_mlp_fwd` with the backward's inputs stored."""
-    return _lin.swiglu_mlp_fwd(x, w13, w2, allow_tf32, store=True)
-
-
-@_fake(swiglu_mlp_fwd)
-def _(x, w13, w2, allow_tf32):
-    rows, two_f = _rows(x), w13.shape[0]
-    return x.new_empty((*x.shape[:-1], w2.shape[0])), x.new_empty((rows, two_f // 2)), x.new_empty((rows, two_f))
-
-
-@_custom_op("tritonllm::swiglu_mlp_bwd", mutates_args=())
-def swiglu_mlp_bwd(dy: Tensor, x: Tensor, w13: Tensor, w2: Tensor, h: Tensor, gu: Tensor, need_dx: bool,
-                   need_dw13: bool, need_dw2: bool, allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dx, dw13, dw2)`` of :func:`kernels.linear.swiglu_mlp_bwd`, absent where not needed."""
-    grads = _lin.swiglu_mlp_bwd(dy, x, w13, w2, h, gu, need_dx, need_dw13, need_dw2, allow_tf32)
-    dx, dw13, dw2 = (g if g is not None else _absent(x) for g in grads)
-    return dx, dw13, dw2
-
-
-@_fake(swiglu_mlp_bwd)
-def _(dy, x, w13, w2, h, gu, need_dx, need_dw13, need_dw2, allow_tf32):
-    return (x.new_empty(x.shape) if need_dx else _absent(x), w13.new_empty(w13.shape) if need_dw13 else _absent(x),
-            w2.new_empty(w2.shape) if need_dw2 else _absent(x))
-
-
-def _swiglu_mlp_setup(ctx, inputs, output):
-    x, w13, w2, allow_tf32 = inputs
-    ctx.allow_tf32 = allow_tf32
-    ctx.save_for_backward(x, w13, w2, output[1], output[2])
-
-
-def _swiglu_mlp_backward(ctx, dy, _dh, _dgu):
-    x, w13, w2, h, gu = ctx.saved_tensors
-    need = ctx.needs_input_grad[:3]
-    grads = swiglu_mlp_bwd(dy, x, w13, w2, h, gu, *need, ctx.allow_tf32)
-    return (*(_given(g, n) for g, n in zip(grads, need)), None)
-
-
-swiglu_mlp_fwd.register_autograd(_swiglu_mlp_backward, setup_context=_swiglu_mlp_setup)
-
-
-@_public
-def swiglu_mlp(x: Tensor, w13: Tensor, w2: Tensor, *, allow_tf32: bool = True) -> Tensor:
-    return swiglu_mlp_fwd(x, w13, w2, allow_tf32)[0]
-
-
 # ----------------------------------------------------------------------------- swiglu, relu2, softcap
 
 @_custom_op("tritonllm::swiglu_fwd", mutates_args=())

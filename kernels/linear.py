@@ -1,5 +1,4 @@
-"""Linear layers on one Triton GEMM: ``linear`` (bias and residual epilogues) and ``linear_swiglu``; and
-the SwiGLU MLP ``swiglu_mlp`` (``linear_swiglu`` then ``linear``) with the SwiGLU backward in a GEMM's epilogue.
+"""Linear layers on one Triton GEMM: ``linear`` (bias and residual epilogues) and ``linear_swiglu``.
 
 Shapes: x [M, K] (leading dimensions folded into M), W [N, K] (PyTorch layout), b [N], r [M, N].
 
@@ -13,12 +12,6 @@ linear_swiglu, with w13 [2F, K] = [W1; W3] (gate rows [0, F), up rows [F, 2F)):
   backward:  with s = sigmoid(g): dg = dh * u * s * (1 + g * (1 - s)),   du = dh * silu(g)
              dgu = [dg, du] by kernels.swiglu's packed backward, then dx = dgu w13, dw13 = dgu^T x
              (the FLOPs and bytes of the unfused cuBLAS GEMM + swiglu pair's backward)
-
-swiglu_mlp, with w2 [D, F] (y = h w2^T):
-  forward:   h, gu as linear_swiglu, then y = h w2^T
-  backward:  dw2 = dy^T h; dgu = [dg, du] of dh = dy w2, computed in the epilogue of the GEMM that makes dh
-             (gemm's SWIGLU_BWD: it reads gu and never stores dh, which saves dh's write and read and the
-             elementwise kernel), then dx and dw13 from dgu as in linear_swiglu
 
 The products are :func:`kernels.gemm.gemm` (the GEMM engine: configs, split-K, TMA); this module
 adds the ops, their checks, autograd and the deterministic bias gradient (``sum_rows``).
@@ -37,7 +30,7 @@ import triton.language as tl
 
 from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
                       hopper, needs_grad, num_sms, side_stream)
-from .gemm import SWIGLU_BWD, SWIGLU_FWD, as_matrix, gemm
+from .gemm import SWIGLU_FWD, as_matrix, gemm
 from .swiglu import swiglu_bwd
 
 
@@ -143,12 +136,10 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def _input_weight_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool = True,
-                       need_dw: bool = True, allow_tf32: bool = True, gu: torch.Tensor | None = None):
+                       need_dw: bool = True, allow_tf32: bool = True):
     """(dx, dW) of a product y = x W^T from g = dL/dy [M, N] (rows of y): dx = g W (x's shape) and
     dW = g^T x (None where not needed); both needed and OVERLAP_DW's conditions met, dW runs on a second
-    stream (:func:`_common.side_stream`), launched first, beside dx on the current one. With ``gu`` (x =
-    silu(gate) * up of the pre-activations gu [M, 2K]) the first output is not dx but [dgate, dup] [M, 2K],
-    from dx in its GEMM's epilogue (SWIGLU_BWD)."""
+    stream (:func:`_common.side_stream`), launched first, beside dx on the current one."""
     N, K = weight.shape
     x2 = as_matrix(x, K)
     dx = dw = None
@@ -161,10 +152,7 @@ def _input_weight_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
             gemm(g.t(), x2, dw, allow_tf32=allow_tf32, dynamic=True)
     elif need_dw:
         dw = gemm(g.t(), x2, torch.empty((N, K), dtype=weight.dtype, device=weight.device), allow_tf32=allow_tf32)
-    if need_dx and gu is not None:
-        dx = gemm(g, weight, torch.empty((g.shape[0], 2 * K), dtype=x.dtype, device=x.device), gu=gu,
-                  epilogue=SWIGLU_BWD, allow_tf32=allow_tf32, dynamic=True if beside else None)
-    elif need_dx:
+    if need_dx:
         dx = gemm(g, weight, torch.empty((g.shape[0], K), dtype=x.dtype, device=x.device), allow_tf32=allow_tf32,
                   dynamic=True if beside else None).view(x.shape)
     if beside:
@@ -261,62 +249,3 @@ def linear_swiglu(x: torch.Tensor, w13: torch.Tensor, *, allow_tf32: bool = True
     if needs_grad(x, w13):
         return LinearSwiGLUFunction.apply(x, w13, allow_tf32)
     return linear_swiglu_fwd(x, w13, allow_tf32)[0]
-
-
-def swiglu_mlp_fwd(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, allow_tf32: bool = True,
-                   store: bool = False):
-    """y = (silu(x W1^T) * (x W3^T)) w2^T: ``(y [..., D], h [rows, F], gu [rows, 2F] or None)``, h and gu
-    (the backward's inputs) kept when ``store``."""
-    check_linear_inputs(x, w13, "w13")
-    F = w13.shape[0] // 2
-    check_tensor("w2", w2, ndim=2)
-    check_same_device(x=x, w2=w2)
-    check_same_dtype(x=x, w2=w2)
-    if w2.shape[1] != F:
-        raise ValueError(f"w2 has shape {tuple(w2.shape)}: its second dimension must equal the hidden width "
-                         f"F={F} (w13 [2F, K])")
-    h, gu = linear_swiglu_fwd(x, w13, allow_tf32, store_gu=store)
-    h2 = as_matrix(h, F)
-    y = gemm(h2, w2.t(), torch.empty((h2.shape[0], w2.shape[0]), dtype=x.dtype, device=x.device),
-             allow_tf32=allow_tf32)
-    return y.view(tuple(x.shape[:-1]) + (w2.shape[0],)), (h2 if store else None), gu
-
-
-def swiglu_mlp_bwd(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
-                   gu: torch.Tensor, need_dx: bool = True, need_dw13: bool = True, need_dw2: bool = True,
-                   allow_tf32: bool = True):
-    """(dx, dw13, dw2) of :func:`swiglu_mlp` from the forward's h and gu (None where not needed): dw2 = dy^T h
-    and dgu from dh = dy w2 in that GEMM's epilogue (:func:`_input_weight_grads` with ``gu``), then dx = dgu w13,
-    dw13 = dgu^T x."""
-    need_dgu = need_dx or need_dw13
-    dgu, dw2 = _input_weight_grads(as_matrix(dy, w2.shape[0]), h, w2, need_dgu, need_dw2, allow_tf32, gu=gu)
-    dx, dw13 = _input_weight_grads(dgu, x, w13, need_dx, need_dw13, allow_tf32) if need_dgu else (None, None)
-    return dx, dw13, dw2
-
-
-class SwiGLUMLPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w13, w2, allow_tf32):
-        y, h, gu = swiglu_mlp_fwd(x, w13, w2, allow_tf32, store=True)
-        ctx.save_for_backward(x, w13, w2, h, gu)
-        ctx.allow_tf32 = allow_tf32
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w13, w2, h, gu = ctx.saved_tensors
-        return (*swiglu_mlp_bwd(dy, x, w13, w2, h, gu, *ctx.needs_input_grad[:3], ctx.allow_tf32), None)
-
-
-@compilable
-def swiglu_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, allow_tf32: bool = True) -> torch.Tensor:
-    """The SwiGLU MLP ``linear(linear_swiglu(x, w13), w2)`` with its backward fused one step further.
-
-    x [..., K]; w13 [2F, K] stacks the gate weight W1 over the up weight W3 (as :func:`linear_swiglu`);
-    w2 [D, F]. Returns y [..., D] in x's dtype, the value of the unfused pair (same GEMMs). The backward
-    computes the SwiGLU gradient [dgate, dup] in the epilogue of the GEMM dh = dy w2 instead of storing dh
-    and running the elementwise backward on it; the saved tensors are the unfused pair's (x, h, gu).
-    """
-    if needs_grad(x, w13, w2):
-        return SwiGLUMLPFunction.apply(x, w13, w2, allow_tf32)
-    return swiglu_mlp_fwd(x, w13, w2, allow_tf32)[0]

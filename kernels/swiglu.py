@@ -78,14 +78,6 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def swiglu_grads(dy, g, u):
-    """``(dgate, dup)`` (fp32) of y = silu(g) * u from dy, g, u: the backward above. Also the math of the GEMM
-    epilogue that fuses it into the product giving dy (kernels.gemm's and kernels.gemm_sm90's SWIGLU_BWD)."""
-    s = 1.0 / (1.0 + tl.exp(-g))
-    return dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s
-
-
-@triton.jit
 def _swiglu_bwd_kernel(
     G,          # [R, C] gate saved by the forward, last dim contiguous
     U,          # [R, C] up saved by the forward, last dim contiguous
@@ -105,7 +97,9 @@ def _swiglu_bwd_kernel(
     g = tl.load(_ptrs(G, stride_g, row0, col0, rm, rc), mask=mask).to(tl.float32)
     u = tl.load(_ptrs(U, stride_u, row0, col0, rm, rc), mask=mask).to(tl.float32)
     dy = tl.load(_ptrs(DY, stride_dy, row0, col0, rm, rc), mask=mask).to(tl.float32)
-    dg, du = swiglu_grads(dy, g, u)
+    s = tl.sigmoid(g)
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    du = dy * g * s
     tl.store(_ptrs(DG, stride_dg, row0, col0, rm, rc), dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(_ptrs(DU, stride_du, row0, col0, rm, rc), du.to(DU.dtype.element_ty), mask=mask)
 

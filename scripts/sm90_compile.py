@@ -112,7 +112,7 @@ def report(fn, rows: list, args: dict, constexprs: dict) -> None:
 def gemm_main(args) -> None:
     """Every config of ``gemm.GPU_CONFIGS`` the pruning keeps (``--all``: all of them) at ``--mnk``."""
     tf32 = args.dtype == "fp32"
-    flags = dict(EPILOGUE=_epilogue(args), HAS_BIAS=args.bias,
+    flags = dict(EPILOGUE=gemm.SWIGLU_FWD if args.swiglu else gemm.PLAIN, HAS_BIAS=args.bias,
                  HAS_RESIDUAL=args.residual, ACCUMULATE=args.accumulate, STORE_GU=False, USE_TMA=args.tma,
                  A_K_CONTIGUOUS=True, B_N_CONTIGUOUS=args.b_n_contiguous, TMA_STORE=args.tma_store and args.tma,
                  PRECISION="tf32" if tf32 else "ieee", SPLIT_K=1, SCALED=False, FP8=False)
@@ -131,24 +131,19 @@ def gemm_main(args) -> None:
     report(gemm._matmul_kernel, rows, kernel_args, flags)
 
 
-def _epilogue(args) -> int:
-    """The gemm epilogue the flags name."""
-    return gemm.SWIGLU_FWD if args.swiglu else gemm.SWIGLU_BWD if args.swiglu_bwd else gemm.PLAIN
-
-
 def gemm_sm90_main(args) -> None:
-    """Every config of ``gemm_sm90`` for the epilogue (``--swiglu``, ``--swiglu-bwd``: their configs) at
-    ``--mnk``, B as ``--b-n-contiguous`` says, A K-contiguous, 16-bit."""
+    """Every config of ``gemm_sm90`` (``--swiglu``: its gated configs) at ``--mnk``, B as
+    ``--b-n-contiguous`` says, A K-contiguous, 16-bit."""
     from kernels import gemm_sm90
 
-    flags = dict(EPILOGUE=_epilogue(args), STORE_GU=args.swiglu and args.store_gu,
-                 HAS_RESIDUAL=args.residual and not (args.swiglu or args.swiglu_bwd), A_K_CONTIGUOUS=True,
+    flags = dict(EPILOGUE=gemm.SWIGLU_FWD if args.swiglu else gemm.PLAIN, STORE_GU=args.swiglu and args.store_gu,
+                 HAS_RESIDUAL=args.residual and not args.swiglu, A_K_CONTIGUOUS=True,
                  B_N_CONTIGUOUS=args.b_n_contiguous, DYNAMIC=args.dynamic)
     ints = int_args(*(int(v) for v in args.mnk.split(",")), flags)
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, M,N,K {args.mnk}, flags "
           f"{ {k: v for k, v in flags.items() if v not in (False, 0)} }")
     rows = [("{BLOCK_M} {BLOCK_N} {BLOCK_K} s{STAGES}".format(**c.kwargs) + (" ping-pong" if c.kwargs["PINGPONG"]
-             else " coop"), c, True, None) for c in gemm_sm90.configs(_epilogue(args))]
+             else " coop"), c, True, None) for c in gemm_sm90.configs(gated=args.swiglu)]
     kernel_args = {**{n: f"*{args.dtype}" for n in gemm_sm90.ws_matmul_kernel.arg_names if n.endswith("_ptr")},
                    "counter_ptr": "*i32", **ints}
     report(gemm_sm90.ws_matmul_kernel, rows, kernel_args, flags)
@@ -236,8 +231,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--all", action="store_true", help="also the configs the pruning drops")
     gemm_args = p.add_argument_group("gemm")
     gemm_args.add_argument("--swiglu", action="store_true", help="the SWIGLU_FWD epilogue (two B tiles)")
-    gemm_args.add_argument("--swiglu-bwd", action="store_true",
-                           help="the SWIGLU_BWD epilogue (reads gu, writes [dgate, dup] into C [M, 2N])")
     for flag in ("bias", "residual", "accumulate", "tma", "tma-store", "b-n-contiguous", "store-gu", "dynamic"):
         gemm_args.add_argument(f"--{flag}", action="store_true")
     gemm_args.add_argument("--mnk", default="4096,4096,4096", help="the problem's M,N,K (contiguous operands)")

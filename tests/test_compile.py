@@ -510,8 +510,6 @@ def _op_cases():
     wl, bias = randn(16, 32, scale=0.2, **g), randn(16, **g)
     w13 = randn(24, 32, scale=0.2, **g)
     _, gu = lib.linear_swiglu_fwd(x, w13, True)
-    w2 = randn(32, 12, scale=0.2, **g)
-    _, h_mlp, gu_mlp = lib.swiglu_mlp_fwd(x, w13, w2, True)
     gate, up, packed = randn(5, 12, **g), randn(5, 12, **g), randn(5, 24, **g)
     q, k, v = randn(2, 8, 2, 32, **g), randn(2, 8, 1, 32, **g), randn(2, 8, 1, 32, **g)
     o, lse = lib.flash_attention_fwd(q, k, v, True, None, None, False, None)
@@ -536,11 +534,6 @@ def _op_cases():
         "linear_swiglu_fwd": (lib.linear_swiglu_fwd, (x, w13, True)),
         "linear_swiglu_bwd": (lib.linear_swiglu_bwd, (randn(5, 12), x.detach(), w13.detach(), gu.detach(), True, True,
                                                       True)),
-        "swiglu_mlp_fwd": (lib.swiglu_mlp_fwd, (x, w13, w2, True)),
-        "swiglu_mlp_bwd": (lib.swiglu_mlp_bwd, (randn(5, 32), x.detach(), w13.detach(), w2.detach(), h_mlp.detach(),
-                                                gu_mlp.detach(), True, True, True, True)),
-        "swiglu_mlp_bwd_weights_only": (lib.swiglu_mlp_bwd, (randn(5, 32), x.detach(), w13.detach(), w2.detach(),
-                                                             h_mlp.detach(), gu_mlp.detach(), False, True, True, True)),
         "swiglu_fwd": (lib.swiglu_fwd, (gate, up)),
         "swiglu_fwd_packed": (lib.swiglu_fwd, (packed, None)),
         "swiglu_bwd": (lib.swiglu_bwd, (randn(5, 12), gate.detach(), up.detach())),

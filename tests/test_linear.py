@@ -10,8 +10,7 @@ import torch
 from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, gemm_atol, non_contiguous, poison_, randn
 from tritonllm.bench.reference_ops import linear as ref_linear
 from tritonllm.bench.reference_ops import linear_swiglu as ref_swiglu
-from tritonllm.bench.reference_ops import swiglu_mlp as ref_swiglu_mlp
-from tritonllm.kernels import linear, linear_swiglu, swiglu_mlp
+from tritonllm.kernels import linear, linear_swiglu
 from tritonllm.kernels._common import smem_budget
 
 gemm_module = importlib.import_module("tritonllm.kernels.gemm")
@@ -118,47 +117,6 @@ def test_linear_swiglu_transposed_weight():
     x = non_contiguous(randn(33, 17, requires_grad=True))
     w13 = randn(17, 40, requires_grad=True).detach().t().requires_grad_()
     check(linear_swiglu, ref_swiglu, [x, w13], ["x", "w13"], chain=2)
-
-
-# (leading shape of x, K, F, D)
-MLP_CASES = [((1,), 17, 50, 23), ((2, 61), 17, 50, 9), ((7,), 1, 1, 1), ((33,), 64, 40, 48)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("case", MLP_CASES, ids=lambda c: "x".join(map(str, c[0] + c[1:])))
-def test_swiglu_mlp(case, dtype, poisoned_empty):
-    """swiglu_mlp (the SwiGLU backward in the epilogue of the dh GEMM) against linear_swiglu then linear: y,
-    dx, dw13, dw2; with x not requiring a gradient (only the weights'), and with only w2's."""
-    lead, K, F_, D = case
-    x = randn(*lead, K, dtype=dtype, requires_grad=True)
-    w13 = randn(2 * F_, K, dtype=dtype, scale=K ** -0.5, requires_grad=True)
-    w2 = randn(D, F_, dtype=dtype, scale=F_ ** -0.5, requires_grad=True)
-    check(swiglu_mlp, ref_swiglu_mlp, [x, w13, w2], ["x", "w13", "w2"], chain=3)
-    check(swiglu_mlp, ref_swiglu_mlp, [x.detach(), w13, w2], ["x", "w13", "w2"], chain=3)
-    check(swiglu_mlp, ref_swiglu_mlp, [x.detach(), w13.detach(), w2], ["x", "w13", "w2"], chain=3)
-
-
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-def test_gemm_swiglu_bwd_epilogue(tma, poisoned_empty):
-    """gemm's SWIGLU_BWD: c [M, 2N] = [dgate, dup] of dh = a @ b and the pre-activations gu, ragged M and N,
-    gu row-strided; against float64 (dh, then kernels.swiglu's formulas)."""
-    if tma and not ON_GPU:
-        pytest.skip("tensor descriptors: GPU")
-    M, K, N = 77, 64, 40
-    a, b = randn(M, K), randn(K, N, scale=K ** -0.5)
-    gu = non_contiguous(randn(M, 2 * N))
-    c = poison_(torch.empty(M, 2 * N, device=DEVICE))
-    gemm_module.gemm(a, b, c, gu=gu, epilogue=gemm_module.SWIGLU_BWD, use_tma=tma)
-    dh = a.double() @ b.double()
-    g, u = gu.double().chunk(2, dim=-1)
-    s = torch.sigmoid(g)
-    want = torch.cat([dh * u * s * (1 + g * (1 - s)), dh * g * s], -1)
-    with torch_tf32(torch.float32):
-        dh_same = a @ b
-    g32, u32 = gu.chunk(2, dim=-1)
-    s32 = torch.sigmoid(g32)
-    same = torch.cat([dh_same * u32 * s32 * (1 + g32 * (1 - s32)), dh_same * g32 * s32], -1)
-    assert_close("dgu", c, want, same, atol=gemm_atol(torch.float32, chain=2))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a second CUDA stream")
@@ -365,7 +323,7 @@ def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatc
     _, make_a, make_b = layout
     monkeypatch.setattr(gemm_module, "PERSISTENT", grid != "tile-per-program")
     monkeypatch.setattr(gemm_module, "DYNAMIC", grid == "dynamic")
-    tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").TUNED[gemm_module.PLAIN]
+    tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").ws_matmul_kernel_tuned
     monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["PINGPONG"] is pingpong][:1])
     monkeypatch.setattr(tuned, "cache", {})
     for M, K, N in ((1000, 1512, 2056), (312, 72, 520), (4096, 4096, 4096)):  # 16-byte aligned strides: TMA
@@ -398,7 +356,7 @@ def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
     common = importlib.import_module("tritonllm.kernels._common")
-    tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").TUNED[gemm_module.PLAIN]
+    tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").ws_matmul_kernel_tuned
     monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["PINGPONG"] is pingpong][:1])
     monkeypatch.setattr(tuned, "cache", {})
     M, K, N = 4000, 1000, 3000  # several tiles per program on any Hopper part
@@ -459,7 +417,7 @@ def test_gemm_sm90_every_config(layout):
 @pytest.mark.parametrize("store_gu", [False, True], ids=["h", "h+gu"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
 def test_gemm_sm90_gated(layout, store_gu, grid, monkeypatch):
-    """The WS kernel's gated (SwiGLU) forward on each grid: every config of ``configs(SWIGLU_FWD)``
+    """The WS kernel's gated (SwiGLU) forward on each grid: every config of ``configs(gated=True)``
     through ``gemm(config=...)``, on a ragged problem in every operand layout, h = silu(gate) * up and
     the pre-activations in gu against float64; a plain config is refused for it. Then with
     ``SM90_WS_GATED`` on, linear_swiglu's forward and backward through the autotuner, against the
@@ -475,7 +433,7 @@ def test_gemm_sm90_gated(layout, store_gu, grid, monkeypatch):
     g, u = (a.double() @ b.double()).chunk(2, dim=-1)
     with torch_tf32(torch.bfloat16):
         g_same, u_same = (a @ b).chunk(2, dim=-1)
-    for config in ws.configs(gemm_module.SWIGLU_FWD):
+    for config in ws.configs(gated=True):
         gu = poison_(torch.empty(M, 2 * N, dtype=torch.bfloat16, device=DEVICE)) if store_gu else None
         h = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)), gu=gu,
                              epilogue=gemm_module.SWIGLU_FWD, config=config)
@@ -485,7 +443,7 @@ def test_gemm_sm90_gated(layout, store_gu, grid, monkeypatch):
         if store_gu:
             assert_close(name + " gu", gu, torch.cat([g, u], -1), torch.cat([g_same, u_same], -1),
                          atol=gemm_atol(torch.bfloat16))
-    with pytest.raises(ValueError, match="configs\\(epilogue\\)"):
+    with pytest.raises(ValueError, match="gated"):
         gemm_module.gemm(a, b, torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE), epilogue=gemm_module.SWIGLU_FWD,
                          config=ws.configs()[0])
     x = randn(3, 333, K, dtype=torch.bfloat16, requires_grad=True)
@@ -501,49 +459,6 @@ def test_gemm_sm90_gated(layout, store_gu, grid, monkeypatch):
                    if plan[0].kwargs["EPILOGUE"] == gemm_module.SWIGLU_FWD}
         assert kernels == {"ws_matmul_kernel" if gated else "_matmul_kernel"}
     for name, ws_t, default in zip(("y", "dx", "dw13"), got[True], got[False]):
-        assert_close(name, ws_t, default.double())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("grid", ["persistent", "dynamic"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l[0])
-def test_gemm_sm90_swiglu_bwd(layout, grid, monkeypatch):
-    """The WS kernel's SwiGLU-backward epilogue: every config of ``configs(SWIGLU_BWD)`` through
-    ``gemm(config=...)`` on a ragged problem in each operand layout, [dgate, dup] against float64; then
-    swiglu_mlp's backward through the autotuner on the WS kernel, against _matmul_kernel's (SM90_WS off)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
-    monkeypatch.setattr(gemm_module, "DYNAMIC", grid == "dynamic")
-    ws = importlib.import_module("tritonllm.kernels.gemm_sm90")
-    _, make_a, make_b = layout
-    M, K, N = 1000, 1512, 1032
-    a, b = make_a(M, K, torch.bfloat16), make_b(K, N, torch.bfloat16)
-    gu = randn(M, 2 * N, dtype=torch.bfloat16)
-    dh = a.double() @ b.double()
-    g, u = gu.double().chunk(2, dim=-1)
-    s = torch.sigmoid(g)
-    want = torch.cat([dh * u * s * (1 + g * (1 - s)), dh * g * s], -1)
-    with torch_tf32(torch.bfloat16):
-        dh_same = (a @ b).double()
-    same = torch.cat([dh_same * u * s * (1 + g * (1 - s)), dh_same * g * s], -1)
-    for config in ws.configs(gemm_module.SWIGLU_BWD):
-        c = gemm_module.gemm(a, b, poison_(torch.empty(M, 2 * N, dtype=torch.bfloat16, device=DEVICE)), gu=gu,
-                             epilogue=gemm_module.SWIGLU_BWD, config=config)
-        assert_close(f"sm90_ws swiglu_bwd {config.kwargs}", c, want, same, atol=gemm_atol(torch.bfloat16, chain=2))
-    x = randn(3, 333, K, dtype=torch.bfloat16, requires_grad=True)
-    w13 = randn(2 * N, K, dtype=torch.bfloat16, scale=K ** -0.5, requires_grad=True)
-    w2 = randn(768, N, dtype=torch.bfloat16, scale=N ** -0.5, requires_grad=True)
-    dy = randn(3, 333, 768, dtype=torch.bfloat16)
-    got = {}
-    for on in (True, False):
-        monkeypatch.setattr(gemm_module, "SM90_WS", on)
-        gemm_module._LAUNCH_CONFIGS.clear()
-        y = swiglu_mlp(x, w13, w2)
-        got[on] = (y, *torch.autograd.grad(y, (x, w13, w2), dy))
-        kernels = {plan[0].fn.__name__ for plan in gemm_module._LAUNCH_CONFIGS.values()
-                   if plan[0].kwargs["EPILOGUE"] == gemm_module.SWIGLU_BWD}
-        assert kernels == {"ws_matmul_kernel" if on else "_matmul_kernel"}
-    for name, ws_t, default in zip(("y", "dx", "dw13", "dw2"), got[True], got[False]):
         assert_close(name, ws_t, default.double())
 
 
@@ -574,8 +489,7 @@ def test_autotune_key_holds_every_flag():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("epilogue", [gemm_module.PLAIN, gemm_module.SWIGLU_FWD, gemm_module.SWIGLU_BWD],
-                         ids=["plain", "swiglu", "swiglu-bwd"])
+@pytest.mark.parametrize("epilogue", [gemm_module.PLAIN, gemm_module.SWIGLU_FWD], ids=["plain", "swiglu"])
 def test_configs_fit_shared_memory(epilogue, dtype):
     """Every config the autotuner may launch fits the shared-memory budget (an H100's here), float32 with two gated B tiles and a
     TMA-store staging tile included (there every tuned config overflows and one is shrunk)."""

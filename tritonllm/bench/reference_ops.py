@@ -40,11 +40,6 @@ def linear_swiglu(x, w13):
     return swiglu(F.linear(x, w13))
 
 
-def swiglu_mlp(x, w13, w2):
-    """The SwiGLU MLP ``linear_swiglu(x, w13) @ w2.T``."""
-    return F.linear(linear_swiglu(x, w13), w2)
-
-
 def relu2(x):
     """Squared ReLU ``relu(x)^2``."""
     return F.relu(x).square()

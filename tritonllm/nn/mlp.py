@@ -1,21 +1,15 @@
-"""Dense transformer MLP over ``tritonllm.kernels.linear`` (SwiGLU in the GEMMs' epilogues: ``swiglu_mlp``)
-and ``tritonllm.kernels.relu2``."""
+"""Dense transformer MLP over ``tritonllm.kernels.linear`` (SwiGLU in the GEMM's epilogue) and
+``tritonllm.kernels.relu2``."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tritonllm.kernels.linear import swiglu_mlp
 from tritonllm.kernels.relu2 import relu2
 from tritonllm.nn.linear import Linear, LinearSwiGLU
 
 ACTIVATIONS = ("swiglu", "relu2")
-
-
-def _plain(module: nn.Module, cls: type) -> bool:
-    """``module`` is a ``cls`` itself (not a subclass or a replacement such as LoRA's) with no forward hooks."""
-    return type(module) is cls and not module._forward_hooks and not module._forward_pre_hooks
 
 
 class MLP(nn.Module):
@@ -25,9 +19,6 @@ class MLP(nn.Module):
     (``w13``, :class:`LinearSwiGLU` ``[2 d_ff, d_model]``, gate rows first). ``act="relu2"``:
     ``w2(relu(x W1^T)^2)`` (``w1``, :class:`Linear` ``[d_ff, d_model]``). The down projection
     ``w2`` (:class:`Linear` ``[d_model, d_ff]``) is initialised with ``out_std`` (None: ``init_std``).
-    With SwiGLU and both projections plain layers, the pair runs as one ``swiglu_mlp`` (the SwiGLU
-    backward in the epilogue of the down projection's input-gradient GEMM); a projection replaced from
-    outside (LoRA, a hook of its own) runs as its module.
     """
 
     def __init__(self, d_model: int, d_ff: int, act: str = "swiglu", init_std: float = 0.02,
@@ -44,8 +35,6 @@ class MLP(nn.Module):
         self.w2 = Linear(d_ff, d_model, **{**kw, "init_std": init_std if out_std is None else out_std})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act == "swiglu" and _plain(self.w13, LinearSwiGLU) and _plain(self.w2, Linear) and self.w2.bias is None:
-            return swiglu_mlp(x, self.w13.weight, self.w2.weight)
         h = self.w13(x) if self.act == "swiglu" else relu2(self.w1(x))
         return self.w2(h)
 
