@@ -288,11 +288,15 @@ def _check_args(x, weight, target, ignore_index, label_smoothing, z_loss, reduct
 
 
 def chunk_for(T: int, V: int, elem: int, budget: int) -> int:
-    """Tokens per chunk (``CHUNK_BYTES``): the fewest chunks of equal size, rounded up to a multiple of
-    64 tokens, whose [chunk, V] buffer of ``elem``-byte logits fits ``budget`` bytes; at least 64 tokens
-    (whatever the budget), at most T."""
+    """Tokens per chunk (``CHUNK_BYTES``): T split into the fewest chunks of one size (T / chunks rounded up
+    to a multiple of 64 tokens; the last chunk may be shorter) whose [chunk, V] buffer of ``elem``-byte logits
+    fits ``budget`` bytes; at least 64 tokens (whatever the budget), at most T."""
     chunks = max(1, triton.cdiv(T * V * elem, budget))
-    return max(1, min(T, max(64, triton.cdiv(triton.cdiv(T, chunks), 64) * 64)))
+    while True:
+        chunk = min(T, max(64, triton.cdiv(triton.cdiv(T, chunks), 64) * 64))
+        if chunk <= 64 or chunk * V * elem <= budget:
+            return max(chunk, 1)
+        chunks += 1
 
 
 @functools.lru_cache(maxsize=None)

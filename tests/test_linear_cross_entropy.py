@@ -82,18 +82,23 @@ def test_chunk_sizes(chunk):
 
 
 @pytest.mark.parametrize("T,V,budget", [(16384, 32000, 1 << 30), (16384, 50304, 1 << 30), (65536, 32000, 1 << 30),
-                                         (1000, 100, 64), (37, 100, 1 << 30), (200, 1 << 20, 1 << 20)])
+                                         (1000, 100, 64), (37, 100, 1 << 30), (200, 1 << 20, 1 << 20),
+                                         (16384, 32000, 5500 * 32000 * 2), (1, 7, 1)])
 def test_chunk_for(T, V, budget):
-    """CHUNK_BYTES's chunk: the fewest equal chunks (a multiple of 64 tokens, else all T) whose [chunk, V]
-    bf16 buffer fits the budget; 64 tokens when not even that fits."""
+    """CHUNK_BYTES's chunk: T in the fewest chunks of one size (a multiple of 64 tokens, else all T) whose
+    [chunk, V] bf16 buffer fits the budget, also where rounding T / chunks up to 64 tokens would overflow it
+    (the seventh case: 5500 tokens fit, so three chunks, but of 5504: four of 4096); 64 tokens when not even
+    those fit."""
+    def size(chunks):
+        return min(T, max(64, -(-(-(-T // chunks)) // 64) * 64))
     chunk = LCE.chunk_for(T, V, 2, budget)
     chunks = -(-T // chunk)
     assert 1 <= chunk <= T and (chunk % 64 == 0 or chunk == T)
     if 64 * V * 2 > budget:
         assert chunk == min(64, T)
         return
-    assert chunk * V * 2 <= budget
-    assert chunks == max(1, -(-T * V * 2 // budget)) and T - (chunks - 1) * chunk > 0
+    assert chunk == size(chunks) and chunk * V * 2 <= budget
+    assert chunks == 1 or size(chunks - 1) * V * 2 > budget  # the fewest
 
 
 def test_chunk_bytes_default(monkeypatch):
