@@ -200,7 +200,7 @@ def attention_bwd_sm90_main(args) -> None:
         kernel_args = {n: v for n, v in {**tensors, **matrices, **outputs[name[:4]]}.items() if n in fn.arg_names}
         need = lambda c: backward_sm90.smem(c, D, name != "dq", reduce)  # noqa: E731
         rows = [(f"{name} " + "{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}"
-                 + (" dv_wait" if c.kwargs.get("DV_WAIT") else "") + (" persist" if c.kwargs.get("PERSIST") else ""), c, need(c) <= HOPPER_SMEM, need(c))
+                 + (" dv_wait" if c.kwargs.get("DV_WAIT") else ""), c, need(c) <= HOPPER_SMEM, need(c))
                 for c in tuned.configs]
         flags = {"HEAD_DIM": D, "CAUSAL": args.causal, **({"DQ_REDUCE": reduce} if name != "dq" else {})}
         report(fn, rows, kernel_args, flags)
@@ -219,7 +219,8 @@ def attention_fwd_sm90_main(args) -> None:
                    "qk_scale": D ** -0.5 * attn_config.LOG2E, "sched_pitch": 17,
                    "T_BUCKET": next_pow2(T), "S_BUCKET": next_pow2(T)}
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, B,Hq,Hkv,T,D {args.shape}, causal {args.causal}")
-    rows = [("{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}", c, forward_sm90._smem(c, D) <= HOPPER_SMEM, forward_sm90._smem(c, D)) for c in forward_sm90._kernel.configs]
+    rows = [("{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}", c, True, None)
+            for c in forward_sm90._kernel.configs]
     report(fn, rows, kernel_args, {"HEAD_DIM": D, "CAUSAL": args.causal})
 
 

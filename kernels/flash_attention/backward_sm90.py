@@ -557,7 +557,6 @@ def launch_dq(q, k, v, do, lse2, delta, dq, args: tuple, causal: bool, scale: fl
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     grid = lambda meta: (min(triton.cdiv(T, meta["BLOCK_M"]) * B * Hq, DQ_PROGRAMS_PER_SM * num_sms(q.device.index)),)  # noqa: E731
-
     triton.set_allocator(tma_scratch)
     _dq_kernel.launch(key, grid, q, k, v, do, lse2, delta, dq, *args, *dq.stride()[:3],
                       T, S, Hq, Hkv, lse2.shape[-1], S - T, qk_scale, scale, group_programs, B, tile_counter(),

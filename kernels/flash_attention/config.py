@@ -67,7 +67,7 @@ ONE_LOOP = {"fwd": {"causal": True, "window": True},
 GROUP_WAVES: dict[str, float | None] = {"fwd": 2, "dkdv": None, "dq": 2}
 #: the head dims at which the forward on Hopper runs forward_sm90's Gluon kernel (wherever it applies,
 #: :func:`forward_sm90.supported`); the portable kernel runs every other forward, and everywhere with ``()``.
-#: On an H100 (CUDA graphs, docs/perf/NOTES.md, 142f866) its persistent warp-specialized configs ran the
+#: On an H100 (CUDA graphs, docs/perf/NOTES.md, 142f866) its persistent warp-specialized config ran the
 #: bench's D128 shapes at 1.08x / 1.02x / 1.12x cuDNN (B4 Hq16/Hkv4 T2048, B8 Hq32/Hkv8 T4096, B1 T16384; 0.138 /
 #: 2.007 / 3.444 ms), and B16 Hq12 T1024 D64 at 0.0955 ms against the portable kernel's 0.1022 in one run
 #: (scripts/attention_sm90.py; autotuned in the bench 0.0984 against 0.0997; cuDNN 0.086).

@@ -33,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .._common import autotune, next_pow2, num_sms, smem_budget, tma_scratch
+from .._common import autotune, next_pow2, num_sms, tma_scratch
 
 #: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF): the kernel's one config (num_warps 4 is the first consumer's; the
 #: kernel runs 12: two consumer warpgroups and the producer warp; BLOCK_M must be SCHED_BLOCK_M). Measured
@@ -296,23 +296,9 @@ def _ws_consumer(smem, bars, problem, C: gl.constexpr, HEAD_DIM: gl.constexpr, B
         _store_rows(acc, l_i, m_i, rows, O, LSE, b.to(gl.int64), h.to(gl.int64), T, HQ, HEAD_DIM)
 
 
-def _smem(config: triton.Config, head_dim: int) -> int:
-    """Shared memory of a config in bytes: the q tile(s) and the k, v ring (16-bit elements)."""
-    kw = config.kwargs
-    return 2 * head_dim * (kw["BLOCK_M"] + 2 * kw["NUM_BUF"] * kw["BLOCK_N"])
-
-
-def _prune(configs, named_args, **kwargs):
-    """The configs whose tiles fit the shared memory (``_common.smem_budget``: 227 KiB a block on an H100 or
-    H200)."""
-    d = {**named_args, **kwargs}["HEAD_DIM"]
-    return [c for c in configs if _smem(c, d) <= smem_budget(0)] or configs[:1]
-
-
 _kernel = autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "NUM_BUF": nb}, num_warps=w, num_stages=1)
                     for bm, bn, w, nb in CONFIGS],
-                   key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"],
-                   prune_configs_by={"early_config_prune": _prune})(_sm90_fwd_kernel)
+                   key=["T_BUCKET", "S_BUCKET", "HEAD_DIM", "CAUSAL"])(_sm90_fwd_kernel)
 assert all(bm == SCHED_BLOCK_M for bm, *_ in CONFIGS), "schedule() plans SCHED_BLOCK_M tiles"
 
 
