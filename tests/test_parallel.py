@@ -12,6 +12,7 @@ shapes against Muon on the full matrices (tests/_muon_shard_worker.py). The mult
 torchrun agents joined through a c10d rendezvous on localhost running ``python -m tritonllm.train``.
 The data shares, the sharded norm reduction and AdamW on an empty shard are checked in process."""
 
+import contextlib
 import json
 import os
 import signal
@@ -52,6 +53,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from Linux's /proc), parents before their children."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # not a process, or one that just exited
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found = list(children.get(pid, []))
+    for child in found:  # the list grows while it is walked: breadth first
+        found.extend(children.get(child, []))
+    return found
+
+
+def run_agents(cmds: list[list[str]], tmp, timeout: float, env: dict[str, str]) -> list[subprocess.CompletedProcess]:
+    """Start each command (a torchrun agent) in a session of its own, its stdout and stderr into files
+    under ``tmp`` (not pipes: a pipe's reader also waits for every process that inherited it), and wait
+    ``timeout`` s for all of them. Should any still run then, it and every process below it (torchrun
+    starts each rank in a session of its own) get SIGABRT -- with PYTHONFAULTHANDLER=1, which is set
+    here, a Python process prints its threads' stacks first -- then SIGKILL, and the test fails with
+    every agent's output and those stacks."""
+    deadline, agents, files = time.monotonic() + timeout, [], []
+    for i, cmd in enumerate(cmds):
+        files.append([os.path.join(tmp, f"agent{i}-{time.monotonic_ns()}.{name}") for name in ("out", "err")])
+        with open(files[-1][0], "w") as out, open(files[-1][1], "w") as err:
+            agents.append(subprocess.Popen(cmd, stdout=out, stderr=err, cwd=tmp, start_new_session=True,
+                                           env={**env, "PYTHONFAULTHANDLER": "1"}))
+    for a in agents:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            a.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    stuck = [pid for a in agents if a.poll() is None for pid in (a.pid, *descendants(a.pid))]
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for pid in stuck:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        if stuck and sig == signal.SIGABRT:
+            time.sleep(5)  # the stacks reach the files
+    results = []
+    for a, cmd, (out, err) in zip(agents, cmds, files):
+        a.wait()
+        with open(out) as f_out, open(err) as f_err:
+            results.append(subprocess.CompletedProcess(cmd, a.returncode, f_out.read(), f_err.read()))
+    if stuck:
+        pytest.fail(f"still running after {timeout} s (pids {stuck}, ended); each agent's output and stacks:\n"
+                    + "\n-----\n".join(r.stdout[-4000:] + r.stderr[-8000:] for r in results))
+    return results
+
 def torchrun(spec, tmp, nproc: int = 2, timeout: float = 300, worker: str = WORKER) -> subprocess.CompletedProcess:
     """``worker`` on ``nproc`` processes; its argument: ``spec`` written to a JSON file, or a path (str)."""
     path = spec
@@ -61,8 +111,7 @@ def torchrun(spec, tmp, nproc: int = 2, timeout: float = 300, worker: str = WORK
             json.dump(spec, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", worker, path]
-    env = child_env(os.path.join(ROOT, "tests"), OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp, env=env)
+    return run_agents([cmd], tmp, timeout, child_env(os.path.join(ROOT, "tests"), OMP_NUM_THREADS="1"))[0]
 
 
 def losses(out) -> dict:
@@ -222,16 +271,9 @@ def test_two_agents_join_through_a_localhost_rendezvous(runs, data_overrides, tm
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=localhost:{port}", f"--rdzv_id=test-{port}", "-m", "tritonllm.train",
            *TINY, *data_overrides, *TWO, "trainer.max_steps=2", "trainer.parallel=fsdp", f"hydra.run.dir={run}"]
-    env = child_env(OMP_NUM_THREADS="1", TRITONLLM_NO_AUTOTUNE="1")
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               cwd=tmp_path, start_new_session=True) for _ in range(2)]
-    try:
-        logs = [a.communicate(timeout=240)[0] for a in agents]
-    finally:
-        for a in agents:  # a timeout: end each agent's session (the agent and the rank it started)
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-    assert [a.returncode for a in agents] == [0, 0], "\n-----\n".join(log[-3000:] for log in logs)
+    results = run_agents([cmd, cmd], tmp_path, 240, child_env(OMP_NUM_THREADS="1", TRITONLLM_NO_AUTOTUNE="1"))
+    logs = [r.stdout + r.stderr for r in results]
+    assert [r.returncode for r in results] == [0, 0], "\n-----\n".join(log[-3000:] for log in logs)
     for log in logs:  # one rank per agent; each logs the global batch
         assert "256 tokens per step (2 ranks x 2 x 32 x 2 micro-batches, parallel=fsdp)" in log, log[-3000:]
         assert "FSDP2 over 2 ranks (gloo)" in log and "done: validation loss" in log, log[-3000:]
