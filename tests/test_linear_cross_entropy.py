@@ -89,8 +89,9 @@ def test_chunk_for(T, V, budget):
     [chunk, V] bf16 buffer fits the budget, also where rounding T / chunks up to 64 tokens would overflow it
     (the seventh case: 5500 tokens fit, so three chunks, but of 5504: four of 4096); 64 tokens when not even
     those fit."""
-    def size(chunks):
-        return min(T, max(64, -(-(-(-T // chunks)) // 64) * 64))
+    def size(chunks):  # T / chunks rounded up, then up to a multiple of 64 tokens
+        per_chunk = -(-T // chunks)
+        return min(T, max(64, -(-per_chunk // 64) * 64))
     chunk = LCE.chunk_for(T, V, 2, budget)
     chunks = -(-T // chunk)
     assert 1 <= chunk <= T and (chunk % 64 == 0 or chunk == T)
