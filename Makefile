@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-gpu lint typecheck bench bench-train install clean
+.PHONY: train test test-gpu smoke-gpu lint typecheck bench bench-train install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ typecheck: $(STAMP)
 # Uses the Python that has CUDA PyTorch: `make test-gpu PY=python3` on a prepared machine.
 test-gpu:
 	$(PY) -m pytest -q -x tests
+
+# Every command the README documents, at the smallest GPU sizes, each under a deadline (scripts/smoke_gpu.py):
+# docs/perf/smoke-<gpu>.json. Run it in every session that changes a command's code path.
+smoke-gpu:
+	$(PY) scripts/smoke_gpu.py
 
 bench:
 	$(PY) -m tritonllm.bench kernels

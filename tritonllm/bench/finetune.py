@@ -74,6 +74,8 @@ def _parse(argv: list[str]):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 3 on a GPU: tritonllm's graph capture)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="also profile the host over this many steps per side (top functions in the JSON row)")
     args = p.parse_args(argv)
     args.sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in args.sides if s not in SIDES]

@@ -362,9 +362,12 @@ def configs(args, overrides: list[str]):
     from omegaconf import open_dict
 
     from tritonllm.data import load_corpus
+    from tritonllm.errors import ConfigError
     from tritonllm.train import model_config
 
     cfg, rcfg = compose(args, overrides, False), compose(args, overrides, True)
+    if cfg.get("model") is None:
+        raise ConfigError("no model chosen: add +model=<name> (e.g. +model=void125m)")
     corpus = load_corpus(cfg.data)
     for c in (cfg, rcfg):
         with open_dict(c):
