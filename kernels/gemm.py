@@ -32,7 +32,7 @@ from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budge
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
 PLAIN, SWIGLU_FWD = 0, 1
 
-# Tuning knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/NOTES.md, issue 3).
+# Tuning knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/history.md, issue 3).
 #: flatten the persistent tile loop into the K loop (``tl.range(flatten=...)``): the pipeliner
 #: then loads the next tile's first K blocks during this tile's last ones and its epilogue.
 #: On with TMA_STORE: measured on an H200 (scripts/tune_linear.py, stage A) the pair was the best or
@@ -52,7 +52,7 @@ EPILOGUE_SUBTILE = False
 #: tile's epilogue with the next tile's first loads), or one program per tile (False: the hardware
 #: hands tiles to SMs as they free up, so SMs held by another stream's kernels, NCCL's under FSDP2,
 #: delay only the tiles queued behind them instead of a whole program's share).
-#: scripts/sm_contention.py times both beside cuBLAS with some SMs held (docs/perf/NOTES.md);
+#: scripts/sm_contention.py times both beside cuBLAS with some SMs held (docs/perf/history.md);
 #: ``tritonllm.train.parallel.parallelize`` sets False for DDP and FSDP2 on GPUs.
 PERSISTENT = True
 #: on Hopper, run the plain and residual products of 16-bit tensor-descriptor operands through
@@ -60,12 +60,12 @@ PERSISTENT = True
 #: warpgroups, cooperative or ping-pong) instead of _matmul_kernel. On: each GEMM of linear (fwd, dx,
 #: dW) at the nine benchmark shapes, alone in CUDA graphs, ran 1.00-1.09x _matmul_kernel (the best of
 #: both through their autotuners; 0.998x at 8192^3's dW), 0.82-1.06x cuBLAS (scripts/tune_linear.py
-#: splits, H100, docs/perf/NOTES.md).
+#: splits, H100, docs/perf/history.md).
 SM90_WS = True
 #: linear_swiglu's fused forward (SWIGLU_FWD) through gemm_sm90's kernel too (two accumulators, gate and
 #: up, and a B ring twice as deep; its GATED_CONFIGS). On: at 16384x768x(2x2048) on an H100, in CUDA graphs, the
 #: forward ran 0.168 and 0.171 ms in two runs against _matmul_kernel's 0.214 and 0.215 (1.28x cuBLAS + Triton
-#: swiglu; scripts/tune_linear.py swiglu, docs/perf/NOTES.md).
+#: swiglu; scripts/tune_linear.py swiglu, docs/perf/history.md).
 SM90_WS_GATED = True
 #: gemm_sm90's kernel on a persistent grid (min(#SMs, tiles) programs, whatever PERSISTENT says, which
 #: then sets the other kernels' grid) whose programs take their tiles from a global counter as they get
@@ -79,7 +79,7 @@ DYNAMIC = False
 #: least one). cuBLAS's ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`` and Transformer Engine's SM margin do the same,
 #: so that NCCL's kernels, launched while a GEMM runs, find free SMs instead of waiting for the GEMM to end.
 #: 0 (none) by default and on one GPU; ``parallelize`` sets it beside NCCL from ``TRITONLLM_GEMM_SM_MARGIN``.
-#: Timed under FSDP2 on 4 H100s (2026-11-27, docs/perf/NOTES.md): no gain shown apart from the machine's drift
+#: Timed under FSDP2 on 4 H100s (2026-11-27, docs/perf/history.md): no gain shown apart from the machine's drift
 #: from run to run. Read when a problem is first planned: set it before the first GEMM, or clear ``_LAUNCH_CONFIGS``.
 SM_MARGIN = 0
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
@@ -111,7 +111,7 @@ SPLIT_K_MIN_K = 2048
 SPLIT_K_MAX = 8
 #: ... and the count :func:`split_cost` estimates fastest, which charges the fp32 partials' traffic
 #: (written by the GEMM, read back by the sum) at this many bytes per 128x128x64 product step of
-#: one SM. Measured on an H100 (scripts/tune_linear.py splits, docs/perf/NOTES.md): a step took
+#: one SM. Measured on an H100 (scripts/tune_linear.py splits, docs/perf/history.md): a step took
 #: 0.4 us and the partials cost about 1.9 TB/s, so that dW of 16384x768x2304 ran 27% slower split
 #: 6 ways (the best fill of its 108 tiles) than unsplit.
 SPLIT_K_STEP_BYTES = 760_000

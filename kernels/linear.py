@@ -83,7 +83,7 @@ def sum_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 #: when dW's [N, K] output has fewer than two waves of 128x256 tiles: each is a long K loop over the tokens,
 #: and the SMs that a short last wave leaves idle take dx's tiles, which both products then hand out from a
 #: global counter (gemm's ``dynamic``; a program that starts late takes fewer tiles). The results are the
-#: same bits either way. Measured on an H100 in two runs (scripts/tune_linear.py overlap, docs/perf/NOTES.md):
+#: same bits either way. Measured on an H100 in two runs (scripts/tune_linear.py overlap, docs/perf/history.md):
 #: the backward at 16384x768x4096 ran 0.88 / 0.91 -> 0.92 / 0.96x cuBLAS, linear_swiglu's 0.96 / 0.91 ->
 #: 1.02 / 0.96x; 16384x768x2304 lost 2% / 5% (not understood), and with more dW tiles (8192x2048x11264, 8192^3)
 #: it cost 1-2%, hence the threshold. void125m's step: 1.052x -> 1.079x (with the gated WS forward). Off: one

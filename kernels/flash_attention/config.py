@@ -67,7 +67,7 @@ ONE_LOOP = {"fwd": {"causal": True, "window": True},
 GROUP_WAVES: dict[str, float | None] = {"fwd": 2, "dkdv": None, "dq": 2}
 #: the head dims at which the forward on Hopper runs forward_sm90's Gluon kernel (wherever it applies,
 #: :func:`forward_sm90.supported`); the portable kernel runs every other forward, and everywhere with ``()``.
-#: On an H100 (CUDA graphs, docs/perf/NOTES.md, 142f866) its persistent warp-specialized config ran the
+#: On an H100 (CUDA graphs, docs/perf/history.md, 142f866) its persistent warp-specialized config ran the
 #: bench's D128 shapes at 1.08x / 1.02x / 1.12x cuDNN (B4 Hq16/Hkv4 T2048, B8 Hq32/Hkv8 T4096, B1 T16384; 0.138 /
 #: 2.007 / 3.444 ms), and B16 Hq12 T1024 D64 at 0.0955 ms against the portable kernel's 0.1022 in one run
 #: (scripts/attention_sm90.py; autotuned in the bench 0.0984 against 0.0997; cuDNN 0.086).
@@ -86,7 +86,7 @@ SM90_BWD: dict[str, tuple[int, ...]] = {"dkdv": (128,), "dq": (64, 128)}
 #: the head dims at which ``deterministic=False`` runs on Hopper as backward_sm90's dK/dV kernel with DQ_REDUCE
 #: (dQ added by a writer warp's TMA bulk reduces; FlashAttention-3's arrangement) instead of the portable fused
 #: kernel. Off until measured: the same kernel without the writer warp (each reduce between CTA barriers of
-#: the compute warps) ran 0.71x the deterministic Gluon pair at B8 Hq32/Hkv8 T4096 D128 (NOTES.md).
+#: the compute warps) ran 0.71x the deterministic Gluon pair at B8 Hq32/Hkv8 T4096 D128 (docs/perf/history.md).
 SM90_FUSED: tuple[int, ...] = ()
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner tries; the first that fits is the pinned
 #: config (TRITONLLM_NO_AUTOTUNE=1), the last the fallback of fp32 and small problems.
