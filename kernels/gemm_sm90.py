@@ -1,5 +1,7 @@
 """A warp-specialized GEMM for Hopper (sm90), written in Gluon: the plain and residual products of
-:func:`gemm.gemm` with 16-bit tensor-descriptor operands, behind ``gemm.SM90_WS`` (on by default).
+:func:`gemm.gemm` with 16-bit tensor-descriptor operands, and the scaled products of fp8 operands (both
+K-major, as Hopper's fp8 wgmma takes them: ``c = a_scale[m] b_scale[n] (a @ b) (+ residual)``, the wgmma's
+limited-precision sums promoted to fp32 every BLOCK_K), behind ``gemm.SM90_WS`` (on by default).
 
 One producer warp (``_load_partition``, few registers) streams the A and B tiles of every output tile
 the program owns through a STAGES-deep ring in shared memory (TMA, an mbarrier per slot each way);
@@ -38,6 +40,10 @@ CONFIGS = [(128, 256, 64, 3, False), (128, 128, 64, 4, False), (128, 128, 64, 5,
 #: the same for the gated (SwiGLU) forward: two accumulators (gate, up) of BLOCK_M x BLOCK_N each and
 #: a B ring twice as deep (4 stages of 128 x 128: 224 KiB with c_smem)
 GATED_CONFIGS = [(128, 128, 64, 3, False), (128, 128, 64, 4, False), (64, 128, 64, 4, True), (64, 128, 64, 3, True)]
+#: the same for fp8 operands: a BLOCK_K of 128 one-byte elements (a 128-byte swizzled row, the promotion
+#: interval); 128 x 128 tiles, since the promotion keeps a second fp32 accumulator in registers
+FP8_CONFIGS = [(128, 128, 128, 4, False), (128, 128, 128, 5, False), (128, 128, 128, 4, True),
+               (128, 128, 128, 3, True), (64, 128, 128, 5, True)]
 #: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
 LOAD_REGS = gl.constexpr(40)
 #: slots of the ring through which the producer hands tile indices to the consumers: how many tiles it
@@ -144,19 +150,25 @@ def _slot(bufs, s, AS_STORED: gl.constexpr):
 
 @gluon.jit
 def _mainloop(a_bufs, b_bufs, ready, empty, it, k_steps, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-              A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GATED: gl.constexpr):
+              A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GATED: gl.constexpr, FP8: gl.constexpr):
     """One output tile's products over the ring slots of iterations it .. it + k_steps, one K step's
     products in flight, each slot handed back once the products that read it are done; the fp32 tile,
-    twice (GATED: the gate tile, then the up tile from the slots STAGES further on in ``b_bufs``)."""
+    twice (GATED: the gate tile, then the up tile from the slots STAGES further on in ``b_bufs``). FP8: the
+    wgmma's limited-precision sums are added into the fp32 tile once per K step (BLOCK_K products)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1] if A_K_CONTIGUOUS else a_bufs.type.shape[2]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2] if A_K_CONTIGUOUS else a_bufs.type.shape[1]
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
     acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
     for ki in range(k_steps):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         a = _slot(a_bufs, s, A_K_CONTIGUOUS)
-        acc = warpgroup_mma(a, _slot(b_bufs, s, B_N_CONTIGUOUS), acc, is_async=True)
+        if FP8:
+            acc = warpgroup_mma(a, _slot(b_bufs, s, B_N_CONTIGUOUS), acc, is_async=True,
+                                max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = warpgroup_mma(a, _slot(b_bufs, s, B_N_CONTIGUOUS), acc, is_async=True)
         # one K step in flight: the step before it is done, so its slot goes back to the producer
         if GATED:
             acc_up = warpgroup_mma(a, _slot(b_bufs, STAGES + s, B_N_CONTIGUOUS), acc_up, is_async=True)
@@ -184,11 +196,19 @@ def _store_tile(x, desc, c_smem, m0, n0):
 
 
 @gluon.jit
-def _epilogue(acc, acc_up, descs, c_smem, e_ptr, m0, n0, M, N, stride_em, stride_en, HAS_RESIDUAL: gl.constexpr,
-              GATED: gl.constexpr, STORE_GU: gl.constexpr):
-    """The tile (plus the residual) into C; GATED: silu(gate) * up into C, and with STORE_GU the gate
-    and up tiles into their halves of gu first. ``descs``: C's, gu's gate half's and up half's."""
+def _epilogue(acc, acc_up, descs, c_smem, e_ptr, scale_ptrs, m0, n0, M, N, stride_em, stride_en,
+              HAS_RESIDUAL: gl.constexpr, GATED: gl.constexpr, STORE_GU: gl.constexpr, SCALED: gl.constexpr):
+    """The tile (SCALED: times A's row scales and B's column scales, ``scale_ptrs``; plus the residual) into
+    C; GATED: silu(gate) * up into C, and with STORE_GU the gate and up tiles into their halves of gu first.
+    ``descs``: C's, gu's gate half's and up half's."""
     c_desc, g_desc, u_desc = descs
+    if SCALED:
+        sa_ptr, sb_ptr = scale_ptrs
+        rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+        cols = n0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+        sa = gl.load(sa_ptr + rows, mask=rows < M, other=0.0)
+        sb = gl.load(sb_ptr + cols, mask=cols < N, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
     if GATED:
         if STORE_GU:
             _store_tile(acc, g_desc, c_smem, m0, n0)
@@ -206,19 +226,21 @@ def _epilogue(acc, acc_up, descs, c_smem, e_ptr, m0, n0, M, N, stride_em, stride
 @gluon.jit
 def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, GROUP_M: gl.constexpr,
-                   GATED: gl.constexpr, STORE_GU: gl.constexpr):
+                   GATED: gl.constexpr, STORE_GU: gl.constexpr, SCALED: gl.constexpr):
     """Consumer C of CONSUMERS. One (cooperative: its warpgroups split each tile's rows): every tile of
     the program. Two (ping-pong, a warpgroup each): the program's tiles C, C + 2, ... of the sequence
     the producer hands out (:func:`_take`), in its own c_smem slot; each runs a tile's products on its
     turn (``turn[C]``, consumer 0 first) and hands the turn over before its epilogue, so that one's
     epilogue runs while the other's products do."""
-    a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_ptr, M, N, K, stride_em, \
-        stride_en = problem
+    a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_ptr, scale_ptrs, M, N, K, \
+        stride_em, stride_en = problem
     BLOCK_M: gl.constexpr = c_smem.type.shape[1]
     BLOCK_N: gl.constexpr = c_smem.type.shape[2]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2] if A_K_CONTIGUOUS else a_bufs.type.shape[1]
+    FP8: gl.constexpr = a_bufs.dtype.primitive_bitwidth == 8
+    # the wgmma instruction's K: 32 bytes of operand (16 bf16, 32 fp8)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+                                                         instr_shape=[16, BLOCK_N, 32 if FP8 else 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -229,11 +251,11 @@ def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDU
         if CONSUMERS > 1:
             mbarrier.wait(turn.index(C), ((seq // CONSUMERS) & 1) ^ (1 - C))
         acc, acc_up = _mainloop(a_bufs, b_bufs, ready, empty, seq * k_steps, k_steps, acc_layout, BLOCK_N,
-                                A_K_CONTIGUOUS, B_N_CONTIGUOUS, GATED)
+                                A_K_CONTIGUOUS, B_N_CONTIGUOUS, GATED, FP8)
         if CONSUMERS > 1:
             mbarrier.arrive(turn.index(1 - C), count=1)
-        _epilogue(acc, acc_up, descs, c_smem.index(C), e_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_em,
-                  stride_en, HAS_RESIDUAL, GATED, STORE_GU)
+        _epilogue(acc, acc_up, descs, c_smem.index(C), e_ptr, scale_ptrs, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                  stride_em, stride_en, HAS_RESIDUAL, GATED, STORE_GU, SCALED)
         seq += CONSUMERS
         tile = _take(ids, id_ready, id_empty, seq)
     tma.store_wait(0)
@@ -242,8 +264,9 @@ def _mma_partition(problem, C: gl.constexpr, CONSUMERS: gl.constexpr, HAS_RESIDU
 @gluon.jit
 def _operand(ptr, rows, cols, stride, BLOCK_ROWS: gl.constexpr, BLOCK_COLS: gl.constexpr, STAGES: gl.constexpr):
     """The tensor descriptor of a [rows, cols] operand with a unit column stride, and a STAGES-deep
-    ring of [BLOCK_ROWS, BLOCK_COLS] tiles for it in shared memory (128-byte swizzle, 16-bit)."""
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ring of [BLOCK_ROWS, BLOCK_COLS] tiles for it in shared memory (128-byte swizzle, 16- or 8-bit)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                element_bitwidth=ptr.dtype.element_ty.primitive_bitwidth, rank=2)
     desc = tma.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[stride, 1],
                                       block_shape=[BLOCK_ROWS, BLOCK_COLS], layout=layout)
     return desc, gl.allocate_shared_memory(ptr.dtype.element_ty, [STAGES, BLOCK_ROWS, BLOCK_COLS], layout)
@@ -256,7 +279,7 @@ def ws_matmul_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_gm, stride_em, stride_en,
     counter_ptr,  # DYNAMIC: int32 [2], zeros (the next tile to hand out, the programs done; zero again at the end)
     EPILOGUE: gl.constexpr, STORE_GU: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
-    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr,
+    A_K_CONTIGUOUS: gl.constexpr, B_N_CONTIGUOUS: gl.constexpr, SCALED: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr = False,
 ):
@@ -298,23 +321,23 @@ def ws_matmul_kernel(
     for i in gl.static_range(ID_SLOTS):
         mbarrier.init(id_ready.index(i), count=1)
         mbarrier.init(id_empty.index(i), count=1)
-    problem = (a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_ptr, M, N, K, stride_em,
-               stride_en)
+    problem = (a_bufs, b_bufs, ready, empty, turn, ids, id_ready, id_empty, descs, c_smem, e_ptr, (sa_ptr, sb_ptr),
+               M, N, K, stride_em, stride_en)
     FIRST: gl.constexpr = 0  # consumer indices as constexprs (a literal in the partitions' arguments is not one)
     SECOND: gl.constexpr = 1
     if PINGPONG:
         gl.warp_specialize([
             (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
-                               STORE_GU)),
+                               STORE_GU, SCALED)),
             (_mma_partition, (problem, SECOND, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
-                               STORE_GU)),
+                               STORE_GU, SCALED)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
                                N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED))],
             [4, 1], [232, LOAD_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (problem, FIRST, CONSUMERS, HAS_RESIDUAL, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, GATED,
-                               STORE_GU)),
+                               STORE_GU, SCALED)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, id_ready, id_empty, counter_ptr, M,
                                N, K, A_K_CONTIGUOUS, B_N_CONTIGUOUS, GROUP_M, CONSUMERS, DYNAMIC, GATED))],
             [1], [LOAD_REGS])
@@ -322,31 +345,39 @@ def ws_matmul_kernel(
 
 def applies(args: dict, a_dtype, c_dtype) -> bool:
     """This kernel computes the problem gemm planned as ``args`` (gemm._gemm_plan's): the PLAIN epilogue
-    with at most a residual, or SWIGLU_FWD (with or without gu), no split along K, 16-bit operands and
-    output through tensor descriptors."""
-    return (not (args["HAS_BIAS"] or args["ACCUMULATE"] or args["SCALED"] or args["FP8"])
+    with at most a residual, or SWIGLU_FWD (with or without gu), no split along K, output through tensor
+    descriptors; 16-bit operands of the output's dtype, or scaled fp8 operands (PLAIN, both K-major) with
+    a 16-bit output."""
+    if args["FP8"]:
+        operands = (args["SCALED"] and args["EPILOGUE"] == gemm.PLAIN and args["A_K_CONTIGUOUS"]
+                    and not args["B_N_CONTIGUOUS"] and c_dtype.itemsize == 2)
+    else:
+        operands = not args["SCALED"] and a_dtype == c_dtype and a_dtype.itemsize == 2
+    return (operands and not (args["HAS_BIAS"] or args["ACCUMULATE"])
             and (args["EPILOGUE"] == gemm.PLAIN or not args["HAS_RESIDUAL"])
             and args["SPLIT_K"] == 1 and args["USE_TMA"] and args["TMA_STORE"] and args["K"] > 0
-            and a_dtype == c_dtype and a_dtype.itemsize == 2
             and (not args["STORE_GU"] or args["gu_ptr"].dtype == c_dtype))  # gu goes out through c_smem
 
 
-def configs(gated: bool = False) -> list[triton.Config]:
-    """:data:`CONFIGS` (``gated``: :data:`GATED_CONFIGS`) as autotuner configs (num_warps: the first
-    consumer partition's; the second consumer warpgroup of a ping-pong config and the producer warp
-    come on top)."""
+def configs(gated: bool = False, fp8: bool = False) -> list[triton.Config]:
+    """:data:`CONFIGS` (``gated``: :data:`GATED_CONFIGS`; ``fp8``: :data:`FP8_CONFIGS`) as autotuner configs
+    (num_warps: the first consumer partition's; the second consumer warpgroup of a ping-pong config and
+    the producer warp come on top)."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "STAGES": st, "GROUP_M": 8, "PINGPONG": pp},
                           num_warps=4 if pp else 8, num_stages=1)
-            for bm, bn, bk, st, pp in (GATED_CONFIGS if gated else CONFIGS)]
+            for bm, bn, bk, st, pp in (GATED_CONFIGS if gated else FP8_CONFIGS if fp8 else CONFIGS)]
 
 
 #: the flags of gemm._gemm_plan's arguments that this kernel takes
-FLAG_ARGS = ("EPILOGUE", "STORE_GU", "HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS")
+FLAG_ARGS = ("EPILOGUE", "STORE_GU", "HAS_RESIDUAL", "A_K_CONTIGUOUS", "B_N_CONTIGUOUS", "SCALED")
 _TUNE_KEY = ["M", "N", "K", *FLAG_ARGS, "DYNAMIC"]
 ws_matmul_kernel_tuned = triton.autotune(configs=configs(), key=_TUNE_KEY)(ws_matmul_kernel)
 ws_gated_kernel_tuned = triton.autotune(configs=configs(gated=True), key=_TUNE_KEY)(ws_matmul_kernel)
+ws_fp8_kernel_tuned = triton.autotune(configs=configs(fp8=True), key=_TUNE_KEY)(ws_matmul_kernel)
 
 
 def tuned(args: dict):
-    """The autotuner of ``args``'s problem (gemm._gemm_plan's): gated (SwiGLU) or not."""
-    return ws_gated_kernel_tuned if args["EPILOGUE"] != gemm.PLAIN else ws_matmul_kernel_tuned
+    """The autotuner of ``args``'s problem (gemm._gemm_plan's): gated (SwiGLU), fp8, or plain 16-bit."""
+    if args["EPILOGUE"] != gemm.PLAIN:
+        return ws_gated_kernel_tuned
+    return ws_fp8_kernel_tuned if args["FP8"] else ws_matmul_kernel_tuned

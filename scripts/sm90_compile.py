@@ -46,7 +46,7 @@ from kernels.flash_attention import backward_sm90, config as attn_config, forwar
 
 #: shared memory per block an H100 or H200 grants (opt-in maximum)
 HOPPER_SMEM = 232448
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8e4nv": torch.float8_e4m3fn}
 
 
 def int_args(M: int, N: int, K: int, flags: dict) -> dict:
@@ -132,20 +132,23 @@ def gemm_main(args) -> None:
 
 
 def gemm_sm90_main(args) -> None:
-    """Every config of ``gemm_sm90`` (``--swiglu``: its gated configs) at ``--mnk``, B as
-    ``--b-n-contiguous`` says, A K-contiguous, 16-bit."""
+    """Every config of ``gemm_sm90`` (``--swiglu``: its gated configs; ``--dtype fp8e4nv``: its fp8 configs,
+    scaled, bf16 output) at ``--mnk``, B as ``--b-n-contiguous`` says, A K-contiguous."""
     from kernels import gemm_sm90
 
+    fp8 = args.dtype == "fp8e4nv"
     flags = dict(EPILOGUE=gemm.SWIGLU_FWD if args.swiglu else gemm.PLAIN, STORE_GU=args.swiglu and args.store_gu,
                  HAS_RESIDUAL=args.residual and not args.swiglu, A_K_CONTIGUOUS=True,
-                 B_N_CONTIGUOUS=args.b_n_contiguous, DYNAMIC=args.dynamic)
+                 B_N_CONTIGUOUS=args.b_n_contiguous, SCALED=fp8, DYNAMIC=args.dynamic)
     ints = int_args(*(int(v) for v in args.mnk.split(",")), flags)
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, M,N,K {args.mnk}, flags "
           f"{ {k: v for k, v in flags.items() if v not in (False, 0)} }")
     rows = [("{BLOCK_M} {BLOCK_N} {BLOCK_K} s{STAGES}".format(**c.kwargs) + (" ping-pong" if c.kwargs["PINGPONG"]
-             else " coop"), c, True, None) for c in gemm_sm90.configs(gated=args.swiglu)]
+             else " coop"), c, True, None) for c in gemm_sm90.configs(gated=args.swiglu, fp8=fp8)]
     kernel_args = {**{n: f"*{args.dtype}" for n in gemm_sm90.ws_matmul_kernel.arg_names if n.endswith("_ptr")},
                    "counter_ptr": "*i32", **ints}
+    if fp8:  # bf16 output (and residual), fp32 scales
+        kernel_args.update({n: "*bf16" for n in ("c_ptr", "gu_ptr", "bias_ptr", "e_ptr")}, sa_ptr="*fp32", sb_ptr="*fp32")
     report(gemm_sm90.ws_matmul_kernel, rows, kernel_args, flags)
 
 
