@@ -99,6 +99,15 @@ class _Weight(nn.Module):
             nn.init.normal_(self.weight, mean=0.0, std=std)
 
 
+class _Linear(nn.Linear):
+    """A bias-free ``nn.Linear`` ``[out, in]`` initialised from ``normal(0, std)``: the dense projections, so
+    that ``torchao.float8.convert_to_float8_training`` finds them (the FP8 baseline)."""
+
+    def __init__(self, out_features: int, in_features: int, std: float):
+        super().__init__(in_features, out_features, bias=False)
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+
+
 def sliding_window_mask(window: int, seq_len: int, device):
     """FlexAttention block mask of causal attention where query t sees keys t - window < s <= t."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -115,17 +124,17 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window, self.eps = cfg.layer_window(layer), cfg.norm_eps
         self.block_mask = block_mask  # FlexAttention mask of the window at the training length, or None
-        self.qkv = _Weight((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.d_model, std=cfg.init_std)
+        self.qkv = _Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.d_model, std=cfg.init_std)
         self.q_norm = _Weight(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _Weight(cfg.head_dim) if cfg.qk_norm else None
-        self.proj = _Weight(cfg.d_model, cfg.n_heads * cfg.head_dim, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.proj = _Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         if cfg.layer_value_embedding(layer) is not None:
             self.value_mix = nn.Parameter(torch.full((2,), 0.5))  # [a, b]: v = a v + b ve
 
     def forward(self, x, cos, sin, ve=None):
         B, T, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv.weight)
+        qkv = self.qkv(x)
         dtype = qkv.dtype
         q, k, v = qkv.view(B, T, Hq + 2 * Hkv, D).transpose(1, 2).split([Hq, Hkv, Hkv], dim=1)
         if ve is not None:
@@ -145,7 +154,7 @@ class Attention(nn.Module):
             lag = pos[:, None] - pos[None, :]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=(lag >= 0) & (lag < self.window),
                                                enable_gqa=Hq != Hkv)
-        return F.linear(y.transpose(1, 2).reshape(B, T, Hq * D), self.proj.weight)
+        return self.proj(y.transpose(1, 2).reshape(B, T, Hq * D))
 
 
 class ReLU2MLP(nn.Module):
@@ -153,11 +162,11 @@ class ReLU2MLP(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.w1 = _Weight(cfg.d_ff, cfg.d_model, std=cfg.init_std)
-        self.w2 = _Weight(cfg.d_model, cfg.d_ff, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.w1 = _Linear(cfg.d_ff, cfg.d_model, std=cfg.init_std)
+        self.w2 = _Linear(cfg.d_model, cfg.d_ff, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, x):
-        return F.linear(F.relu(F.linear(x, self.w1.weight)).square(), self.w2.weight), None
+        return self.w2(F.relu(self.w1(x)).square()), None
 
 
 class MLP(nn.Module):
@@ -165,12 +174,12 @@ class MLP(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.w13 = _Weight(2 * cfg.d_ff, cfg.d_model, std=cfg.init_std)
-        self.w2 = _Weight(cfg.d_model, cfg.d_ff, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.w13 = _Linear(2 * cfg.d_ff, cfg.d_model, std=cfg.init_std)
+        self.w2 = _Linear(cfg.d_model, cfg.d_ff, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, x):
-        gate, up = F.linear(x, self.w13.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2.weight), None
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up), None
 
 
 @torch.compiler.disable

@@ -399,10 +399,10 @@ def git_commit() -> str:
 
 def row_key(r: dict) -> tuple:
     """What makes two result rows the same measurement, so that a new one replaces the old: op, shape,
-    dtype, pass, model, batch, sequence length, GPU count and parallel mode (a one-GPU training row leaves
-    the model's multi-GPU rows alone)."""
+    dtype, pass, model, batch, sequence length, GPU count, parallel mode and the linear layers' precision
+    (a one-GPU training row leaves the model's multi-GPU rows alone, an fp8 row the bf16 one)."""
     return (r.get("op"), r.get("shape"), r.get("dtype"), r.get("pass"), r.get("model"), r.get("batch"),
-            r.get("seq_len"), r.get("nproc", 1), r.get("parallel", "none"))
+            r.get("seq_len"), r.get("nproc", 1), r.get("parallel", "none"), r.get("precision", "bf16"))
 
 
 def write_results(kind: str, rows: list[dict], out_dir: str, extra: dict | None = None) -> str:

@@ -90,9 +90,16 @@ OUR_KERNEL = re.compile(r"^(?!triton_)\w*_kernel")
 EXCLUDED = ("Memcpy", "Memset", "memcpy", "memset")
 #: --baselines name -> torch.compile mode
 #: (timed in this order: the slowest to compile last)
-BASELINE_MODES = {"compile": None, "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune-no-cudagraphs"}
+BASELINE_MODES = {"compile": None, "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune-no-cudagraphs",
+                  "torchao-rowwise": None, "torchao-tensorwise": None}
 #: the JSON name of each baseline
-BASELINE_NAMES = {"compile": "torch.compile", "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune"}
+BASELINE_NAMES = {"compile": "torch.compile", "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune",
+                  "torchao-rowwise": "torchao float8 rowwise", "torchao-tensorwise": "torchao float8 tensorwise"}
+#: the FP8 baselines: the baseline's dense projections converted by torchao.float8 (that recipe), under
+#: torch.compile's default mode; timed by default when trainer.precision=fp8
+FLOAT8_RECIPES = {"torchao-rowwise": "rowwise", "torchao-tensorwise": "tensorwise"}
+#: --baselines by default: the bf16 modes (and with trainer.precision=fp8 the FP8 ones)
+DEFAULT_BASELINES = [b for b in BASELINE_MODES if b not in FLOAT8_RECIPES]
 PROFILED_STEPS = 3
 #: how many of tritonllm's kernels the row lists by GPU time a step (kernels_ms)
 TOP_KERNELS = 20
@@ -323,12 +330,16 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
     from tritonllm.train import build_optimizer
     from tritonllm.train.step import TrainStep
 
+    from tritonllm.nn.fp8 import apply_precision
+
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg, device=x.device, dtype=torch.bfloat16)
+    apply_precision(model, cfg.trainer.precision)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     optimizer = build_optimizer(model, cfg.optim, master_weights=True)
     flops_per_token = model.flops_per_token(x.shape[1])
-    print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{x.shape[0]} x T{x.shape[1]} bf16, "
+    print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{x.shape[0]} x T{x.shape[1]} bf16 "
+          f"(linear layers {cfg.trainer.precision}), "
           f"{flops_per_token * x.numel() / 1e12:.2f} TFLOP per step", flush=True)
     lr = float(cfg.optim.lr)
     sides, captured, compiled_sides = {}, {}, {}
@@ -392,14 +403,19 @@ def baseline_update(loss: torch.Tensor, params: list, optimizer, clip: float | N
 
 
 def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args, flops_per_token, peak_flops,
-                  cycles_per_ms) -> dict:
-    """One compiled baseline (``mode`` of torch.compile); its figures."""
+                  cycles_per_ms, float8: str | None = None) -> dict:
+    """One compiled baseline (``mode`` of torch.compile; ``float8``: its dense projections converted by
+    torchao.float8 with that recipe first); its figures."""
     from tritonllm.bench.baseline_model import BaselineTransformer
 
     torch._dynamo.reset()
     with torch.device(x.device):
         model = BaselineTransformer(model_cfg, experts=experts)
     model.load_state_dict(weights)
+    if float8 is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(float8))
     params = list(model.parameters())
     optimizer = baseline_optimizer(model, cfg)
     compiled = torch.compile(model, mode=mode, dynamic=False)
@@ -429,8 +445,10 @@ def _parse(argv: list[str]):
     p.add_argument("--steps", type=int, default=20, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps first (compilation, autotuning, tritonllm's graph capture); >= 3")
-    p.add_argument("--baselines", default=",".join(BASELINE_MODES),
-                   help=f"comma-separated torch.compile modes of the baseline, of: {', '.join(BASELINE_MODES)}")
+    p.add_argument("--baselines", default=None,
+                   help=f"comma-separated baselines, of: {', '.join(BASELINE_MODES)} (torch.compile modes; torchao-*: "
+                        f"torchao.float8 recipes under torch.compile); default {','.join(DEFAULT_BASELINES)}, and the "
+                        "torchao ones with trainer.precision=fp8")
     p.add_argument("--no-baseline", action="store_true", help="time tritonllm only")
     p.add_argument("--compiled", action="store_true",
                    help="also time tritonllm's model under torch.compile(fullgraph=True), eager and graphed steps")
@@ -450,7 +468,10 @@ def _parse(argv: list[str]):
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.ab_rounds < 1:
         p.error(f"--ab-rounds must be >= 1, got {args.ab_rounds}")
-    args.baselines = [] if args.no_baseline else [b for b in args.baselines.split(",") if b]
+    chosen = DEFAULT_BASELINES if args.baselines is None else [b for b in args.baselines.split(",") if b]
+    if args.baselines is None and any(o == "trainer.precision=fp8" for o in overrides):
+        chosen = [*chosen, *FLOAT8_RECIPES]
+    args.baselines = [] if args.no_baseline else chosen
     unknown = [b for b in args.baselines if b not in BASELINE_MODES]
     if unknown:
         p.error(f"--baselines: unknown {unknown}; choose from {', '.join(BASELINE_MODES)}")
@@ -523,7 +544,8 @@ def main(argv: list[str]) -> None:
             print(f"compiled / uncompiled step time, {name} steps: "
                   f"{compiled[name]['step_ms'] / uncompiled['step_ms']:.3f}", flush=True)
     total = sum(ours_ms.values()) + sum(other_ms.values())
-    row = {"model": model_cfg.name, "batch": B, "seq_len": T, "nproc": 1, "parallel": "none", "cuda_graph": captured,
+    row = {"model": model_cfg.name, "batch": B, "seq_len": T, "nproc": 1, "parallel": "none",
+           "precision": cfg.trainer.precision, "cuda_graph": captured,
            **graphed, "eager": eager, **({"compiled": compiled} if compiled else {}), "baselines": {}, "speedup": None,
            "triton_share": round(sum(ours_ms.values()) / total, 4) if total else None, "host_cpu": host_cpu,
            "kernels_ms": {k: round(v, 3) for k, v in sorted(ours_ms.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]},
@@ -542,7 +564,7 @@ def main(argv: list[str]) -> None:
         name = BASELINE_NAMES[b]
         try:
             row["baselines"][name] = time_baseline(BASELINE_MODES[b], model_cfg, cfg, weights, x, y, experts, args,
-                                                   flops_per_token, peak_flops, cycles_per_ms)
+                                                   flops_per_token, peak_flops, cycles_per_ms, FLOAT8_RECIPES.get(b))
         except Exception as e:  # a baseline that fails is reported, not fatal
             row["baselines"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(_line(f"baseline {name}", row["baselines"][name]), flush=True)
