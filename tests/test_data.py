@@ -338,7 +338,7 @@ def test_text_and_bin_corpora_carry_their_identity(tmp_path):
 
 
 def test_python_corpus_with_the_installed_packages(monkeypatch, tmp_path):
-    """``packages``: the standard library's files first, then every installed package's ``*.py`` once
+    """``packages``: the manifest's standard-library files first, then every installed package's ``*.py`` once
     (sysconfig's purelib, a site-packages folder or a --target folder on sys.path; the same folder
     twice or through a link adds nothing), files that are not text left out."""
     pytest.importorskip("sentencepiece")  # imported now: sys.path is replaced below

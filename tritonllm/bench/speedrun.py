@@ -335,11 +335,12 @@ def corpus_block(args, cfg, corpus) -> dict:
     identity = corpus.identity
     if passes > 1 and not args.allow_repeat:
         raise DataError(
-            f"the step budget (--max-steps {args.max_steps} x B{B} x T{T}) trains on {need:,} tokens, but the data "
-            f"({corpus.description}) holds {train.epoch_tokens:,} in whole training windows: {passes:.2f} passes, so the time to the target "
-            f"would measure memorisation; give it at least {need:,} training tokens (--bin '<FineWeb .bin shards>', "
-            f"e.g. modded-nanogpt's fineweb_train_*.bin, or data=text data.files='<a larger tree>/**/*.txt'), "
-            f"--max-steps {train.n_windows // B} or fewer, or --allow-repeat to run anyway")
+            f"the step budget (--max-steps {args.max_steps} x B{B} x T{T}) trains on {need:,} tokens, but the "
+            f"data ({corpus.description}) holds {train.epoch_tokens:,} in whole training windows: {passes:.2f} "
+            f"passes, so the time to the target would measure memorisation; give it at least {need:,} training "
+            f"tokens (--bin '<FineWeb .bin shards>', e.g. modded-nanogpt's fineweb_train_*.bin, or data=text "
+            f"data.files='<a larger tree>/**/*.txt'), --max-steps {train.n_windows // B} or fewer, or "
+            f"--allow-repeat to run anyway")
     return {**{k: identity[k] for k in ("name", "files", "train_tokens", "sha256")}, "passes": round(passes, 4)}
 
 
