@@ -259,6 +259,7 @@ class SFTLoader:
         """This rank's share of the next global batch; when it begins a new epoch, rank 0 logs one INFO
         line (``data: epoch K begins: the training data repeats (N examples)``), as the token loader does."""
         epoch = self.epoch
+        out: tuple[torch.Tensor, ...]
         if self.pack:
             rows, self.epoch, self.index = self._pack(self.epoch, self.index)
             out = self.packed_batch(self._share(rows))
