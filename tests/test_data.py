@@ -15,7 +15,8 @@ import torch
 from omegaconf import OmegaConf
 
 from tritonllm.data import TokenLoader, TokenStream, Tokenizer, load_corpus, open_shard, write_shard
-from tritonllm.data.corpus import content_sha256, read_manifest, stdlib_files, within_budget
+from tritonllm.data.corpus import (content_sha256, file_sha256, python_sources, read_manifest, stdlib_files,
+                                   within_budget)
 from tritonllm.data.shards import HEADER_BYTES
 from tritonllm.errors import ConfigError, DataError
 
@@ -262,6 +263,8 @@ def test_the_checked_in_manifest_defines_the_embedded_corpus():
     rel = [os.path.relpath(f, root).replace(os.sep, "/") for f in files]
     assert rel == [p for p in paths if p in set(rel)]
     assert all(_sha(f) == expected[r] for f, r in list(zip(files, rel))[::97])
+    if sys.version.split()[0] == spec["python"] and len(files) == len(paths):  # the Python it was written from
+        assert [os.path.relpath(f, root).replace(os.sep, "/") for f in python_sources(root)] == paths
 
 
 def fake_stdlib(monkeypatch, tmp_path, texts: dict) -> str:
@@ -335,6 +338,25 @@ def test_text_and_bin_corpora_carry_their_identity(tmp_path):
     write_shard(str(shards[0]), np.arange(300) + 1, 50257)
     after = load_corpus(bcfg).identity["sha256"]
     assert after != before["sha256"] and after == content_sha256([_sha(f) for f in shards])
+
+
+def test_large_files_hash_once(tmp_path, monkeypatch):
+    """A file of HASH_CACHE_BYTES or more (a token shard) is hashed once: its sha256 is cached under
+    its path, size and modification time; a missing file is a DataError naming it."""
+    from tritonllm.data import corpus as corpus_module
+
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"a" * 1000)
+    monkeypatch.setattr(corpus_module, "HASH_CACHE_BYTES", 1000)
+    first = file_sha256(str(path), str(tmp_path / "cache"))
+    assert first == _sha(path) and len(os.listdir(tmp_path / "cache" / "sha256")) == 1
+    st = os.stat(path)
+    path.write_bytes(b"b" * 1000)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file_sha256(str(path), str(tmp_path / "cache")) == first  # read from the cache
+    assert file_sha256(str(path)) == _sha(path) != first
+    with pytest.raises(DataError, match="cannot read .*gone.bin"):
+        file_sha256(str(tmp_path / "gone.bin"))
 
 
 def test_python_corpus_with_the_installed_packages(monkeypatch, tmp_path):

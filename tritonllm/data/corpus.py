@@ -59,20 +59,19 @@ def python_sources(root: str) -> list[str]:
 def file_sha256(path: str, cache_dir: str | None = None) -> str:
     """The sha256 (hex) of the bytes of the file at ``path``; files of HASH_CACHE_BYTES or more are
     hashed once, then cached under ``<cache_dir>/sha256/`` (:func:`~tritonllm.data.shards.cached_file_value`)."""
-    if os.path.getsize(path) < HASH_CACHE_BYTES:
-        cache_dir = None
-
     def digest() -> str:
         h = hashlib.sha256()
-        try:
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    h.update(block)
-        except OSError as e:
-            raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
         return h.hexdigest()
 
-    return str(cached_file_value(path, cache_dir, "sha256", digest))
+    try:
+        if os.path.getsize(path) < HASH_CACHE_BYTES:
+            return digest()
+        return str(cached_file_value(path, cache_dir, "sha256", digest))
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def content_sha256(digests: list[str]) -> str:
