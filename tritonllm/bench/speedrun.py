@@ -414,7 +414,8 @@ def main(argv: list[str]) -> None:
     from tritonllm.errors import TritonLLMError
 
     args, overrides = parse(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the data's lines: a new epoch, files left out
+    logging.basicConfig(format="%(message)s")  # tritonllm's INFO lines (the data's: files left out, a new epoch)
+    logging.getLogger("tritonllm").setLevel(logging.INFO)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
         sys.exit("python -m tritonllm.bench speedrun needs a CUDA GPU (tests/test_speedrun.py runs it on the CPU)")
