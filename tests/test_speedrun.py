@@ -180,3 +180,13 @@ def test_reset_zeroes_state_but_masters():
     speedrun.reset_optimizer_state(opt)
     state = opt.state[p]
     assert state["exp_avg"].eq(0).all() and state["step"].item() == 0 and state["master"].eq(2).all()
+
+
+def test_sft_data_is_refused_by_name():
+    from omegaconf import OmegaConf
+
+    from tritonllm.errors import ConfigError
+
+    args, _ = speedrun.parse([])
+    with pytest.raises(ConfigError, match="data.kind='sft': the speedrun trains on token data"):
+        speedrun.corpus_block(args, OmegaConf.create({"data": {"kind": "sft"}}), object())

@@ -326,8 +326,11 @@ def corpus_block(args, cfg, corpus) -> dict:
     identity and ``passes`` = ``max_steps * B * T`` / the tokens of one pass over the training
     windows (the training split less under one window). A DataError when passes > 1 and not
     ``args.allow_repeat``, saying what the budget needs and how to get it."""
-    from tritonllm.errors import DataError
+    from tritonllm.data import Corpus
+    from tritonllm.errors import ConfigError, DataError
 
+    if not isinstance(corpus, Corpus):
+        raise ConfigError(f"data.kind={cfg.data.kind!r}: the speedrun trains on token data, data=stdlib, text or bin")
     B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
     train, _ = corpus.loaders(B, T, cfg.seed, None)
     need = args.max_steps * B * T
