@@ -115,7 +115,8 @@ def scaling_rows(doc: dict) -> list[str]:
 
 
 def speedrun_rows(doc: dict) -> list[str]:
-    """One line per side of each ``python -m tritonllm.bench speedrun`` row: time, steps and tokens to the target."""
+    """One line per side of each ``python -m tritonllm.bench speedrun`` row: time, steps and tokens to the
+    target; then the comparison and the data it trained on."""
     out = ["| model | batch x seq | side | target | reached | steps | tokens | seconds | tokens/s |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
@@ -126,6 +127,10 @@ def speedrun_rows(doc: dict) -> list[str]:
                        f"{f['steps']} | {f['tokens']} | {f['seconds']:.1f} | {f['tokens_per_s']:.0f} |")
         out.append(f"| | | recipe / adamw time {r['time_ratio_recipe_vs_adamw']:.3f}, "
                    f"recipe vs torch {r['speedup_vs_torch']:.2f}x | | | | | | |")
+        if "corpus" in r:  # the data it trained on (rows written before it was recorded lack it)
+            c = r["corpus"]
+            out.append(f"| | | data: {c['name']}, {c['files']} files, {c['train_tokens']} training tokens, sha256 "
+                       f"{c['sha256'][:16]}, {c['passes']} passes | | | | | | |")
     return out
 
 

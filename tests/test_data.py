@@ -1,9 +1,13 @@
 """Data pipeline: llm.c token shards (valid and malformed), the text and standard-library corpora with
 their cached tokenizer, the train/validation split and the deterministic, resumable batch loader."""
 
+import hashlib
+import json
 import logging
 import os
+import re
 import sys
+import sysconfig
 
 import numpy as np
 import pytest
@@ -11,7 +15,8 @@ import torch
 from omegaconf import OmegaConf
 
 from tritonllm.data import TokenLoader, TokenStream, Tokenizer, load_corpus, open_shard, write_shard
-from tritonllm.data.corpus import stdlib_files
+from tritonllm.data.corpus import (content_sha256, file_sha256, python_sources, read_manifest, stdlib_files,
+                                   within_budget)
 from tritonllm.data.shards import HEADER_BYTES
 from tritonllm.errors import ConfigError, DataError
 
@@ -106,7 +111,11 @@ def test_batches_are_shifted_windows_and_cover_an_epoch_once(caplog):
     with caplog.at_level(logging.INFO, logger="tritonllm.data.loader"):
         loader.next_batch()
     assert loader.state_dict()["epoch"] == 1
-    assert "train split's 20 windows are used up: epoch 2 begins" in caplog.text
+    assert caplog.messages == ["data: epoch 2 begins: the training data repeats (320 tokens)"]
+    with caplog.at_level(logging.INFO, logger="tritonllm.data.loader"):
+        for _ in range(3):  # the rest of epoch 2: no other line
+            loader.next_batch()
+    assert len(caplog.messages) == 1
 
 
 def test_loader_deterministic_given_seed_and_resumable():
@@ -222,19 +231,143 @@ def test_stdlib_corpus(tmp_path):
     x, _ = train.next_batch()
     assert x.max().item() < corpus.vocab_size
     assert len(os.listdir(tmp_path / "cache")) == 1
+    used = within_budget(files, 150_000)
+    identity = corpus.identity
+    assert identity["name"] == f"stdlib (manifest of Python {read_manifest()['python']})"
+    assert identity["files"] == len(used) and identity["sha256"] == content_sha256([_sha(f) for f in used])
+    assert identity["train_tokens"] + identity["val_tokens"] == len(corpus.train_shards[0]) == len(train.stream) + len(
+        val.stream)
+    # a second build, from scratch in another cache, is the same corpus
+    again = load_corpus(data_cfg(**{**OmegaConf.to_container(cfg), "cache_dir": str(tmp_path / "other")}))
+    assert again.identity == identity
+    np.testing.assert_array_equal(np.asarray(again.train_shards[0]), np.asarray(corpus.train_shards[0]))
+
+
+def _sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_the_checked_in_manifest_defines_the_embedded_corpus():
+    """stdlib_manifest.json: relative paths in sorted order, once each, with a sha256 each; this
+    machine's corpus is the manifest's files it holds unchanged, in the manifest's order."""
+    spec = read_manifest()
+    assert spec["python"].startswith("3.11.")
+    paths = [p for p, _ in spec["files"]]
+    assert paths == sorted(paths) and len(set(paths)) == len(paths) > 1000
+    assert "os.py" in paths and not any(p.startswith("/") or "site-packages" in p for p in paths)
+    assert all(re.fullmatch("[0-9a-f]{64}", sha) for _, sha in spec["files"])
+    root = sysconfig.get_paths()["stdlib"]
+    files = stdlib_files()
+    expected = {p: sha for p, sha in spec["files"]}
+    rel = [os.path.relpath(f, root).replace(os.sep, "/") for f in files]
+    assert rel == [p for p in paths if p in set(rel)]
+    assert all(_sha(f) == expected[r] for f, r in list(zip(files, rel))[::97])
+    if sys.version.split()[0] == spec["python"] and len(files) == len(paths):  # the Python it was written from
+        assert [os.path.relpath(f, root).replace(os.sep, "/") for f in python_sources(root)] == paths
+
+
+def fake_stdlib(monkeypatch, tmp_path, texts: dict) -> str:
+    """A standard library of ``texts`` ({relative path: text}) in tmp_path/lib and a manifest of it,
+    both in use; returns the library folder."""
+    from tritonllm.data import corpus as corpus_module
+
+    lib = tmp_path / "lib" / "python3"
+    rows = []
+    for rel, text in texts.items():
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text(text)
+        rows.append([rel, _sha(lib / rel)])
+    (tmp_path / "manifest.json").write_text(json.dumps({"python": "3.11.0", "files": rows}))
+    paths = {**sysconfig.get_paths(), "stdlib": str(lib)}
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
+    monkeypatch.setattr(corpus_module, "MANIFEST", str(tmp_path / "manifest.json"))
+    return str(lib)
+
+
+def test_manifest_files_missing_or_changed_are_left_out_with_one_line(monkeypatch, tmp_path, caplog):
+    """A machine lacking some of the manifest's files, or holding them with other bytes, builds the
+    corpus from the rest, says so in one line, and its corpus hash differs from the full one."""
+    texts = {f"mod{i}.py": f"def f{i}(x):\n    return x * {i}\n" * 40 for i in range(4)}
+    lib = fake_stdlib(monkeypatch, tmp_path, texts)
+    cfg = data_cfg(kind="stdlib", max_bytes=None, vocab_size=300, tokenizer_bytes=None, val_fraction=0.1,
+                   cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="tritonllm.data.corpus"):
+        full = load_corpus(cfg).identity
+    assert full["files"] == 4 and full["name"] == "stdlib (manifest of Python 3.11.0)"
+    assert not [m for m in caplog.messages if "the manifest's" in m]
+    os.remove(os.path.join(lib, "mod1.py"))
+    with open(os.path.join(lib, "mod3.py"), "a") as f:
+        f.write("# changed\n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tritonllm.data.corpus"):
+        part = load_corpus(cfg).identity
+    lines = [m for m in caplog.messages if "the manifest's" in m]
+    assert len(lines) == 1 and "of the manifest's 4 files (Python 3.11.0), 1 are missing and 1 differ" in lines[0]
+    assert "reads the other 2" in lines[0]
+    assert part["files"] == 2 and part["sha256"] != full["sha256"] and part["train_tokens"] < full["train_tokens"]
+    assert part["sha256"] == content_sha256([_sha(os.path.join(lib, f)) for f in ("mod0.py", "mod2.py")])
+    for name in ("mod0.py", "mod2.py", "mod3.py"):
+        os.remove(os.path.join(lib, name))
+    with pytest.raises(DataError, match="none of the standard-library manifest's files"):
+        load_corpus(cfg)
+
+
+def test_text_and_bin_corpora_carry_their_identity(tmp_path):
+    """data=text and data=bin name the files read, their tokens and the hash of their bytes, the same
+    on a rebuild; a changed file changes the hash."""
+    pattern = text_files(tmp_path / "texts", n=6)
+    cfg = data_cfg(kind="text", files=pattern, tokenizer=None, vocab_size=400, max_bytes=None, tokenizer_bytes=None,
+                   val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    text = load_corpus(cfg).identity
+    files = sorted((tmp_path / "texts").glob("*.txt"))
+    assert text["name"] == f"text {pattern}" and text["files"] == 6
+    assert text["sha256"] == content_sha256([_sha(f) for f in files])
+    assert load_corpus(cfg).identity == text
+    shards = []
+    for i, n in enumerate((300, 500)):
+        shards.append(tmp_path / f"train_{i}.bin")
+        write_shard(str(shards[-1]), np.arange(n) % 1000, 50257)
+    write_shard(str(tmp_path / "val_0.bin"), np.arange(200), 50257)
+    bcfg = data_cfg(kind="bin", files=str(tmp_path / "train_*.bin"), val_files=str(tmp_path / "val_*.bin"),
+                    val_fraction=0.1, vocab_size=50257, cache_dir=str(tmp_path / "cache"))
+    shards.append(tmp_path / "val_0.bin")
+    before = load_corpus(bcfg).identity
+    assert before == {"name": f"bin {tmp_path / 'train_*.bin'} + {tmp_path / 'val_*.bin'}", "files": 3,
+                      "train_tokens": 800, "val_tokens": 200, "sha256": content_sha256([_sha(f) for f in shards])}
+    write_shard(str(shards[0]), np.arange(300) + 1, 50257)
+    after = load_corpus(bcfg).identity["sha256"]
+    assert after != before["sha256"] and after == content_sha256([_sha(f) for f in shards])
+
+
+def test_large_files_hash_once(tmp_path, monkeypatch):
+    """A file of HASH_CACHE_BYTES or more (a token shard) is hashed once: its sha256 is cached under
+    its path, size and modification time; a missing file is a DataError naming it."""
+    from tritonllm.data import corpus as corpus_module
+
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"a" * 1000)
+    monkeypatch.setattr(corpus_module, "HASH_CACHE_BYTES", 1000)
+    first = file_sha256(str(path), str(tmp_path / "cache"))
+    assert first == _sha(path) and len(os.listdir(tmp_path / "cache" / "sha256")) == 1
+    st = os.stat(path)
+    path.write_bytes(b"b" * 1000)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file_sha256(str(path), str(tmp_path / "cache")) == first  # read from the cache
+    assert file_sha256(str(path)) == _sha(path) != first
+    with pytest.raises(DataError, match="cannot read .*gone.bin"):
+        file_sha256(str(tmp_path / "gone.bin"))
 
 
 def test_python_corpus_with_the_installed_packages(monkeypatch, tmp_path):
-    """``packages``: the standard library's files first, then every installed package's ``*.py`` once
+    """``packages``: the manifest's standard-library files first, then every installed package's ``*.py`` once
     (sysconfig's purelib, a site-packages folder or a --target folder on sys.path; the same folder
     twice or through a link adds nothing), files that are not text left out."""
-    import sysconfig
-
     pytest.importorskip("sentencepiece")  # imported now: sys.path is replaced below
     lib = tmp_path / "lib" / "python3"
+    fake_stdlib(monkeypatch, tmp_path, {"json/__init__.py": "def dumps(x):\n" * 50, "os.py": "import sys\n" * 50})
     site, other = lib / "site-packages", tmp_path / "venv" / "site-packages"
-    for folder, name, text in [(lib, "os.py", "import sys\n"), (lib / "json", "__init__.py", "def dumps(x):\n"),
-                               (site / "pkg", "a.py", "x = 1\n"), (site / "pkg", "b.py", "y = 2\n"),
+    for folder, name, text in [(site / "pkg", "a.py", "x = 1\n"), (site / "pkg", "b.py", "y = 2\n"),
                                (other / "extra", "c.py", "z = 3\n")]:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text * 50)
@@ -247,7 +380,7 @@ def test_python_corpus_with_the_installed_packages(monkeypatch, tmp_path):
     (tmp_path / "repo" / "script.py").write_text("r = 5\n")  # a folder on sys.path without records: not a package folder
     (tmp_path / "alias").mkdir()
     os.symlink(other, tmp_path / "alias" / "site-packages", target_is_directory=True)
-    paths = {**sysconfig.get_paths(), "stdlib": str(lib), "purelib": str(site), "platlib": str(site)}
+    paths = {**sysconfig.get_paths(), "purelib": str(site), "platlib": str(site)}
     monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
     monkeypatch.setattr(sys, "path", [str(tmp_path / "repo"), str(other), str(other),
                                       str(tmp_path / "alias" / "site-packages"), str(site), str(target)])

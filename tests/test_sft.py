@@ -3,6 +3,7 @@ gradients equal those of its examples run alone) and a LoRA fine-tuning run of a
 Face model, packed or not."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -145,15 +146,17 @@ def _packed_loader(examples, B=2, rank=0, world_size=1, seq_len=9):
                      world_size=world_size, pack=True)
 
 
-def test_packing_keeps_every_example_whole_once_per_epoch():
+def test_packing_keeps_every_example_whole_once_per_epoch(caplog):
     """Three epochs of packed batches: each document is one example's first tokens (cut at a row),
     y = -100 at a document's last position (within the row) and on padding, and the trained targets
-    read in batch order are every example's trained tokens, in the order of each epoch's permutation."""
+    read in batch order are every example's trained tokens, in the order of each epoch's permutation.
+    Each new epoch is one log line."""
     examples = _numbered_examples()
     loader = _packed_loader(examples)
     targets = []
     while loader.epoch < 3:
-        x, y, docs = loader.next_batch()
+        with caplog.at_level(logging.INFO, logger="tritonllm.data.sft"):
+            x, y, docs = loader.next_batch()
         for row in range(x.shape[0]):
             xs, ys, d = x[row].numpy(), y[row].numpy(), docs[row].numpy()
             starts = np.flatnonzero(np.arange(9) == d[:, 0])
@@ -174,6 +177,8 @@ def test_packing_keeps_every_example_whole_once_per_epoch():
     order = [e for epoch in range(3) for e in loader._order(epoch)] + list(loader._order(3)[:loader.index])
     expected = [int(t) for e in order for t, m in zip(examples[e][0][1:10], examples[e][1][1:10]) if m]
     assert targets == expected
+    assert caplog.messages == [f"data: epoch {k} begins: the training data repeats ({len(examples)} examples)"
+                               for k in (2, 3, 4)]
 
 
 def test_packed_resume_mid_epoch_and_validation_batches():

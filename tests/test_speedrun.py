@@ -1,9 +1,13 @@
 """``python -m tritonllm.bench speedrun`` on the CPU: a tiny model, a few steps and an easy target
 through every side (the torch side without torch.compile), the fields of its row and how
-``reached`` is computed; the recipe's plain-PyTorch baseline against the float64 reference model;
-the PyTorch Muon used where ``torch.optim.Muon`` is missing against ``torch.optim.Muon``."""
+``reached`` is computed; the data it names and its refusal of a budget that repeats the data; the
+recipe's plain-PyTorch baseline against the float64 reference model; the PyTorch Muon used where
+``torch.optim.Muon`` is missing against ``torch.optim.Muon``."""
 
 from __future__ import annotations
+
+import hashlib
+import logging
 
 import numpy as np
 import pytest
@@ -21,12 +25,20 @@ TINY = ["+model=void_tiny", "model.n_layers=2", "model.d_model=64", "model.n_hea
         "trainer.seq_len=16", "sched.warmup_steps=1", "optim.lr=1e-2"]
 
 
+def counting_shard(path, n: int) -> str:
+    """A token stream of ``n`` tokens that is easy to learn: a counting pattern over 40 ids."""
+    write_shard(str(path), (np.arange(n) % 37 + np.arange(n) // 37 % 3).astype(np.int64), 40)
+    return str(path)
+
+
 @pytest.fixture
 def shard(tmp_path):
-    """A token stream that is easy to learn: a counting pattern over 40 ids."""
-    path = tmp_path / "tokens.bin"
-    write_shard(str(path), (np.arange(4000) % 37 + np.arange(4000) // 37 % 3).astype(np.int64), 40)
-    return str(path)
+    return counting_shard(tmp_path / "tokens.bin", 4000)
+
+
+def sha256_of(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(hashlib.sha256(f.read()).digest()).hexdigest()
 
 
 def test_reached_is_the_first_evaluation_at_or_below_the_target():
@@ -65,15 +77,44 @@ def test_every_side_reaches_an_easy_target(shard):
         assert len(side["curve"]) == 1 and side["curve"][0][1] == side["final_val_loss"] < 100, name
     assert row["sides"]["recipe"]["optim"] == "muon" and row["sides"]["adamw"]["optim"] == "adamw"
     assert set(row) >= {"time_ratio_recipe_vs_adamw", "speedup_vs_torch"}
+    # the data it ran on: 3000 training tokens, 187 windows of 16, of which 2 steps x B2 read 4
+    assert row["corpus"] == {"name": f"bin {shard}", "files": 1, "train_tokens": 3000, "sha256": sha256_of(shard),
+                             "passes": round(2 * 2 * 16 / (187 * 16), 4)}
 
 
-def test_a_side_that_misses_the_target_says_so(shard):
-    row = run(shard, ["--target", "0", "--max-steps", "3", "--eval-every", "2", "--eval-batches", "1",
-                      "--warmup", "1", "--sides", "adamw"])
+def test_a_side_that_misses_the_target_says_so_and_allow_repeat_runs_over_the_data_again(tmp_path, caplog):
+    """Training tokens for 2 steps (100 tokens, 75 for training: 4 windows of 16, 2 batches of 2) and a
+    budget of 3: --allow-repeat runs it, the row says 1.5 passes and the loader logs the new epoch once."""
+    small = counting_shard(tmp_path / "small.bin", 100)
+    with caplog.at_level(logging.INFO, logger="tritonllm.data.loader"):
+        row = run(small, ["--target", "0", "--max-steps", "3", "--eval-every", "2", "--eval-batches", "1",
+                          "--warmup", "1", "--sides", "adamw", "--allow-repeat"])
     side = row["sides"]["adamw"]
     assert not side["reached"] and side["steps"] is None and side["seconds"] is None and side["stop"] == "max_steps"
     assert [s for s, _ in side["curve"]] == [2, 3] and side["steps_run"] == 3
     assert "time_ratio_recipe_vs_adamw" not in row
+    assert row["corpus"]["passes"] == 1.5 and row["corpus"]["train_tokens"] == 75
+    assert caplog.messages == ["data: epoch 2 begins: the training data repeats (64 tokens)"]
+
+
+def test_a_budget_over_more_than_one_pass_is_refused_in_one_line_before_training(shard, monkeypatch, capsys):
+    """python -m tritonllm.bench speedrun (its main, past the GPU check): 200 steps x B2 x T16 = 6400
+    tokens on 2992 training tokens in whole windows is refused before any model is built, saying
+    what it has, what it needs and how to get more."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(speedrun, "run_all", lambda *a, **k: pytest.fail("trained"))
+    level = logging.getLogger("tritonllm").level  # main shows tritonllm's INFO lines
+    try:
+        with pytest.raises(SystemExit) as e:
+            speedrun.main(["--max-steps", "200", *TINY, "data=bin", f"data.files={shard}"])
+    finally:
+        logging.getLogger("tritonllm").setLevel(level)
+    message = str(e.value.code)
+    assert message.startswith("tritonllm: error: ") and "\n" not in message
+    for part in ("trains on 6,400 tokens", "holds 2,992 in whole training windows", "2.14 passes", "--bin",
+                 "data=text", "--max-steps 93 or fewer", "--allow-repeat", sha256_of(shard)[:16]):
+        assert part in message, part
+    assert capsys.readouterr().out == ""
 
 
 def test_bad_sides_are_refused():
@@ -139,3 +180,13 @@ def test_reset_zeroes_state_but_masters():
     speedrun.reset_optimizer_state(opt)
     state = opt.state[p]
     assert state["exp_avg"].eq(0).all() and state["step"].item() == 0 and state["master"].eq(2).all()
+
+
+def test_sft_data_is_refused_by_name():
+    from omegaconf import OmegaConf
+
+    from tritonllm.errors import ConfigError
+
+    args, _ = speedrun.parse([])
+    with pytest.raises(ConfigError, match="data.kind='sft': the speedrun trains on token data"):
+        speedrun.corpus_block(args, OmegaConf.create({"data": {"kind": "sft"}}), object())

@@ -23,9 +23,14 @@ measured run starts from the initial weights with fresh state.
 
 Data: llm.c / modded-nanogpt ``.bin`` shards with ``--bin`` (``--val-bin`` for validation, else the
 last ``data.val_fraction`` of the shards), else the config's data (default: the embedded corpus,
-the Python standard library tokenized by tritonllm). Training batches are drawn in the same order
-by every side; validation is the mean loss over the first ``--eval-batches`` validation batches,
-every ``--eval-every`` steps and after the last.
+the standard-library files of tritonllm's manifest this machine holds, tokenized by tritonllm).
+Training batches are drawn in the same order by every side; validation is the mean loss over the
+first ``--eval-batches`` validation batches, every ``--eval-every`` steps and after the last. The
+row names the data, ``corpus``: its name, files, training tokens and content sha256
+(:attr:`tritonllm.data.Corpus.identity`) and ``passes``, the tokens the step budget consumes over
+those of the training split (:func:`corpus_block`). A budget of more than one pass is refused
+before training unless ``--allow-repeat``: on data seen again the time to a validation loss
+measures memorisation, and on the embedded corpus it would depend on the machine's standard library.
 
 Per side: ``reached`` (the validation loss got to ``--target`` or below at an evaluation),
 ``steps`` / ``tokens`` / ``seconds`` to the first such evaluation (null when not reached within
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import sys
 import time
@@ -315,6 +321,32 @@ def run_torch(model_cfg, cfg, corpus, weights, args, device) -> dict:
     return row
 
 
+def corpus_block(args, cfg, corpus) -> dict:
+    """The row's ``corpus``: ``name``, ``files``, ``train_tokens`` and ``sha256`` of the corpus's
+    identity and ``passes`` = ``max_steps * B * T`` / the tokens of one pass over the training
+    windows (the training split less under one window). A DataError when passes > 1 and not
+    ``args.allow_repeat``, saying what the budget needs and how to get it."""
+    from tritonllm.data import Corpus
+    from tritonllm.errors import ConfigError, DataError
+
+    if not isinstance(corpus, Corpus):
+        raise ConfigError(f"data.kind={cfg.data.kind!r}: the speedrun trains on token data, data=stdlib, text or bin")
+    B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
+    train, _ = corpus.loaders(B, T, cfg.seed, None)
+    need = args.max_steps * B * T
+    passes = need / train.epoch_tokens
+    identity = corpus.identity
+    if passes > 1 and not args.allow_repeat:
+        raise DataError(
+            f"the step budget (--max-steps {args.max_steps} x B{B} x T{T}) trains on {need:,} tokens, but the "
+            f"data ({corpus.description}) holds {train.epoch_tokens:,} in whole training windows: {passes:.2f} "
+            f"passes, so the time to the target would measure memorisation; give it at least {need:,} training "
+            f"tokens (--bin '<FineWeb .bin shards>', e.g. modded-nanogpt's fineweb_train_*.bin, or data=text "
+            f"data.files='<a larger tree>/**/*.txt'), --max-steps {train.n_windows // B} or fewer, or "
+            f"--allow-repeat to run anyway")
+    return {**{k: identity[k] for k in ("name", "files", "train_tokens", "sha256")}, "passes": round(passes, 4)}
+
+
 # --- command line ---------------------------------------------------------------------------------
 
 def parse(argv: list[str]):
@@ -332,6 +364,8 @@ def parse(argv: list[str]):
     p.add_argument("--torch-mode", default="compile", choices=sorted(TORCH_MODES), help="torch side's torch.compile")
     p.add_argument("--cuda-graph", default="auto", help="tritonllm sides' trainer.cuda_graph: auto, true, false")
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
+    p.add_argument("--allow-repeat", action="store_true",
+                   help="run even when the step budget passes over the training tokens more than once")
     args, overrides = p.parse_known_args(argv)
     args.sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in args.sides if s not in SIDES]
@@ -358,7 +392,8 @@ def compose(args, overrides: list[str], recipe: bool):
 
 def configs(args, overrides: list[str]):
     """(plain config, recipe config, plain ModelConfig, recipe ModelConfig, corpus); the models'
-    vocabulary is the data's when it says (a tokenizer, ``data.vocab_size``)."""
+    vocabulary is the data's when it says (a tokenizer, ``data.vocab_size``). A DataError when the
+    step budget would repeat the data (:func:`corpus_block`), before any model is built."""
     from omegaconf import open_dict
 
     from tritonllm.data import load_corpus
@@ -369,6 +404,7 @@ def configs(args, overrides: list[str]):
     if cfg.get("model") is None:
         raise ConfigError("no model chosen: add +model=<name> (e.g. +model=void125m)")
     corpus = load_corpus(cfg.data)
+    corpus_block(args, cfg, corpus)
     for c in (cfg, rcfg):
         with open_dict(c):
             c.model.vocab_size = corpus.vocab_size or c.model.vocab_size
@@ -381,6 +417,8 @@ def main(argv: list[str]) -> None:
     from tritonllm.errors import TritonLLMError
 
     args, overrides = parse(argv)
+    logging.basicConfig(format="%(message)s")  # tritonllm's INFO lines (the data's: files left out, a new epoch)
+    logging.getLogger("tritonllm").setLevel(logging.INFO)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
         sys.exit("python -m tritonllm.bench speedrun needs a CUDA GPU (tests/test_speedrun.py runs it on the CPU)")
@@ -401,7 +439,8 @@ def run_all(args, cfg, rcfg, plain, recipe, corpus, device, dtype, write: Callab
     """Every side of ``args.sides`` in turn, the row written (``write``) after each; returns the row."""
     B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
     row = {"model": plain.name, "pass": "speedrun", "batch": B, "seq_len": T, "target": args.target,
-           "data": corpus.description, "max_steps": args.max_steps, "max_seconds": args.max_seconds,
+           "data": corpus.description, "corpus": corpus_block(args, cfg, corpus),
+           "max_steps": args.max_steps, "max_seconds": args.max_seconds,
            "eval_every": args.eval_every, "eval_batches": args.eval_batches,
            "recipe": {k: getattr(recipe, k) for k in (*RECIPE, "d_ff", "value_embeddings")},
            "recipe_optim": RECIPE_OPTIM, "sides": {}}

@@ -4,8 +4,10 @@ The shards are concatenated into one token stream and split into a training rang
 validation range. A range is cut into non-overlapping windows of ``seq_len + 1`` tokens (input
 and next-token target, consecutive windows share one token); the training loader visits the
 windows in a fresh permutation every epoch (``numpy.random.default_rng([seed, epoch])``), the
-validation loader always reads its first windows in order. Only the windows of the current batch
-are read from disk. The loader's whole state is ``(epoch, index)``, saved in checkpoints.
+validation loader always reads its first windows in order. When the training windows are used up
+and the next epoch begins, rank 0 logs one INFO line, ``data: epoch K begins: the training data
+repeats (N tokens)``. Only the windows of the current batch are read from disk. The loader's whole
+state is ``(epoch, index)``, saved in checkpoints.
 
 Several ranks (``rank`` of ``world_size``): each batch is a rank's share of a global batch of
 ``world_size * batch_size`` consecutive windows of the order, rank ``r`` taking rows
@@ -113,8 +115,8 @@ class TokenLoader:
             if self.index == self.n_windows:
                 self.epoch, self.index = self.epoch + 1, 0
                 if self.shuffle and self.rank == 0:
-                    log.info("the %s split's %d windows are used up: epoch %d begins, the data repeats",
-                             self.name, self.n_windows, self.epoch + 1)
+                    log.info("data: epoch %d begins: the %s data repeats (%d tokens)", self.epoch + 1,
+                             "training" if self.name == "train" else self.name, self.epoch_tokens)
             if first <= j < first + self.batch_size:
                 ids.append(self._window_id(self.epoch, self.index))
             self.index += 1

@@ -256,18 +256,27 @@ class SFTLoader:
         return rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
 
     def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """This rank's share of the next global batch; when it begins a new epoch, rank 0 logs one INFO
+        line (``data: epoch K begins: the training data repeats (N examples)``), as the token loader does."""
+        epoch = self.epoch
+        out: tuple[torch.Tensor, ...]
         if self.pack:
             rows, self.epoch, self.index = self._pack(self.epoch, self.index)
-            return self.packed_batch(self._share(rows))
-        ids = []
-        order = self._order(self.epoch)
-        for _ in range(self.batch_size * self.world_size):
-            if self.index == len(self.examples):
-                self.epoch, self.index = self.epoch + 1, 0
-                order = self._order(self.epoch)
-            ids.append(int(order[self.index]))
-            self.index += 1
-        return self.batch(self._share(ids))
+            out = self.packed_batch(self._share(rows))
+        else:
+            ids = []
+            order = self._order(self.epoch)
+            for _ in range(self.batch_size * self.world_size):
+                if self.index == len(self.examples):
+                    self.epoch, self.index = self.epoch + 1, 0
+                    order = self._order(self.epoch)
+                ids.append(int(order[self.index]))
+                self.index += 1
+            out = self.batch(self._share(ids))
+        if self.epoch != epoch and self.shuffle and self.rank == 0:
+            log.info("data: epoch %d begins: the %s data repeats (%d examples)", self.epoch + 1,
+                     "training" if self.name == "train" else self.name, len(self.examples))
+        return out
 
     def batches(self, n: int):
         """The first ``n`` batches in order (cycling when the split is short); leaves the state alone."""

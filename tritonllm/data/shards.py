@@ -63,31 +63,37 @@ def open_shard(path: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(ntok,))
 
 
-def shard_max_id(path: str, tokens: np.ndarray, cache_dir: str | None = None) -> int:
-    """The largest token id of the shard at ``path`` (``tokens``, its memory map; -1 when empty), read
-    once with one vectorised max and cached in ``<cache_dir>/shard-max/`` under a key of the shard's
-    path, size and modification time (``cache_dir`` None: not cached)."""
+def cached_file_value(path: str, cache_dir: str | None, name: str, compute):
+    """``compute()``, a JSON value derived from the file at ``path``, cached in
+    ``<cache_dir>/<name>/`` under a key of the file's path, size and modification time (``cache_dir``
+    None: not cached; a read-only cache: computed again next time)."""
     entry = None
     if cache_dir is not None:
         st = os.stat(path)
         key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
-        entry = os.path.join(os.path.expanduser(cache_dir), "shard-max", f"{key}.json")
+        entry = os.path.join(os.path.expanduser(cache_dir), name, f"{key}.json")
         try:
             with open(entry) as f:
-                return int(json.load(f)["max_id"])
+                return json.load(f)["value"]
         except (OSError, ValueError, KeyError):
             pass
-    found = int(tokens.max()) if len(tokens) else -1
+    found = compute()
     if entry is not None:
         try:
             os.makedirs(os.path.dirname(entry), exist_ok=True)
             tmp = f"{entry}.tmp-{os.getpid()}"
             with open(tmp, "w") as f:
-                json.dump({"path": os.path.abspath(path), "max_id": found}, f)
+                json.dump({"path": os.path.abspath(path), "value": found}, f)
             os.replace(tmp, entry)
-        except OSError:  # a read-only cache: the scan is repeated next time
+        except OSError:
             pass
     return found
+
+
+def shard_max_id(path: str, tokens: np.ndarray, cache_dir: str | None = None) -> int:
+    """The largest token id of the shard at ``path`` (``tokens``, its memory map; -1 when empty), read
+    once with one vectorised max and cached in ``<cache_dir>/shard-max/`` (:func:`cached_file_value`)."""
+    return int(cached_file_value(path, cache_dir, "shard-max", lambda: int(tokens.max()) if len(tokens) else -1))
 
 
 class ShardWriter:
