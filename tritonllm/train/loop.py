@@ -41,6 +41,16 @@ states and the data position, so its losses are those of the uninterrupted run (
 fp32 on the CPU, and with the graph on a GPU); its ``metrics.jsonl`` drops the records after the
 resumed step, so each step keeps one record.
 
+Claim and stop: rank 0 holds ``ckpt_dir`` with a ``run.lock``
+(:func:`~tritonllm.checkpoint.claim_ckpt_dir`) from before the data is read to the run's end,
+however it ends, so a second run on the same folder is refused before it trains. SIGINT (Ctrl-C) or
+SIGTERM during the loop is recorded (:class:`~tritonllm.runtime.SignalFlag`; more of them are
+ignored) and acted on after the optimizer step (under torchrun at the next log step, all ranks
+together): with ``trainer.checkpoint_on_signal`` a checkpoint of that step, the one the interval
+would write, unless one was just written; then one line ``stopped by SIGTERM at step N: checkpoint
+<path>`` and :class:`~tritonllm.runtime.Stopped` (exit status 130 / 143). ``trainer.resume=auto``
+continues from there.
+
 Studio (:mod:`tritonllm.studio.hooks`): at each log interval the loop reads ``control.json`` if it
 changed (stop after a checkpoint, checkpoint now, learning-rate multiplier) and adds the GPU's NVML
 figures to the ``kind: train`` record; every ``trainer.sample_interval`` steps it logs a generated
@@ -49,6 +59,7 @@ sample (``kind: sample``), and it ends ``metrics.jsonl`` with ``kind: end`` (fin
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import math
@@ -61,18 +72,19 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
-from tritonllm.checkpoint import (CONFIG_FILE, STATE_FILE, list_checkpoints, load_checkpoint, load_first_valid,
-                                  prepare_ckpt_dir, read_state, remove_leftovers, run_id_of, save_checkpoint,
+from tritonllm.checkpoint import (CONFIG_FILE, STATE_FILE, claim_ckpt_dir, list_checkpoints, load_checkpoint,
+                                  load_first_valid, prepare_ckpt_dir, read_state, remove_leftovers, run_id_of, save_checkpoint,
                                   verify_checkpoint)
 from tritonllm.conf.schema import check_config
 from tritonllm.data import load_corpus
 from tritonllm.errors import CheckpointError, ConfigError, TrainingError
 from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job, rewind_metrics
-from tritonllm.runtime import config_dict, resolve_dtype
+from tritonllm.runtime import SignalFlag, Stopped, config_dict, resolve_dtype
 from tritonllm.schedule import check_schedule, lr_multiplier
 from tritonllm.studio.hooks import RunHooks
 from tritonllm.train.dist_checkpoint import is_sharded, load_full_into_shards, load_sharded, save_sharded
-from tritonllm.train.parallel import barrier, broadcast_object, init_distributed, parallelize, resolve_parallel, shutdown
+from tritonllm.train.parallel import (barrier, broadcast_object, init_distributed, max_over_ranks, parallelize,
+                                      resolve_parallel, shutdown)
 from tritonllm.train.step import MetricsQueue, TrainStep, resolve_cuda_graph
 
 log = logging.getLogger("tritonllm.train")
@@ -190,7 +202,7 @@ def resume_candidates(tr, out_dir: str) -> list[str]:
 #: (the per-rank batch and accumulation too, as long as the tokens per step stay the same)
 RESUME_FREE_KEYS = ("out_dir", "device", "logger.", "data.cache_dir", "trainer.max_steps", "trainer.resume",
                     "trainer.batch_size", "trainer.grad_accum",
-                    "trainer.resume_force", "trainer.ckpt_dir", "trainer.ckpt_interval", "trainer.keep_last",
+                    "trainer.resume_force", "trainer.checkpoint_on_signal", "trainer.ckpt_dir", "trainer.ckpt_interval", "trainer.keep_last",
                     "trainer.log_interval", "trainer.eval_interval", "trainer.eval_batches", "trainer.progress",
                     "trainer.sample_", "trainer.gpu_telemetry", "trainer.control", "trainer.peak_flops",
                     "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel")
@@ -239,7 +251,28 @@ def evaluate(model, loader, n_batches: int, device, parallel=None) -> float:
 
 
 def train(cfg) -> float:
-    """Train the model ``cfg`` describes; returns the final validation loss (mean cross-entropy)."""
+    """Train the model ``cfg`` describes; returns the final validation loss (mean cross-entropy).
+    Stopped by SIGINT or SIGTERM: raises :class:`~tritonllm.runtime.Stopped` after the checkpoint."""
+    with contextlib.ExitStack() as cleanup:  # the claim of trainer.ckpt_dir ends with the run, however it ends
+        return _train(cfg, cleanup)
+
+
+def claim_run_folder(ckpt_dir: str, out_dir: str, env, cleanup: contextlib.ExitStack) -> None:
+    """Rank 0 creates, test-writes and claims ``ckpt_dir`` until ``cleanup`` closes; its error, if any,
+    is raised on every rank."""
+    error = None
+    if env.main:
+        try:
+            prepare_ckpt_dir(ckpt_dir)
+            cleanup.enter_context(claim_ckpt_dir(ckpt_dir, out_dir=out_dir))
+        except CheckpointError as e:
+            error = str(e)
+    error = broadcast_object(error, env)
+    if error:
+        raise CheckpointError(error)
+
+
+def _train(cfg, cleanup: contextlib.ExitStack) -> float:
     tr = cfg.trainer
     check_config(cfg)  # ranges and allowed values of the typed groups (types were checked by Hydra)
     model_cfg = model_config(cfg)
@@ -266,8 +299,7 @@ def train(cfg) -> float:
         with open_dict(cfg):
             cfg.out_dir = out_dir
     os.makedirs(out_dir, exist_ok=True)
-    if env.main:
-        prepare_ckpt_dir(str(tr.ckpt_dir))
+    claim_run_folder(str(tr.ckpt_dir), out_dir, env, cleanup)
 
     if not env.main:  # rank 0 tokenizes and caches the corpus first, the others then read the cache
         barrier(env)
@@ -364,7 +396,7 @@ def train(cfg) -> float:
     studio = RunHooks(out_dir, run_log, model, device, telemetry=tr.gpu_telemetry, control=tr.control, main=env.main,
                       share=lambda obj: broadcast_object(obj, env))
 
-    def checkpoint():
+    def checkpoint() -> str:
         state = {"data": train_loader.state_dict(), "model_config": model_cfg.to_dict(), "tokens_seen": tokens_seen,
                  "bad_steps": guard.consecutive, "tokens_per_step": tokens_per_step}
         if env.distributed:
@@ -374,6 +406,7 @@ def train(cfg) -> float:
             path = save_checkpoint(tr.ckpt_dir, step, model, optimizer, state, config_yaml, tok_path, tr.keep_last,
                                    run_id)
         log.info("checkpoint %s", path)
+        return path
 
     def validate() -> float:
         val = evaluate(model, val_loader, tr.eval_batches, device, parallel if env.distributed else None)
@@ -388,7 +421,7 @@ def train(cfg) -> float:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    val_loss = None
+    val_loss, stopped_by, saved = None, 0, None  # saved: the checkpoint of the current step
     window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
     latest: dict = {}  # metrics of the newest step whose values have reached the host
 
@@ -401,8 +434,9 @@ def train(cfg) -> float:
             latest.update(values, lr=lr)
 
     try:
-        with logging_redirect_tqdm(), tqdm(total=tr.max_steps, initial=step, disable=not (tr.progress and env.main),
-                                           dynamic_ncols=True, unit="step") as bar:
+        with SignalFlag() as signals, logging_redirect_tqdm(), tqdm(
+                total=tr.max_steps, initial=step, disable=not (tr.progress and env.main), dynamic_ncols=True,
+                unit="step") as bar:
             while step < tr.max_steps:
                 lr = float(cfg.optim.lr) * lr_multiplier(step, tr.max_steps, cfg.sched) * studio.lr_scale
                 batches = [train_loader.next_batch() for _ in range(tr.grad_accum)]
@@ -434,29 +468,40 @@ def train(cfg) -> float:
                     bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
                 if val_now:
                     val_loss = validate()
-                if ckpt_now:
-                    checkpoint()
+                saved = checkpoint() if ckpt_now else None
                 if (log_now and tr.sample_interval and step % tr.sample_interval == 0 and corpus.tokenizer is not None
                         and env.main and mode != "fsdp"):
                     studio.sample(step, model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
                 if "stop" in requested:
                     log.info("step %d: stopped by a Studio request after a checkpoint", step)
                     break
+                # SIGINT / SIGTERM: every rank learns of it at the same step (at log steps under torchrun)
+                stopped_by = max_over_ranks(signals.signum or 0, env) if log_now or not env.distributed else 0
+                if stopped_by:
+                    if saved is None and tr.checkpoint_on_signal:
+                        saved = checkpoint()
+                    break
                 if log_now or val_now or ckpt_now:
                     t0 = time.perf_counter()
-        if val_loss is None:  # resumed at max_steps: nothing trained, still report the loss
-            val_loss = validate()
-        if tr.sample_tokens > 0 and corpus.tokenizer is not None and env.main and mode != "fsdp":
-            text = studio.sample(step, model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
-            print(f"--- sample after {step} steps ---\n{tr.sample_prompt}{text}\n---", flush=True)
+        if not stopped_by:
+            if val_loss is None:  # resumed at max_steps: nothing trained, still report the loss
+                val_loss = validate()
+            if tr.sample_tokens > 0 and corpus.tokenizer is not None and env.main and mode != "fsdp":
+                text = studio.sample(step, model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
+                print(f"--- sample after {step} steps ---\n{tr.sample_prompt}{text}\n---", flush=True)
         studio.finish(step, "stopped" if step < tr.max_steps else "finished")
     except BaseException as e:
         studio.finish(step, "failed", e)
         raise
     finally:
         run_log.close()
-    log.info("done: validation loss %.4f; run folder %s", val_loss, out_dir)
     train_step.release()
     shutdown(env)
+    if stopped_by:
+        log.info("stopped by %s at step %d: %s", Stopped(stopped_by).name, step,
+                 f"checkpoint {saved}" if saved else "no checkpoint (trainer.checkpoint_on_signal=false)")
+        raise Stopped(stopped_by, reported=True)
+    assert val_loss is not None  # validated at the last step, or after the loop
+    log.info("done: validation loss %.4f; run folder %s", val_loss, out_dir)
     return val_loss
 
