@@ -46,7 +46,10 @@ def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 120) -> 
 
 
 def first_step_recorded(run_dir) -> bool:
-    return os.path.isfile(run_dir / "metrics.jsonl") and bool(read_metrics(run_dir, "train"))
+    try:
+        return bool(read_metrics(run_dir, "train"))
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return False
 
 
 def finish(proc: subprocess.Popen, run_dir, timeout: float = 120) -> tuple[int, str, str]:
