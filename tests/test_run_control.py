@@ -20,6 +20,7 @@ from test_train import TINY, compose_train, data_overrides, read_metrics  # noqa
 from tritonllm.checkpoint import LOCK_FILE, claim_ckpt_dir, list_checkpoints, read_state
 from tritonllm.errors import CheckpointError
 from tritonllm.evolve.search import run_search
+from tritonllm.runtime import SignalFlag, end_process_tree, exit_on_user_error
 from tritonllm.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +58,48 @@ def finish(proc: subprocess.Popen, run_dir, timeout: float = 120) -> tuple[int, 
     proc.wait(timeout=timeout)
     with open(run_dir / "out.txt") as out, open(run_dir / "err.txt") as err:
         return proc.returncode, out.read(), err.read()
+
+
+# ----------------------------------------------------------------------------- signals
+
+def test_signal_flag_records_the_first_signal_and_ignores_more():
+    before = signal.getsignal(signal.SIGINT)
+    with SignalFlag() as flag:
+        assert flag.signum is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C, as during the checkpoint: no KeyboardInterrupt
+        time.sleep(0.01)
+        assert flag.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_signal_ends_an_app_in_one_line_after_its_finally(capsys):
+    cleaned = []
+
+    @exit_on_user_error
+    def app():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        finally:
+            cleaned.append(True)
+
+    with pytest.raises(SystemExit) as stop:
+        app()
+    assert stop.value.code == 128 + signal.SIGTERM and cleaned == [True]
+    assert capsys.readouterr().err == "tritonllm: stopped by SIGTERM\n"
+
+
+def test_end_process_tree_reaches_a_grandchild_in_its_own_session(tmp_path):
+    """As torchrun's workers: a process below the child that left the child's process group."""
+    proc = subprocess.Popen(["sh", "-c", "setsid sleep 600 & sleep 600"], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not any(os.getsid(pid) != proc.pid for pid in descendants(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the two sleeps run, one of them in a session of its own
+    pids = [proc.pid, *descendants(proc.pid)]
+    assert len(pids) == 3
+    end_process_tree(proc)
+    assert proc.returncode == -signal.SIGKILL and not [pid for pid in pids if alive(pid)]
 
 
 # ----------------------------------------------------------------------------- the claim of ckpt_dir
