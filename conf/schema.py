@@ -51,6 +51,7 @@ class TrainerConfig:
     ckpt_dir: str = MISSING
     resume: Optional[str] = None
     resume_force: bool = False
+    checkpoint_on_signal: bool = True
     max_bad_steps: int = _f(5, ge=1)
     parallel: str = _f("auto", choices=("auto", "ddp", "fsdp", "none"))
     dist_timeout_s: float = _f(300.0, gt=0)

@@ -4,6 +4,7 @@ training, no torch) and misbehaving on purpose for some candidates."""
 import math
 import os
 import signal
+import subprocess
 import time
 
 
@@ -34,3 +35,14 @@ def misbehaving(payload: dict, folder: str) -> dict:
     if n == 6:
         metrics["val_loss"] = math.nan
     return metrics
+
+
+def training_forever(payload: dict, folder: str) -> dict:
+    """A candidate that never ends, with a child process of its own (as a data loader's worker would
+    be); writes ``pids.txt`` (its pid and the child's) in ``folder`` once both run."""
+    child = subprocess.Popen(["sleep", "600"])
+    with open(os.path.join(folder, "pids.tmp"), "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.replace(os.path.join(folder, "pids.tmp"), os.path.join(folder, "pids.txt"))
+    time.sleep(600)
+    return {}

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from _checks import ON_GPU, child_env
+from _checks import ON_GPU, child_env, descendants
 from test_train import ROOT, TINY, compose_train, data_overrides, read_metrics  # noqa: F401 (fixture)
 
 from tritonllm.data.loader import TokenLoader, TokenStream
@@ -51,22 +51,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from Linux's /proc), parents before their children."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):  # not a process, or one that just exited
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found = list(children.get(pid, []))
-    for child in found:  # the list grows while it is walked: breadth first
-        found.extend(children.get(child, []))
-    return found
 
 
 def run_agents(cmds: list[list[str]], tmp, timeout: float, env: dict[str, str]) -> list[subprocess.CompletedProcess]:

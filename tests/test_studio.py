@@ -15,6 +15,7 @@ import torch
 from _studio import KEY, read_records, request, serving, start_training, wait_for
 from test_train import TINY, compose_train, data_overrides  # noqa: F401  (data_overrides is a fixture)
 
+from tritonllm.checkpoint import list_checkpoints
 from tritonllm.studio.hooks import GpuTelemetry, RunHooks
 from tritonllm.studio.runs import Run, pareto_front, read_evolve
 
@@ -399,7 +400,7 @@ def test_stop_request_ends_a_running_training_with_a_checkpoint(tmp_path, data_o
         assert request(server, "POST", path, {"action": "stop"})[0] == 403  # no token: the run goes on
         assert request(server, "POST", path, {"action": "lr_scale", "value": 0.5}, token)[0] == 200
         assert request(server, "POST", path, {"action": "checkpoint"}, token)[0] == 200
-        wait_for(lambda: (out / "checkpoints").is_dir() and os.listdir(out / "checkpoints"), 60, "checkpoint now")
+        wait_for(lambda: list_checkpoints(str(out / "checkpoints")), 60, "checkpoint now")  # not the run.lock
         assert request(server, "POST", path, {"action": "stop"}, token)[0] == 200
         thread.join(120)
         assert not thread.is_alive()

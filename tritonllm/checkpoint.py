@@ -22,10 +22,17 @@ the newest checkpoint to the newest one that loads, saying so in one log line pe
 Ownership: each checkpoint records the ``run_id`` of the run that wrote it (a resumed run keeps
 its checkpoint's id). Pruning to the newest ``keep_last`` only ever removes checkpoints of the
 saving run, and only after the new one is in place.
+
+Claim: a training run holds its ``ckpt_dir`` with :func:`claim_ckpt_dir` from before its first
+step to its exit, a lock file ``run.lock`` created with ``O_CREAT | O_EXCL`` holding the pid, host
+and start time; a second run on the same folder is refused with a CheckpointError naming them.
+A lock left by a process that died on this host is stale and taken over with a log line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -33,6 +40,8 @@ import os
 import random
 import re
 import shutil
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -46,6 +55,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 MODEL_FILE, OPTIM_FILE, RNG_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "rng.pt", "state.json"
 CONFIG_FILE, TOKENIZER_FILE = "config.yaml", "tokenizer.model"
 TMP_PREFIX = ".tmp-step_"
+LOCK_FILE = "run.lock"
 #: digest of the checkpoint files (hashlib, 16-byte BLAKE2b: about 1 GB/s per file on one core)
 CHECKSUM = "blake2b-128"
 
@@ -198,6 +208,94 @@ def prepare_ckpt_dir(ckpt_dir: str, key: str = "trainer.ckpt_dir") -> None:
     except OSError as e:
         raise CheckpointError(f"{key}={ckpt_dir!r} is not writable ({e.strerror or e}): choose a folder this user "
                               f"can write, the run would fail at its first checkpoint") from None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _read_lock(path: str) -> dict | None:
+    """The JSON of the lock file ``path``; None when it is gone. A file still empty (its creator is
+    between ``open`` and ``write``) is read again for up to a second, then is a CheckpointError."""
+    for _ in range(20):
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            holder = json.loads(text)
+            if isinstance(holder, dict) and isinstance(holder.get("pid"), int):
+                return holder
+        except ValueError:
+            pass
+        time.sleep(0.05)
+    raise CheckpointError(f"{path} is unreadable (not the JSON a tritonllm run writes): delete it if no run "
+                          f"uses {os.path.dirname(path)}")
+
+
+def _remove_stale(path: str, holder: dict) -> None:
+    """Remove the lock ``path`` judged stale from its content ``holder``. It is first renamed aside and
+    read again: a lock that another run took over meanwhile is put back (``os.link`` creates only)."""
+    aside = f"{path}.stale-{os.getpid()}"
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return
+    try:
+        if _read_lock(aside) == holder:
+            log.warning("%s: taking over the lock of run pid %d (started %s), which is no longer running",
+                        path, holder["pid"], holder.get("started"))
+        else:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)
+    finally:
+        os.remove(aside)
+
+
+@contextlib.contextmanager
+def claim_ckpt_dir(ckpt_dir: str, key: str = "trainer.ckpt_dir", **about):
+    """Hold ``ckpt_dir`` for this process while the ``with`` block runs: create ``<ckpt_dir>/run.lock``
+    (``O_CREAT | O_EXCL``) holding ``{pid, host, started, **about}`` and remove it at the block's
+    exit, whatever ends it. A lock of a live process (or of a process on another host) is a
+    CheckpointError naming ``key``, the holder's pid, host and start time; one of this host whose
+    pid is dead, or is this process's, is stale: taken over with a log line."""
+    path = os.path.join(ckpt_dir, LOCK_FILE)
+    mine = {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), **about}
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder is None:  # released meanwhile
+                continue
+            stale = holder.get("host") == mine["host"] and (holder["pid"] == mine["pid"]
+                                                             or not _pid_alive(holder["pid"]))
+            if not stale:
+                raise CheckpointError(
+                    f"{key}={ckpt_dir} is in use by run pid {holder['pid']} on host {holder.get('host')} since "
+                    f"{holder.get('started')}; give this run its own {key} or stop the other (delete "
+                    f"{LOCK_FILE} if that run is gone)") from None
+            _remove_stale(path, holder)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+            f.flush()
+            os.fsync(f.fileno())
+        break
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError, CheckpointError):
+            if _read_lock(path) == mine:  # still ours (no one deleted it and took the folder over)
+                os.remove(path)
 
 
 def remove_leftovers(ckpt_dir: str) -> None:

@@ -1,10 +1,17 @@
 """Helpers shared by the command-line apps (train, generate, bench, evolve): device and dtype
 choice, printing a :class:`~tritonllm.errors.TritonLLMError` or a config that does not compose
 (wrong type, unknown key, missing value) as one clear line, and ``kill -USR1 <pid>`` printing where
-a running app is (:func:`stacks_on_signal`; ``TRITONLLM_STACKS_EVERY=<s>``: every s seconds)."""
+a running app is (:func:`stacks_on_signal`; ``TRITONLLM_STACKS_EVERY=<s>``: every s seconds).
+
+Stopping: in every command-line app SIGTERM (what ``timeout``, ``kill``, Slurm and systemd send)
+and SIGINT (Ctrl-C) raise :class:`Stopped` in the main thread (:func:`stop_on_signals`), so every
+``finally`` runs -- a child process is ended there (:func:`end_process_tree`), a lock released --
+and the app exits with 128 + the signal's number after one line, without a traceback. The
+training loop records the signal instead (:class:`SignalFlag`) and stops after its step."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import functools
@@ -71,15 +78,113 @@ def stacks_on_signal() -> None:
             faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.__stderr__)
 
 
+#: the signals that stop an app
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(SystemExit):
+    """The app was stopped by the signal ``signum``: exit status 128 + signum. ``reported``: the line
+    saying so was already logged (else :func:`exit_on_user_error` prints ``tritonllm: stopped by ...``)."""
+
+    def __init__(self, signum: int, reported: bool = False):
+        super().__init__(128 + signum)
+        self.signum, self.reported = signum, reported
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def _handlers(handler):
+    """``handler`` for :data:`STOP_SIGNALS` while the block runs, the previous handlers restored after;
+    nothing changes outside the main thread (where Python cannot install handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def stop_on_signals():
+    """Context manager: SIGINT and SIGTERM raise :class:`Stopped` in the main thread while it lasts."""
+    return _handlers(_raise_stopped)
+
+
+class SignalFlag:
+    """Context manager recording SIGINT and SIGTERM instead of acting on them: ``signum`` is the first
+    one received (None: none yet); later ones are ignored, so a second Ctrl-C cannot interrupt the
+    checkpoint the first one asked for. The previous handlers come back at exit."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._stack = contextlib.ExitStack()
+
+    def _record(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __enter__(self) -> SignalFlag:
+        self._stack.enter_context(_handlers(self._record))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (Linux ``/proc``), parents before their children: also those
+    that started sessions of their own (torchrun's workers), which a signal to a process group misses."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # not a process, or one that just exited
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found = list(children.get(pid, []))
+    for child in found:  # the list grows while it is walked: breadth first
+        found.extend(children.get(child, []))
+    return found
+
+
+def end_process_tree(proc) -> None:
+    """SIGKILL the child ``proc`` (a ``subprocess.Popen``), every process below it and, when it leads
+    a process group of its own (``start_new_session``), that group; then reap it."""
+    pids = [*descendants(proc.pid), proc.pid]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
 def exit_on_user_error(fn):
     """Run ``fn``; a TritonLLMError is printed as ``tritonllm: error: <message>`` (``tritonllm: error on
     rank <r>: ...`` in a multi-process torchrun run) and exits with status 1. ``kill -USR1`` prints the
-    stacks meanwhile (:func:`stacks_on_signal`)."""
+    stacks meanwhile (:func:`stacks_on_signal`); SIGINT and SIGTERM end it through :class:`Stopped`
+    (:func:`stop_on_signals`) with ``tritonllm: stopped by SIGTERM`` and status 128 + the signal."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             stacks_on_signal()
-            return fn(*args, **kwargs)
+            with stop_on_signals():
+                return fn(*args, **kwargs)
+        except Stopped as e:
+            if not e.reported:
+                print(f"tritonllm: stopped by {e.name}", file=sys.stderr, flush=True)
+            raise SystemExit(e.code) from None
         except TritonLLMError as e:
             where = f" on rank {os.environ['RANK']}" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
             print(f"tritonllm: error{where}: {e}", file=sys.stderr, flush=True)

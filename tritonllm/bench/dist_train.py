@@ -77,7 +77,6 @@ import json
 import logging
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +84,8 @@ import tempfile
 import time
 
 import torch
+
+from tritonllm.runtime import end_process_tree
 
 #: --compile-mode -> torch.compile mode of the baseline's blocks (none: eager)
 COMPILE_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs", "none": None}
@@ -336,36 +337,6 @@ def _variant(ab: str) -> str:
     return f"tritonllm[{ab}]"
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every living process below ``pid`` (Linux ``/proc``): torchrun starts its workers in sessions of
-    their own, out of reach of a signal to torchrun's process group."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """End torchrun and its workers (they hold the GPUs) and reap torchrun."""
-    for pid in (*_descendants(proc.pid), proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-
-
 def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) -> dict:
     """One configuration under torchrun; its figures, or ``{"error": ...}``. Its output is appended to
     ``--log`` (else a file in ``folder``), headed by the configuration and followed by its wall time.
@@ -391,10 +362,10 @@ def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) 
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            _kill(proc)
+            end_process_tree(proc)
             error = f"timed out after {args.timeout:.0f} s"
-        except BaseException:  # interrupted, or SIGTERM (launch turns it into SystemExit): no orphaned workers
-            _kill(proc)
+        except BaseException:  # interrupted, or SIGTERM (runtime.Stopped): no orphaned workers
+            end_process_tree(proc)
             raise
         else:
             error = None if proc.returncode == 0 and os.path.isfile(result) else f"exit status {proc.returncode}"
@@ -531,22 +502,18 @@ def launch(argv: list[str]) -> list[dict]:
         configs += [c for r in range(args.rounds) for c in (one_round[::-1] if r % 2 else one_round)]
     runs: dict[tuple, list[dict]] = {}
     path = None
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # ends the torchrun too
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            for side, mode, k in configs:
-                runs.setdefault((side, mode, k), []).append(_run(side, mode, k, args, overrides, folder))
-                done = [f for r in runs.values() for f in r if "error" not in f]
-                if not done:
-                    continue
-                stamp = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": done[0]["torch"],
-                         "host_cpu": host_cpu}
-                path = os.path.join(args.out, f"train-{next((f['slug'] for f in done if 'slug' in f), 'cpu')}.json")
-                rows = _rows(runs, args, stamp)
-                write_rows(path, rows, {"gpu": done[0]["device"], "host_cpu": host_cpu,
-                                        "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with tempfile.TemporaryDirectory() as folder:
+        for side, mode, k in configs:
+            runs.setdefault((side, mode, k), []).append(_run(side, mode, k, args, overrides, folder))
+            done = [f for r in runs.values() for f in r if "error" not in f]
+            if not done:
+                continue
+            stamp = {"commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": done[0]["torch"],
+                     "host_cpu": host_cpu}
+            path = os.path.join(args.out, f"train-{next((f['slug'] for f in done if 'slug' in f), 'cpu')}.json")
+            rows = _rows(runs, args, stamp)
+            write_rows(path, rows, {"gpu": done[0]["device"], "host_cpu": host_cpu,
+                                    "method": "python -m tritonllm.bench train (--nproc: tritonllm/bench/dist_train.py)"})
     print(f"{'configuration':<26}{'tokens/s':>11}{'per GPU':>12}{'MFU':>8}{'step ms':>10}{'host ms':>9}{'comm ms':>9}"
           f"{'peak GB':>9}{'scaling':>8}")
     figures = {key: _median_run(r) for key, r in runs.items()}

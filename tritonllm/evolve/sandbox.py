@@ -5,7 +5,8 @@ into the candidate's folder and starts ``python -m tritonllm.evolve.sandbox <fol
 session, its output going to ``log.txt`` there. The child applies the host memory limit
 (``RLIMIT_AS``), imports and calls ``function(payload, folder)``, which returns a dict of metrics,
 and writes it to ``result.json`` (atomically) or the exception to ``error.json``. The parent
-waits at most ``timeout_s`` seconds, then kills the child's whole process group.
+waits at most ``timeout_s`` seconds, then kills the child's whole process group and every process
+below it; the same when the search itself is stopped (Ctrl-C, or SIGTERM: :class:`tritonllm.runtime.Stopped`).
 
 So whatever a candidate does (raises, diverges, runs out of memory, crashes the interpreter,
 hangs) the search process only sees an :class:`Outcome`: ``ok`` with the metrics, or ``failed``
@@ -56,6 +57,8 @@ def _tail(path: str, chars: int = 2000) -> str:
 def run_sandboxed(target: str, payload: dict, folder: str, timeout_s: float | None = None,
                   host_memory_gb: float | None = None) -> Outcome:
     """Evaluate ``target`` (``"module:function"``) on ``payload`` in a child process (see module docstring)."""
+    from tritonllm.runtime import end_process_tree  # here: the child's own imports stay free of torch
+
     os.makedirs(folder, exist_ok=True)
     for name in (RESULT, ERROR):
         if os.path.exists(os.path.join(folder, name)):
@@ -72,14 +75,12 @@ def run_sandboxed(target: str, payload: dict, folder: str, timeout_s: float | No
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            end_process_tree(proc)
             return Outcome("timeout", None, f"timed out after {timeout_s:g} s (evolve.sandbox.timeout_s)",
                            time.perf_counter() - t0, None, _tail(os.path.join(folder, LOG)))
         finally:
-            if proc.poll() is None:  # interrupted while waiting: take the child down with us
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            if proc.poll() is None:  # interrupted (Ctrl-C, or SIGTERM: runtime.Stopped): take the child down with us
+                end_process_tree(proc)
     wall = time.perf_counter() - t0
     tail = _tail(os.path.join(folder, LOG))
     result_path, error_path = os.path.join(folder, RESULT), os.path.join(folder, ERROR)

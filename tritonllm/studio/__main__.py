@@ -3,6 +3,7 @@
 Serves tritonllm Studio for the runs under the given folders (default: ``outputs`` and ``multirun``
 of the current folder) and prints the address to open, which carries the key that enables the
 controls. On a remote GPU machine, forward the port: ``ssh -L 8600:127.0.0.1:8600 gpu-host``.
+Ctrl-C or SIGTERM closes the server (exit status 130 or 143); it starts no other process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 
+from tritonllm.runtime import exit_on_user_error
 from tritonllm.studio.runs import RunIndex
 from tritonllm.studio.server import StudioServer
 
@@ -27,6 +29,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+@exit_on_user_error
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(message)s")
@@ -45,8 +48,6 @@ def main(argv=None) -> None:
           f"open {server.login_url}", flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     finally:
         server.server_close()
 

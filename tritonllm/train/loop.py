@@ -41,6 +41,16 @@ states and the data position, so its losses are those of the uninterrupted run (
 fp32 on the CPU, and with the graph on a GPU); its ``metrics.jsonl`` drops the records after the
 resumed step, so each step keeps one record.
 
+Claim and stop: rank 0 holds ``ckpt_dir`` with a ``run.lock``
+(:func:`~tritonllm.checkpoint.claim_ckpt_dir`) from before the data is read to the run's end,
+however it ends, so a second run on the same folder is refused before it trains. SIGINT (Ctrl-C) or
+SIGTERM during the loop is recorded (:class:`~tritonllm.runtime.SignalFlag`; more of them are
+ignored) and acted on after the optimizer step (under torchrun at the next log step, all ranks
+together): with ``trainer.checkpoint_on_signal`` a checkpoint of that step, the one the interval
+would write, unless one was just written; then one line ``stopped by SIGTERM at step N: checkpoint
+<path>`` and :class:`~tritonllm.runtime.Stopped` (exit status 130 / 143). ``trainer.resume=auto``
+continues from there.
+
 Studio (:mod:`tritonllm.studio.hooks`): at each log interval the loop reads ``control.json`` if it
 changed (stop after a checkpoint, checkpoint now, learning-rate multiplier) and adds the GPU's NVML
 figures to the ``kind: train`` record; every ``trainer.sample_interval`` steps it logs a generated
@@ -49,6 +59,7 @@ sample (``kind: sample``), and it ends ``metrics.jsonl`` with ``kind: end`` (fin
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import math
@@ -56,23 +67,26 @@ import os
 import shutil
 import time
 import uuid
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
-from tritonllm.checkpoint import (CONFIG_FILE, STATE_FILE, list_checkpoints, load_checkpoint, load_first_valid,
-                                  prepare_ckpt_dir, read_state, remove_leftovers, run_id_of, save_checkpoint,
+from tritonllm.checkpoint import (CONFIG_FILE, STATE_FILE, claim_ckpt_dir, list_checkpoints, load_checkpoint,
+                                  load_first_valid, prepare_ckpt_dir, read_state, remove_leftovers, run_id_of, save_checkpoint,
                                   verify_checkpoint)
 from tritonllm.conf.schema import check_config
 from tritonllm.data import load_corpus
 from tritonllm.errors import CheckpointError, ConfigError, TrainingError
 from tritonllm.logging_utils import NullLogger, RunLogger, hydra_job, rewind_metrics
-from tritonllm.runtime import config_dict, resolve_dtype
+from tritonllm.runtime import SignalFlag, Stopped, config_dict, resolve_dtype
 from tritonllm.schedule import check_schedule, lr_multiplier
 from tritonllm.studio.hooks import RunHooks
 from tritonllm.train.dist_checkpoint import is_sharded, load_full_into_shards, load_sharded, save_sharded
-from tritonllm.train.parallel import barrier, broadcast_object, init_distributed, parallelize, resolve_parallel, shutdown
+from tritonllm.train.parallel import (DistEnv, barrier, broadcast_object, init_distributed, max_over_ranks, parallelize,
+                                      resolve_parallel, shutdown)
 from tritonllm.train.step import MetricsQueue, TrainStep, resolve_cuda_graph
 
 log = logging.getLogger("tritonllm.train")
@@ -190,7 +204,7 @@ def resume_candidates(tr, out_dir: str) -> list[str]:
 #: (the per-rank batch and accumulation too, as long as the tokens per step stay the same)
 RESUME_FREE_KEYS = ("out_dir", "device", "logger.", "data.cache_dir", "trainer.max_steps", "trainer.resume",
                     "trainer.batch_size", "trainer.grad_accum",
-                    "trainer.resume_force", "trainer.ckpt_dir", "trainer.ckpt_interval", "trainer.keep_last",
+                    "trainer.resume_force", "trainer.checkpoint_on_signal", "trainer.ckpt_dir", "trainer.ckpt_interval", "trainer.keep_last",
                     "trainer.log_interval", "trainer.eval_interval", "trainer.eval_batches", "trainer.progress",
                     "trainer.sample_", "trainer.gpu_telemetry", "trainer.control", "trainer.peak_flops",
                     "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel", "trainer.precision")
@@ -238,10 +252,11 @@ def evaluate(model, loader, n_batches: int, device, parallel=None) -> float:
     return total.item() / n_batches
 
 
-def train(cfg) -> float:
-    """Train the model ``cfg`` describes; returns the final validation loss (mean cross-entropy)."""
+def check_run_config(cfg):
+    """The run's :class:`~tritonllm.models.ModelConfig` once the config's values are known to fit together
+    (ranges and allowed values of the typed groups; the types were checked by Hydra)."""
     tr = cfg.trainer
-    check_config(cfg)  # ranges and allowed values of the typed groups (types were checked by Hydra)
+    check_config(cfg)
     model_cfg = model_config(cfg)
     check_schedule(cfg.sched)
     if tr.seq_len > model_cfg.max_seq_len:
@@ -249,27 +264,44 @@ def train(cfg) -> float:
     if tr.sample_interval and (tr.sample_interval % tr.log_interval or tr.sample_tokens < 1):
         raise ConfigError(f"trainer.sample_interval={tr.sample_interval} needs trainer.sample_tokens >= 1 and must be "
                           f"a multiple of trainer.log_interval={tr.log_interval}")
-    env = init_distributed(cfg.device, tr.dist_timeout_s)  # torchrun: this rank's GPU; else cfg.device
-    device = env.device
-    dtype = resolve_dtype(tr.dtype, device)
-    try:
-        cuda_graph = resolve_cuda_graph(tr.cuda_graph, device)
-    except ValueError as e:
-        raise ConfigError(f"trainer.{e}") from None
+    return model_cfg
+
+
+def run_folder(cfg, env: DistEnv) -> str:
+    """The run folder (``out_dir``, rank 0's under torchrun: Hydra names one in every process), created."""
     try:
         out_dir = os.path.abspath(str(cfg.out_dir))
     except InterpolationResolutionError:
         raise ConfigError("out_dir is the Hydra run folder, which only exists under python -m tritonllm.train: "
                           "compose the config with out_dir=<folder> to call train(cfg) directly") from None
-    if env.distributed:  # Hydra names a run folder in every process: rank 0's is the run's
+    if env.distributed:
         out_dir = broadcast_object(out_dir, env)
         with open_dict(cfg):
             cfg.out_dir = out_dir
     os.makedirs(out_dir, exist_ok=True)
-    if env.main:
-        prepare_ckpt_dir(str(tr.ckpt_dir))
+    return out_dir
 
-    if not env.main:  # rank 0 tokenizes and caches the corpus first, the others then read the cache
+
+def claim_run_folder(ckpt_dir: str, out_dir: str, env: DistEnv, cleanup: contextlib.ExitStack) -> None:
+    """Rank 0 creates, test-writes and claims ``ckpt_dir`` until ``cleanup`` closes; its error, if any,
+    is raised on every rank."""
+    error = None
+    if env.main:
+        try:
+            prepare_ckpt_dir(ckpt_dir)
+            cleanup.enter_context(claim_ckpt_dir(ckpt_dir, out_dir=out_dir))
+        except CheckpointError as e:
+            error = str(e)
+    error = broadcast_object(error, env)
+    if error:
+        raise CheckpointError(error)
+
+
+def load_run_data(cfg, env: DistEnv, model_cfg, out_dir: str):
+    """``(corpus, tokenizer path or None)``: the corpus (rank 0 tokenizes and caches it first, the others
+    then read the cache), the model's vocabulary set to the tokenizer's, and a SentencePiece model
+    copied into the run folder to go with the checkpoints (data=sft reads the model folder's tokenizer.json)."""
+    if not env.main:
         barrier(env)
     corpus = load_corpus(cfg.data)
     if env.main:
@@ -281,11 +313,89 @@ def train(cfg) -> float:
     with open_dict(cfg):
         cfg.model.vocab_size = model_cfg.vocab_size
     tok_path = None
-    # a SentencePiece model goes with the checkpoints (data=sft reads the model folder's tokenizer.json)
     if corpus.tokenizer is not None and corpus.tokenizer.path.endswith(".model"):
         tok_path = os.path.join(out_dir, "tokenizer.model")
         if env.main:
             shutil.copyfile(corpus.tokenizer.path, tok_path)
+    return corpus, tok_path
+
+
+@dataclass
+class Run:
+    """A training run as :func:`build_run` sets it up; ``step``, ``tokens_seen``, ``guard`` and ``run_id``
+    are those of the resumed checkpoint, and ``step`` and ``tokens_seen`` advance as it trains."""
+    cfg: Any
+    env: DistEnv
+    out_dir: str
+    model_cfg: Any
+    corpus: Any
+    tok_path: str | None
+    dtype: torch.dtype
+    cuda_graph: bool
+    mode: str  # none | ddp | fsdp
+    model: Any  # a tritonllm.models model
+    parallel: Any
+    optimizer: Any
+    train_loader: Any
+    val_loader: Any
+    tokens_per_step: int  # the global batch
+    guard: NonFiniteGuard
+    run_id: str
+    step: int = 0
+    tokens_seen: int = 0
+    run_log: Any = field(default_factory=NullLogger)
+
+    @property
+    def tr(self):
+        return self.cfg.trainer
+
+    @property
+    def samples(self) -> bool:
+        """Whether this process generates samples (rank 0, on a tokenized corpus, weights not sharded)."""
+        return self.corpus.tokenizer is not None and self.env.main and self.mode != "fsdp"
+
+    def checkpoint(self) -> str:
+        """Save the checkpoint of the current step (sharded under torchrun); returns its path."""
+        tr = self.tr
+        state = {"data": self.train_loader.state_dict(), "model_config": self.model_cfg.to_dict(),
+                 "tokens_seen": self.tokens_seen, "bad_steps": self.guard.consecutive,
+                 "tokens_per_step": self.tokens_per_step}
+        files = (self.optimizer, state, OmegaConf.to_yaml(self.cfg, resolve=True), self.tok_path, tr.keep_last,
+                 self.run_id)
+        if self.env.distributed:
+            path = save_sharded(tr.ckpt_dir, self.step, self.env, self.model, *files)
+        else:
+            path = save_checkpoint(tr.ckpt_dir, self.step, self.model, *files)
+        log.info("checkpoint %s", path)
+        return path
+
+    def validate(self) -> float:
+        """The validation loss, logged; a TrainingError when it is not finite."""
+        val = evaluate(self.model, self.val_loader, self.tr.eval_batches, self.env.device,
+                       self.parallel if self.env.distributed else None)
+        self.run_log.log({"kind": "val", "step": self.step, "val_loss": val, "tokens": self.tokens_seen})
+        log.info("step %d: validation loss %.4f", self.step, val)
+        if not math.isfinite(val):
+            raise TrainingError(f"step {self.step}: the validation loss is {val}; stopping without a checkpoint, so "
+                                f"the checkpoints in {self.tr.ckpt_dir} stay those of finite weights. Lower optim.lr, "
+                                f"raise sched.warmup_steps or check the data")
+        return val
+
+
+def build_run(cfg, cleanup: contextlib.ExitStack) -> Run:
+    """Check the config, claim the checkpoint folder (until ``cleanup`` closes), load the data, build the
+    model and optimizer, and resume (``trainer.resume``)."""
+    tr = cfg.trainer
+    model_cfg = check_run_config(cfg)
+    env = init_distributed(cfg.device, tr.dist_timeout_s)  # torchrun: this rank's GPU; else cfg.device
+    dtype = resolve_dtype(tr.dtype, env.device)
+    try:
+        cuda_graph = resolve_cuda_graph(tr.cuda_graph, env.device)
+    except ValueError as e:
+        raise ConfigError(f"trainer.{e}") from None
+    out_dir = run_folder(cfg, env)
+    claim_run_folder(str(tr.ckpt_dir), out_dir, env, cleanup)
+    corpus, tok_path = load_run_data(cfg, env, model_cfg, out_dir)
 
     from tritonllm.hf import init_run_model
     from tritonllm.models import build_model
@@ -294,7 +404,7 @@ def train(cfg) -> float:
     torch.manual_seed(cfg.seed)
     mode = resolve_parallel(tr.parallel, env, model_cfg.param_count())
     # FSDP2 shards fp32 weights (the master weights) and gathers them in `dtype` for compute
-    model = build_model(model_cfg, device=device, dtype=torch.float32 if mode == "fsdp" else dtype)
+    model = build_model(model_cfg, device=env.device, dtype=torch.float32 if mode == "fsdp" else dtype)
     init_run_model(model, cfg)  # Hugging Face weights (model.path), LoRA (+lora=...)
     apply_precision(model, tr.precision)  # fp8 linear layers (trainer.precision=fp8)
     parallel = parallelize(model, mode, env, compute_dtype=dtype)
@@ -302,163 +412,188 @@ def train(cfg) -> float:
     optimizer = build_optimizer(model, cfg.optim, dtype != torch.float32 if master == "auto" else bool(master))
     train_loader, val_loader = corpus.loaders(tr.batch_size, tr.seq_len, cfg.seed, model_cfg.vocab_size,
                                               env.rank, env.world_size)
-    tokens_per_step = tr.batch_size * tr.seq_len * tr.grad_accum * env.world_size  # the global batch
-    flops_per_token = model.flops_per_token(tr.seq_len)
+    run = Run(cfg, env, out_dir, model_cfg, corpus, tok_path, dtype, cuda_graph, mode, model, parallel, optimizer,
+              train_loader, val_loader, tokens_per_step=tr.batch_size * tr.seq_len * tr.grad_accum * env.world_size,
+              guard=NonFiniteGuard(tr.max_bad_steps), run_id=broadcast_object(uuid.uuid4().hex[:12], env))
     log.info("model %s: %.2fM parameters (%.2fM active), %s on %s; %d tokens per step (%d rank%s x %d x %d x %d "
              "micro-batches, parallel=%s)", model_cfg.name, model.num_params() / 1e6, model.num_active_params() / 1e6,
-             str(dtype).replace("torch.", ""), device, tokens_per_step, env.world_size,
+             str(dtype).replace("torch.", ""), env.device, run.tokens_per_step, env.world_size,
              "s" if env.world_size > 1 else "", tr.batch_size, tr.seq_len, tr.grad_accum, mode)
+    resume(run)
+    return run
 
-    step, tokens_seen = 0, 0
-    guard = NonFiniteGuard(tr.max_bad_steps)
-    candidates = broadcast_object(resume_candidates(tr, out_dir), env)
-    resolved = config_dict(cfg)
 
-    def load(ckpt: str) -> dict:
-        """Verify ``ckpt`` (on rank 0, which tells the others), compare its config with this run's, load it."""
-        error = None
-        if env.main:
-            try:
-                verify_checkpoint(ckpt)
-            except CheckpointError as e:
-                error = str(e)
-        error = broadcast_object(error, env)
-        if error:
-            raise CheckpointError(error)
-        differences = config_differences(ckpt, resolved, tokens_per_step)
-        if differences and not tr.resume_force:
-            raise ConfigError(f"trainer.resume: this run's config differs from that of checkpoint {ckpt} in "
-                              f"{len(differences)} key(s): {'; '.join(differences[:8])}; resume with the same "
-                              f"settings, or add trainer.resume_force=true to resume anyway")
-        if differences:
-            log.warning("trainer.resume_force=true: resuming %s with %d config change(s): %s", ckpt,
-                        len(differences), "; ".join(differences))
-        if is_sharded(ckpt):
-            return load_sharded(ckpt, env, model, optimizer, model_config=model_cfg.to_dict(), verified=True)
-        if mode == "fsdp":  # a single-process checkpoint: every rank reads it whole and keeps its shards
-            return load_full_into_shards(ckpt, env, model, optimizer, model_config=model_cfg.to_dict(), verified=True)
-        return load_checkpoint(ckpt, model, optimizer, model_config=model_cfg.to_dict(), verified=True)
+def load_for_resume(run: Run, ckpt: str, resolved: dict) -> dict:
+    """Verify ``ckpt`` (on rank 0, which tells the others), compare its config with this run's
+    (``resolved``), load it into the run's model and optimizer; returns its state."""
+    env, tr = run.env, run.tr
+    error = None
+    if env.main:
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            error = str(e)
+    error = broadcast_object(error, env)
+    if error:
+        raise CheckpointError(error)
+    differences = config_differences(ckpt, resolved, run.tokens_per_step)
+    if differences and not tr.resume_force:
+        raise ConfigError(f"trainer.resume: this run's config differs from that of checkpoint {ckpt} in "
+                          f"{len(differences)} key(s): {'; '.join(differences[:8])}; resume with the same "
+                          f"settings, or add trainer.resume_force=true to resume anyway")
+    if differences:
+        log.warning("trainer.resume_force=true: resuming %s with %d config change(s): %s", ckpt,
+                    len(differences), "; ".join(differences))
+    into = dict(model_config=run.model_cfg.to_dict(), verified=True)
+    if is_sharded(ckpt):
+        return load_sharded(ckpt, env, run.model, run.optimizer, **into)
+    if run.mode == "fsdp":  # a single-process checkpoint: every rank reads it whole and keeps its shards
+        return load_full_into_shards(ckpt, env, run.model, run.optimizer, **into)
+    return load_checkpoint(ckpt, run.model, run.optimizer, **into)
 
-    run_id = broadcast_object(uuid.uuid4().hex[:12], env)  # a resumed run keeps its checkpoint's id
+
+def resume(run: Run) -> None:
+    """Continue from the first checkpoint ``trainer.resume`` names that loads (weights, optimizer, data
+    position, step; the run keeps its id); refuse a ``ckpt_dir`` holding another run's checkpoints;
+    remove what a killed save left."""
+    tr, env = run.tr, run.env
+    candidates = broadcast_object(resume_candidates(tr, run.out_dir), env)
     if candidates:
-        ckpt, state = load_first_valid(candidates, load)
-        train_loader.load_state_dict(state["data"])
-        step, tokens_seen, guard.consecutive = state["step"], state["tokens_seen"], state["bad_steps"]
-        run_id = str(state.get("run_id", ""))
-        log.info("resumed from %s at step %d", ckpt, step)
+        resolved = config_dict(run.cfg)
+        ckpt, state = load_first_valid(candidates, lambda path: load_for_resume(run, path, resolved))
+        run.train_loader.load_state_dict(state["data"])
+        run.step, run.tokens_seen, run.guard.consecutive = state["step"], state["tokens_seen"], state["bad_steps"]
+        run.run_id = str(state.get("run_id", ""))
+        log.info("resumed from %s at step %d", ckpt, run.step)
         if env.main:
-            rewind_metrics(os.path.join(out_dir, "metrics.jsonl"), step)
-    foreign = [p for _, p in list_checkpoints(tr.ckpt_dir) if run_id_of(p) not in (None, run_id)]
+            rewind_metrics(os.path.join(run.out_dir, "metrics.jsonl"), run.step)
+    foreign = [p for _, p in list_checkpoints(tr.ckpt_dir) if run_id_of(p) not in (None, run.run_id)]
     if foreign:
         raise CheckpointError(f"trainer.ckpt_dir={tr.ckpt_dir!r} holds {len(foreign)} checkpoint(s) of another run "
                               f"({', '.join(map(os.path.basename, foreign[:3]))}): continue that run with "
                               f"trainer.resume=auto, or give this one its own trainer.ckpt_dir (nothing was changed)")
     if env.main:
         remove_leftovers(tr.ckpt_dir)
+
+
+def train(cfg) -> float:
+    """Train the model ``cfg`` describes; returns the final validation loss (mean cross-entropy).
+    Stopped by SIGINT or SIGTERM: raises :class:`~tritonllm.runtime.Stopped` after the checkpoint."""
+    with contextlib.ExitStack() as cleanup:  # the claim of trainer.ckpt_dir ends with the run, however it ends
+        run = build_run(cfg, cleanup)
+        return run_training(run)
+
+
+def run_training(run: Run) -> float:
+    """The loop of :func:`train_steps`, then the final validation and sample, with the run's log,
+    Studio's hooks and the process group closed however it ends."""
+    tr, env, device = run.tr, run.env, run.env.device
     # built after resuming: the optimizer's load_state_dict replaces the tensors a graph would hold
-    train_step = TrainStep(model, optimizer, grad_clip=tr.grad_clip, grad_accum=tr.grad_accum, cuda_graph=cuda_graph,
-                           parallel=parallel if env.distributed else None)
-    metrics = MetricsQueue(lambda: train_step.metric_names, device)
+    train_step = TrainStep(run.model, run.optimizer, grad_clip=tr.grad_clip, grad_accum=tr.grad_accum,
+                           cuda_graph=run.cuda_graph, parallel=run.parallel if env.distributed else None)
+    if env.main:
+        run.run_log = RunLogger(run.out_dir, run.cfg.name, config_dict(run.cfg), run.cfg.logger,
+                                torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    studio = RunHooks(run.out_dir, run.run_log, run.model, device, telemetry=tr.gpu_telemetry, control=tr.control,
+                      main=env.main, share=lambda obj: broadcast_object(obj, env))
+    try:
+        val_loss, stopped_by, saved = train_steps(run, train_step, studio)
+        if not stopped_by:
+            if val_loss is None:  # resumed at max_steps: nothing trained, still report the loss
+                val_loss = run.validate()
+            if tr.sample_tokens > 0 and run.samples:
+                text = studio.sample(run.step, run.model, run.corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
+                print(f"--- sample after {run.step} steps ---\n{tr.sample_prompt}{text}\n---", flush=True)
+        studio.finish(run.step, "stopped" if run.step < tr.max_steps else "finished")
+    except BaseException as e:
+        studio.finish(run.step, "failed", e)
+        raise
+    finally:
+        run.run_log.close()
+    train_step.release()
+    shutdown(env)
+    if stopped_by:
+        log.info("stopped by %s at step %d: %s", Stopped(stopped_by).name, run.step,
+                 f"checkpoint {saved}" if saved else "no checkpoint (trainer.checkpoint_on_signal=false)")
+        raise Stopped(stopped_by, reported=True)
+    assert val_loss is not None  # validated at the last step, or after the loop
+    log.info("done: validation loss %.4f; run folder %s", val_loss, run.out_dir)
+    return val_loss
 
-    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    run_log = RunLogger(out_dir, cfg.name, config_dict(cfg), cfg.logger,
-                        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu") if env.main else NullLogger()
-    studio = RunHooks(out_dir, run_log, model, device, telemetry=tr.gpu_telemetry, control=tr.control, main=env.main,
-                      share=lambda obj: broadcast_object(obj, env))
 
-    def checkpoint():
-        state = {"data": train_loader.state_dict(), "model_config": model_cfg.to_dict(), "tokens_seen": tokens_seen,
-                 "bad_steps": guard.consecutive, "tokens_per_step": tokens_per_step}
-        if env.distributed:
-            path = save_sharded(tr.ckpt_dir, step, env, model, optimizer, state, config_yaml, tok_path, tr.keep_last,
-                                run_id)
-        else:
-            path = save_checkpoint(tr.ckpt_dir, step, model, optimizer, state, config_yaml, tok_path, tr.keep_last,
-                                   run_id)
-        log.info("checkpoint %s", path)
+def train_record(run: Run, latest: dict, lr: float, tok_s: float) -> dict:
+    """The ``kind: train`` record of the current step: ``latest`` (the newest metrics that reached the
+    host), throughput ``tok_s`` and MFU per GPU, peak memory on CUDA."""
+    record = {"kind": "train", "step": run.step, "loss": latest["loss"], "lr": lr, "grad_norm": latest["grad_norm"],
+              "tokens": run.tokens_seen, "tokens_per_s": tok_s,
+              "mfu": run.model.flops_per_token(run.tr.seq_len) * tok_s / (run.tr.peak_flops * run.env.world_size),
+              **{k: v for k, v in latest.items() if k not in ("loss", "grad_norm", "skipped", "lr")}}
+    if run.env.device.type == "cuda":
+        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.env.device) / 1e9
+    return record
 
-    def validate() -> float:
-        val = evaluate(model, val_loader, tr.eval_batches, device, parallel if env.distributed else None)
-        run_log.log({"kind": "val", "step": step, "val_loss": val, "tokens": tokens_seen})
-        log.info("step %d: validation loss %.4f", step, val)
-        if not math.isfinite(val):
-            raise TrainingError(f"step {step}: the validation loss is {val}; stopping without a checkpoint, so the "
-                                f"checkpoints in {tr.ckpt_dir} stay those of finite weights. Lower optim.lr, raise "
-                                f"sched.warmup_steps or check the data")
-        return val
 
+def train_steps(run: Run, train_step: TrainStep, studio: RunHooks) -> tuple[float | None, int, str | None]:
+    """Optimizer steps up to ``trainer.max_steps``, a Studio stop request or a stop signal; returns the
+    last validation loss (None: none ran), the stop signal's number (0: none) and the checkpoint of
+    the last step (None: none)."""
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    val_loss = None
+    cfg, tr, env = run.cfg, run.tr, run.env
+    metrics = MetricsQueue(lambda: train_step.metric_names, env.device)
+    val_loss, stopped_by, saved = None, 0, None  # saved: the checkpoint of the current step
     window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
     latest: dict = {}  # metrics of the newest step whose values have reached the host
+    with SignalFlag() as signals, logging_redirect_tqdm(), tqdm(
+            total=tr.max_steps, initial=run.step, disable=not (tr.progress and env.main), dynamic_ncols=True,
+            unit="step") as bar:
+        while run.step < tr.max_steps:
+            lr = float(cfg.optim.lr) * lr_multiplier(run.step, tr.max_steps, cfg.sched) * studio.lr_scale
+            batches = [run.train_loader.next_batch() for _ in range(tr.grad_accum)]
+            metrics.push(run.step, train_step(batches, lr), lr)
+            run.step += 1
+            run.tokens_seen += run.tokens_per_step
+            window_tokens += run.tokens_per_step
+            step = run.step
+            log_now = step % tr.log_interval == 0 or step == tr.max_steps
+            val_now = step % tr.eval_interval == 0 or step == tr.max_steps
+            ckpt_now = bool(tr.ckpt_interval and step % tr.ckpt_interval == 0) or step == tr.max_steps
+            consume(run, metrics.drain() if log_now or val_now or ckpt_now else metrics.ready(), latest)
+            requested = studio.poll(step) if log_now else set()  # Studio: stop / checkpoint now / lr
+            ckpt_now = ckpt_now or bool(requested)
+            if latest:
+                bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{latest['lr']:.2e}", refresh=False)
+            bar.update(1)
+            if log_now or val_now or ckpt_now:
+                window_time += time.perf_counter() - t0
+            if log_now:
+                tok_s = window_tokens / max(window_time, 1e-9)
+                window_tokens, window_time = 0, 0.0
+                run.run_log.log({**train_record(run, latest, lr, tok_s), **studio.telemetry()})
+                bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            if val_now:
+                val_loss = run.validate()
+            saved = run.checkpoint() if ckpt_now else None
+            if log_now and tr.sample_interval and step % tr.sample_interval == 0 and run.samples:
+                studio.sample(step, run.model, run.corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
+            if "stop" in requested:
+                log.info("step %d: stopped by a Studio request after a checkpoint", step)
+                break
+            # SIGINT / SIGTERM: every rank learns of it at the same step (at log steps under torchrun)
+            stopped_by = max_over_ranks(signals.signum or 0, env) if log_now or not env.distributed else 0
+            if stopped_by:
+                if saved is None and tr.checkpoint_on_signal:
+                    saved = run.checkpoint()
+                break
+            if log_now or val_now or ckpt_now:
+                t0 = time.perf_counter()
+    return val_loss, stopped_by, saved
 
-    def consume(records) -> None:
-        """Feed the metrics that reached the host to the guard (in step order) and the progress bar."""
-        for done, values, lr in records:  # `done` counts the steps before this one: it is step done + 1
-            if not guard.observe(done + 1, values["skipped"] != 0, values["loss"], values["grad_norm"]):
-                run_log.log({"kind": "skip", "step": done + 1, "loss": values["loss"],
-                             "grad_norm": values["grad_norm"]})
-            latest.update(values, lr=lr)
 
-    try:
-        with logging_redirect_tqdm(), tqdm(total=tr.max_steps, initial=step, disable=not (tr.progress and env.main),
-                                           dynamic_ncols=True, unit="step") as bar:
-            while step < tr.max_steps:
-                lr = float(cfg.optim.lr) * lr_multiplier(step, tr.max_steps, cfg.sched) * studio.lr_scale
-                batches = [train_loader.next_batch() for _ in range(tr.grad_accum)]
-                metrics.push(step, train_step(batches, lr), lr)
-                step += 1
-                tokens_seen += tokens_per_step
-                window_tokens += tokens_per_step
-                log_now = step % tr.log_interval == 0 or step == tr.max_steps
-                val_now = step % tr.eval_interval == 0 or step == tr.max_steps
-                ckpt_now = bool(tr.ckpt_interval and step % tr.ckpt_interval == 0) or step == tr.max_steps
-                consume(metrics.drain() if log_now or val_now or ckpt_now else metrics.ready())
-                requested = studio.poll(step) if log_now else set()  # Studio: stop / checkpoint now / lr
-                ckpt_now = ckpt_now or bool(requested)
-                if latest:
-                    bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{latest['lr']:.2e}", refresh=False)
-                bar.update(1)
-                if log_now or val_now or ckpt_now:
-                    window_time += time.perf_counter() - t0
-                if log_now:
-                    tok_s = window_tokens / max(window_time, 1e-9)
-                    window_tokens, window_time = 0, 0.0
-                    record = {"kind": "train", "step": step, "loss": latest["loss"], "lr": lr,
-                              "grad_norm": latest["grad_norm"], "tokens": tokens_seen, "tokens_per_s": tok_s,
-                              "mfu": flops_per_token * tok_s / (tr.peak_flops * env.world_size),  # per GPU
-                              **{k: v for k, v in latest.items() if k not in ("loss", "grad_norm", "skipped", "lr")}}
-                    if device.type == "cuda":
-                        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-                    run_log.log({**record, **studio.telemetry()})
-                    bar.set_postfix(loss=f"{latest['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}", refresh=False)
-                if val_now:
-                    val_loss = validate()
-                if ckpt_now:
-                    checkpoint()
-                if (log_now and tr.sample_interval and step % tr.sample_interval == 0 and corpus.tokenizer is not None
-                        and env.main and mode != "fsdp"):
-                    studio.sample(step, model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
-                if "stop" in requested:
-                    log.info("step %d: stopped by a Studio request after a checkpoint", step)
-                    break
-                if log_now or val_now or ckpt_now:
-                    t0 = time.perf_counter()
-        if val_loss is None:  # resumed at max_steps: nothing trained, still report the loss
-            val_loss = validate()
-        if tr.sample_tokens > 0 and corpus.tokenizer is not None and env.main and mode != "fsdp":
-            text = studio.sample(step, model, corpus.tokenizer, tr.sample_prompt, tr.sample_tokens)
-            print(f"--- sample after {step} steps ---\n{tr.sample_prompt}{text}\n---", flush=True)
-        studio.finish(step, "stopped" if step < tr.max_steps else "finished")
-    except BaseException as e:
-        studio.finish(step, "failed", e)
-        raise
-    finally:
-        run_log.close()
-    log.info("done: validation loss %.4f; run folder %s", val_loss, out_dir)
-    train_step.release()
-    shutdown(env)
-    return val_loss
-
+def consume(run: Run, records, latest: dict) -> None:
+    """Feed the metrics that reached the host to the guard (in step order) and into ``latest``."""
+    for done, values, lr in records:  # `done` counts the steps before this one: it is step done + 1
+        if not run.guard.observe(done + 1, values["skipped"] != 0, values["loss"], values["grad_norm"]):
+            run.run_log.log({"kind": "skip", "step": done + 1, "loss": values["loss"], "grad_norm": values["grad_norm"]})
+        latest.update(values, lr=lr)

@@ -146,6 +146,16 @@ def broadcast_object(obj, env: DistEnv):
     return box[0]
 
 
+def max_over_ranks(value: int, env: DistEnv) -> int:
+    """The largest of the ranks' ``value`` (an all-reduce MAX; ``value`` itself without a process
+    group): e.g. a stop signal that reached any rank, so that every rank stops at the same step."""
+    if not env.distributed:
+        return value
+    t = torch.tensor([value], device=env.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
 def barrier(env: DistEnv) -> None:
     if env.distributed:
         torch.distributed.barrier()
