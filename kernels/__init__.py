@@ -55,6 +55,7 @@ from ._interpreter import choose_interpreter as _choose_interpreter  # noqa: E40
 _choose_interpreter()
 
 from ._common import interpreting  # noqa: E402
+from .gemm_settings import GemmSettings, configure_gemm, gemm_settings  # noqa: E402
 from . import library  # noqa: E402,F401  (registers the ops the functionals route to under torch.compile)
 # memory-bound ops
 from .rms_norm import rms_norm  # noqa: E402
@@ -80,7 +81,7 @@ from .grouped_linear import grouped_linear, grouped_linear_swiglu  # noqa: E402
 from .moe import moe  # noqa: E402
 
 __all__ = [
-    "interpreting",
+    "interpreting", "GemmSettings", "configure_gemm", "gemm_settings",
     "rms_norm", "swiglu", "relu2", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
     "clip_grads_", "weighted_add", "fork", "add_fork",
     "muon_step_", "orthogonalize",

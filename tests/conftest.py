@@ -68,6 +68,16 @@ def seed_of(nodeid: str) -> int:
     return zlib.crc32(nodeid.encode())
 
 
+@pytest.fixture
+def gemm_settings():
+    """The GEMM settings in force; a test may change them with ``configure_gemm`` and they come back
+    after it."""
+    from tritonllm.kernels import gemm_settings as in_force
+
+    with in_force() as settings:  # a GemmSettings puts itself back in force at the end of the block
+        yield settings
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     """A different, reproducible seed per test: fresh random data, replayable from the test id."""
