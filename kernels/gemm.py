@@ -559,7 +559,8 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
     tma = args["USE_TMA"] and not interpreting()
     if tma:
         triton.set_allocator(tma_scratch)
-    kernel, flags = _matmul_kernel, _FLAG_ARGS
+    flags: tuple[str, ...] = _FLAG_ARGS
+    kernel = _matmul_kernel
     ints = tuple(args[k] for k in _INT_ARGS)
     tensors = tuple(args[k] for k in _TENSOR_ARGS)
     if interpreting():
