@@ -1,4 +1,4 @@
-"""The user's choices for the GEMM engine (:mod:`kernels.gemm` and the kernels built on its grid):
+"""The user's choices for the GEMM engine (:mod:`kernels.gemm`, the kernels built on its grid, linear's backward):
 :class:`GemmSettings`, the settings in force (:func:`gemm_settings`) and the one way to change them
 (:func:`configure_gemm`)::
 
@@ -76,6 +76,16 @@ class GemmSettings:
     #: waiting for the GEMM to end. 0 (none) by default; ``trainer.gemm_sm_margin`` sets it beside NCCL.
     #: Timed under FSDP2 on 4 H100s (2026-11-27): no gain shown apart from the machine's drift from run to run.
     sm_margin: int = 0
+    #: on Hopper, linear's backward runs dW = dy^T x on a second CUDA stream beside dx = dy W when dW's [N, K]
+    #: output has fewer than two waves of 128x256 tiles: each is a long K loop over the tokens, and the SMs
+    #: that a short last wave leaves idle take dx's tiles, which both products then hand out from a global
+    #: counter (``dynamic``; a program that starts late takes fewer tiles). The results are the same bits
+    #: either way. Measured on an H100 in two runs (scripts/tune_linear.py overlap): the backward at
+    #: 16384x768x4096 ran 0.88 / 0.91 -> 0.92 / 0.96x cuBLAS, linear_swiglu's 0.96 / 0.91 -> 1.02 / 0.96x;
+    #: 16384x768x2304 lost 2% / 5% (not understood), and with more dW tiles (8192x2048x11264, 8192^3) it cost
+    #: 1-2%, hence the threshold. void125m's step: 1.052x -> 1.079x (with the gated WS forward). Off: one
+    #: after the other.
+    overlap_dw: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

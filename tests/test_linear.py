@@ -14,7 +14,6 @@ from tritonllm.kernels import configure_gemm, linear, linear_swiglu
 from tritonllm.kernels._common import smem_budget
 
 gemm_module = importlib.import_module("tritonllm.kernels.gemm")
-linear_module = importlib.import_module("tritonllm.kernels.linear")
 
 @contextlib.contextmanager
 def torch_tf32(dtype):
@@ -122,8 +121,8 @@ def test_linear_swiglu_transposed_weight():
 @pytest.mark.skipif(not ON_GPU, reason="a second CUDA stream")
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("op", ["linear", "linear_swiglu"])
-def test_backward_dw_beside_dx(op, dynamic, monkeypatch, gemm_settings):
-    """dW on a second stream beside dx (linear.OVERLAP_DW): the same bits as one after the other, eagerly and
+def test_backward_dw_beside_dx(op, dynamic, gemm_settings):
+    """dW on a second stream beside dx (GemmSettings.overlap_dw): the same bits as one after the other, eagerly and
     replayed in a CUDA graph (the streams captured as parallel branches), with the WS kernel's tiles static
     and dynamic (GemmSettings.dynamic: each stream takes its own counter)."""
     configure_gemm(dynamic=dynamic)
@@ -133,7 +132,7 @@ def test_backward_dw_beside_dx(op, dynamic, monkeypatch, gemm_settings):
     dy = randn(2048, 1536, dtype=torch.bfloat16)
     grads = {}
     for overlap in (False, True):
-        monkeypatch.setattr(linear_module, "OVERLAP_DW", overlap)
+        configure_gemm(overlap_dw=overlap)
         gemm_module._LAUNCH_CONFIGS.clear()
         grads[overlap] = torch.autograd.grad(fn(x, w), [x, w], dy)
     for name, one, beside in zip(("dx", "dw"), grads[False], grads[True]):
