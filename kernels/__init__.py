@@ -73,6 +73,7 @@ from .linear import linear, linear_swiglu  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 # attention
 from .flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd, rope_flash_attention  # noqa: E402
+from .flash_attention.settings import AttentionSettings, attention_settings, configure_attention  # noqa: E402
 from .split_heads import split_heads  # noqa: E402
 # mixture of experts
 from .moe_router import MoERouting, moe_router  # noqa: E402
@@ -87,6 +88,7 @@ __all__ = [
     "muon_step_", "orthogonalize",
     "linear", "linear_swiglu", "linear_cross_entropy",
     "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "rope_flash_attention", "split_heads",
+    "AttentionSettings", "attention_settings", "configure_attention",
     "MoERouting", "moe_router", "MoEPlan", "moe_sort", "moe_gather", "moe_combine",
     "grouped_linear", "grouped_linear_swiglu", "moe",
 ]

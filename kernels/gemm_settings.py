@@ -20,13 +20,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .settings import Settings, configure, in_force
+
 
 @dataclass(frozen=True)
-class GemmSettings:
+class GemmSettings(Settings):
     """The GEMM engine's switches, with the measured defaults (docs/perf/NOTES.md; scripts/tune_linear.py
     and scripts/sm_contention.py time them on the GPU). Used as a context manager (``with
     configure_gemm(...)``, which returns the settings before the change), an instance puts itself back in
-    force when the block ends."""
+    force when the block ends (:mod:`kernels.settings`)."""
 
     #: flatten the persistent tile loop into the K loop (``tl.range(flatten=...)``): the pipeliner then loads
     #: the next tile's first K blocks during this tile's last ones and its epilogue. On with ``tma_store``:
@@ -95,33 +97,14 @@ class GemmSettings:
         if isinstance(self.sm_margin, bool) or not isinstance(self.sm_margin, int) or self.sm_margin < 0:
             raise ValueError(f"GemmSettings.sm_margin must be an integer >= 0 (SMs left free), got {self.sm_margin!r}")
 
-    def __enter__(self) -> GemmSettings:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        configure_gemm(self)
-
-
-_settings = GemmSettings()
-
 
 def gemm_settings() -> GemmSettings:
     """The GEMM settings in force."""
-    return _settings
+    return in_force(GemmSettings)
 
 
 def configure_gemm(settings: GemmSettings | None = None, /, **fields) -> GemmSettings:
     """Put ``settings`` (default: the settings in force) with ``fields`` replaced in force for every GEMM
     from now on; return the settings before the change. An unknown field or a wrong value is refused by
     name. ``with configure_gemm(...):`` restores the settings before it when the block ends."""
-    global _settings
-    names = {f.name for f in dataclasses.fields(GemmSettings)}
-    unknown = sorted(set(fields) - names)
-    if unknown:
-        raise TypeError(f"configure_gemm: unknown GEMM setting(s) {', '.join(unknown)}; expected some of "
-                        f"{', '.join(sorted(names))}")
-    if settings is not None and not isinstance(settings, GemmSettings):
-        raise TypeError(f"configure_gemm: settings must be a GemmSettings, got {type(settings).__name__}")
-    previous = _settings
-    _settings = dataclasses.replace(previous if settings is None else settings, **fields)
-    return previous
+    return configure(GemmSettings, settings, fields, "configure_gemm")

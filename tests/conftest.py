@@ -69,13 +69,13 @@ def seed_of(nodeid: str) -> int:
 
 
 @pytest.fixture
-def gemm_settings():
-    """The GEMM settings in force; a test may change them with ``configure_gemm`` and they come back
-    after it."""
-    from tritonllm.kernels import gemm_settings as in_force
+def kernel_settings():
+    """A test may change the kernels' settings (``configure_gemm``, ``configure_attention``): those in force
+    before it come back after it."""
+    from tritonllm.kernels import attention_settings, gemm_settings
 
-    with in_force() as settings:  # a GemmSettings puts itself back in force at the end of the block
-        yield settings
+    with gemm_settings(), attention_settings():  # settings put themselves back in force at the end of the block
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -121,7 +121,7 @@ def test_linear_swiglu_transposed_weight():
 @pytest.mark.skipif(not ON_GPU, reason="a second CUDA stream")
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("op", ["linear", "linear_swiglu"])
-def test_backward_dw_beside_dx(op, dynamic, gemm_settings):
+def test_backward_dw_beside_dx(op, dynamic, kernel_settings):
     """dW on a second stream beside dx (GemmSettings.overlap_dw): the same bits as one after the other, eagerly and
     replayed in a CUDA graph (the streams captured as parallel branches), with the WS kernel's tiles static
     and dynamic (GemmSettings.dynamic: each stream takes its own counter)."""
@@ -168,7 +168,7 @@ LAYOUTS = [("A_rows-B_rows", _rows, _rows), ("A_cols-B_cols", _cols, _cols), ("A
 
 @pytest.mark.parametrize("tma_store", [False, True, "subtile"], ids=lambda s: f"tma_store={s}")
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l[0])
-def test_gemm_descriptor_path_matches_pointer_path(layout, tma_store, gemm_settings):
+def test_gemm_descriptor_path_matches_pointer_path(layout, tma_store, kernel_settings):
     """Both operand-load paths of the GEMM (tensor descriptors / masked pointers) on ragged tiles,
     with accumulate (beta = 1), the SwiGLU epilogue writing gate/up, and split-K; the descriptor
     path also with TMA stores (whole tiles or halves). The interpreter emulates descriptors."""
@@ -208,7 +208,7 @@ def test_gemm_split_k(M, N, K, splits, poisoned_empty):
 
 
 @pytest.mark.parametrize("split_k", [1, 3], ids=["whole-K", "split-K"])
-def test_gemm_grids_match(split_k, gemm_settings):
+def test_gemm_grids_match(split_k, kernel_settings):
     """``GemmSettings.persistent`` off (one program per output tile instead of min(#SMs, tiles) programs
     looping over them) and ``sm_margin`` (a persistent grid of #SMs - margin programs) compute every tile
     the same way: bitwise the same C, with more tiles than SMs (4 under the interpreter)."""
@@ -310,7 +310,7 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
 @pytest.mark.parametrize("grid", ["persistent", "dynamic", "tile-per-program"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
-def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatch, gemm_settings):
+def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatch, kernel_settings):
     """gemm_sm90's warp-specialized kernel (GemmSettings.sm90_ws, on by default; the first config of each
     schedule) on ragged sizes (no dimension a multiple of a tile, K shorter than the ring and longer than
     it), every operand layout, with and without the residual epilogue, each grid (the persistent one with
@@ -343,7 +343,7 @@ def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "ping-pong"])
-def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch, gemm_settings):
+def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch, kernel_settings):
     """GemmSettings.dynamic (programs take tiles from a global counter): the same bits as the static schedule (a
     tile is one program's whole K loop either way), eagerly and replayed from a CUDA graph captured on a
     stream the counters have not seen, and the counters are back at zero after every launch, so the
@@ -412,7 +412,7 @@ def test_gemm_sm90_every_config(layout):
 @pytest.mark.parametrize("grid", ["persistent", "dynamic", "tile-per-program"])
 @pytest.mark.parametrize("store_gu", [False, True], ids=["h", "h+gu"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
-def test_gemm_sm90_gated(layout, store_gu, grid, gemm_settings):
+def test_gemm_sm90_gated(layout, store_gu, grid, kernel_settings):
     """The WS kernel's gated (SwiGLU) forward on each grid: every config of ``configs(gated=True)``
     through ``gemm(config=...)``, on a ragged problem in every operand layout, h = silu(gate) * up and
     the pre-activations in gu against float64; a plain config is refused for it. Then with

@@ -345,19 +345,18 @@ def test_adamw_counts_the_step_of_an_empty_shard(device):
 
 @pytest.mark.parametrize("grid, persistent, dynamic",
                          [("dynamic", False, True), ("tile", False, False), ("persistent", True, False)])
-def test_gemm_grid_beside_nccl(grid, persistent, dynamic, gemm_settings):
+def test_gemm_grid_beside_nccl(grid, persistent, dynamic, kernel_settings):
     """Under DDP or FSDP2 on GPUs the WS GEMM takes dynamic tiles and the other GEMM kernels run one
     program per tile unless trainer.gemm_grid asks for another grid, leaving no SMs to NCCL unless
     trainer.gemm_sm_margin says how many; anything else is refused, naming the key."""
-    from tritonllm.kernels import configure_gemm
-    from tritonllm.kernels import gemm_settings as in_force
+    from tritonllm.kernels import configure_gemm, gemm_settings
     from tritonllm.train.parallel import gemm_grid_beside_nccl
 
     configure_gemm(persistent=not persistent, dynamic=not dynamic, sm_margin=3)
     assert gemm_grid_beside_nccl(grid) == grid
-    assert (in_force().persistent, in_force().dynamic, in_force().sm_margin) == (persistent, dynamic, 0)
+    assert (gemm_settings().persistent, gemm_settings().dynamic, gemm_settings().sm_margin) == (persistent, dynamic, 0)
     gemm_grid_beside_nccl(grid, 16)
-    assert in_force().sm_margin == 16
+    assert gemm_settings().sm_margin == 16
     for bad in (-4, "sixteen", True):
         with pytest.raises(ConfigError, match="trainer.gemm_sm_margin"):
             gemm_grid_beside_nccl(grid, bad)
