@@ -390,10 +390,10 @@ class AttentionBackward:
         self.common = (*strides(q), *strides(k), *strides(v), *do_strides, T, S, Hq, pitch)
         self.scales = (S - T, window or 0, scale * LOG2E, scale, next_pow2(T), next_pow2(S), docs_arg(documents))
         self.flags["HAS_DOCS"] = documents is not None
-        #: the gradient kernels ("dkdv", "dq") that run backward_sm90's Gluon kernel here (the SM90_BWD knob),
-        #: each with the arguments both take
-        #: (the fused backward: its dK/dV kernel's DQ_REDUCE variant, dQ by TMA bulk reduces, where SM90_FUSED names D)
         settings = attention_settings()
+        #: the gradient kernels ("dkdv", "dq") that run backward_sm90's Gluon kernel here (the sm90_bwd setting),
+        #: each with the arguments both take
+        #: (the fused backward: its dK/dV kernel's DQ_REDUCE variant, dQ by TMA bulk reduces, where sm90_fused names D)
         gluon = ([name for name in ("dkdv",) if D in settings.sm90_fused] if self.fused else
                  [name for name, dims in settings.sm90_bwd.items() if D in dims])
         args = backward_sm90.matrix_args(q, k, v, do, window, documents) if gluon else None
