@@ -15,6 +15,21 @@ the kernels (no CUDA device visible and Triton not imported yet) and logs a line
 ``tritonllm.kernels`` logger saying so; on a machine with a CUDA device, or with Triton already
 imported, it changes nothing. ``interpreting()`` tells which mode is on, and a CPU tensor given to
 a kernel while the interpreter is off is refused with an error naming the argument and the variable.
+Every environment variable tritonllm reads is in the table of docs/environment.md.
+
+Settings. The choices a user may make about how the kernels run (the GEMM's grid, its Hopper kernel,
+TMA stores; attention's TMA, loop shape, program order, Hopper kernels) are frozen dataclasses with the
+measured defaults, ``GemmSettings`` and ``AttentionSettings``, each changed only through its function::
+
+    from tritonllm.kernels import configure_gemm
+
+    previous = configure_gemm(persistent=False, dynamic=True)   # from now on; returns the settings before
+    with configure_attention(sm90_bwd={"dq": ()}):              # for the block only
+        ...
+
+``gemm_settings()`` and ``attention_settings()`` return those in force. The GEMM's launch plans are keyed
+on its settings, so a change takes effect at the next call. Training runs set the GEMM grid beside NCCL
+from the config (``trainer.gemm_grid``, ``trainer.gemm_sm_margin``).
 
 Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
 ``swiglu``, ``relu2``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``rope_flash_attention``, ``split_heads``,
