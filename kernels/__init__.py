@@ -21,7 +21,7 @@ Settings. The choices a user may make about how the kernels run (the GEMM's grid
 TMA stores; attention's TMA, loop shape, program order, Hopper kernels) are frozen dataclasses with the
 measured defaults, ``GemmSettings`` and ``AttentionSettings``, each changed only through its function::
 
-    from tritonllm.kernels import configure_gemm
+    from tritonllm.kernels import configure_attention, configure_gemm
 
     previous = configure_gemm(persistent=False, dynamic=True)   # from now on; returns the settings before
     with configure_attention(sm90_bwd={"dq": ()}):              # for the block only
