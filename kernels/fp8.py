@@ -30,6 +30,8 @@ from ._common import check_tensor, interpreting
 
 #: the largest finite value of each fp8 format the kernels use
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+#: (mantissa bits, exponent of the smallest normal) of each format: its grid, for :func:`fp8_round`
+FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 #: rows and columns of a quantization tile (GPU; 32 x 32 under the interpreter)
 BLOCK_R, BLOCK_N = 32, 256
 
@@ -52,6 +54,18 @@ def fp8_saturate(x, inv, fp8_max):
 
 
 @triton.jit
+def fp8_round(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``v`` (fp32, ``|v| <= F``) rounded to the nearest value of an fp8 grid, ties to even, kept in
+    fp32: the emulation of the fp8 cast where there is none (the interpreter). The quantum of v's binade
+    is ``2^(max(e, MIN_EXP) - MANTISSA)`` for its exponent e (read from the bits: exact); ``|v| / quantum``
+    is below 2^(MANTISSA + 1), so adding and subtracting 2^23 rounds it to an integer, ties to even."""
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+    quantum = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    steps = (tl.abs(v) / quantum + 8388608.0) - 8388608.0
+    return tl.where(v < 0, -steps, steps) * quantum
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,  # [R, N] input, strides (stride_xr, stride_xn)
     stride_xr, stride_xn,
@@ -62,6 +76,9 @@ def _quantize_rows_kernel(
     fp8_max,  # F of q's format
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EMULATE: tl.constexpr,  # q is fp32: round its values to the fp8 grid of (MANTISSA, MIN_EXP) (fp8_round)
+    MANTISSA: tl.constexpr,
+    MIN_EXP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < R
@@ -81,29 +98,36 @@ def _quantize_rows_kernel(
         mask = mask_r[:, None] & (cols < N)[None, :]
         x = tl.load(x_rows + cols.to(tl.int64)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
         q = fp8_saturate(x, inv[:, None], fp8_max)
+        if EMULATE:
+            q = fp8_round(q, MANTISSA, MIN_EXP)
         tl.store(q_rows + cols.to(tl.int64)[None, :] * stride_qn, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_max: float) -> None:
+def quantize_rows_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_max: float,
+                       emulate: torch.dtype | None = None) -> None:
     """Quantize the rows of the 2-D ``x`` into ``q`` (same shape, any dtype and strides) with the
-    dequantization scales in ``scale`` [R] (fp32), for a format of largest value ``fp8_max``."""
+    dequantization scales in ``scale`` [R] (fp32), for a format of largest value ``fp8_max``.
+    ``emulate`` (an fp8 dtype, q float32): q's values are also rounded to that format's grid."""
     R, N = x.shape
     if R == 0:
         return
     block_r, block_n = (32, 32) if interpreting() else (BLOCK_R, BLOCK_N)
+    mantissa, min_exp = FP8_GRID[emulate] if emulate is not None else (0, 0)
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
         x, x.stride(0), x.stride(1), q, q.stride(0), q.stride(1), scale, R, N, float(fp8_max),
-        BLOCK_R=block_r, BLOCK_N=block_n)
+        BLOCK_R=block_r, BLOCK_N=block_n, EMULATE=emulate is not None, MANTISSA=mantissa, MIN_EXP=min_exp)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: the 2-D ``x`` [R, N] quantized per row to the fp8 ``dtype`` (``float8_e4m3fn``
     or ``float8_e5m2``), q [R, N] contiguous, scale [R] fp32 with ``x ~ scale[:, None] * q``.
-    A transposed view (``w.t()``) gives the quantized transpose, contiguous."""
+    A transposed view (``w.t()``) gives the quantized transpose, contiguous. Under the interpreter
+    (no fp8 conversions) q is float32 holding the fp8 values exactly (:func:`fp8_round`)."""
     check_tensor("x", x, ndim=2)
     if dtype not in FP8_MAX:
         raise TypeError(f"dtype must be one of {[str(d) for d in FP8_MAX]}, got {dtype}")
-    q = torch.empty(x.shape, dtype=dtype, device=x.device)
+    emulate = dtype if interpreting() else None
+    q = torch.empty(x.shape, dtype=torch.float32 if emulate else dtype, device=x.device)
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    quantize_rows_into(x, q, scale, FP8_MAX[dtype])
+    quantize_rows_into(x, q, scale, FP8_MAX[dtype], emulate)
     return q, scale

@@ -63,7 +63,7 @@ SPLIT_K_MIN_K = 2048
 SPLIT_K_MAX = 8
 #: ... and the count :func:`split_cost` estimates fastest, which charges the fp32 partials' traffic
 #: (written by the GEMM, read back by the sum) at this many bytes per 128x128x64 product step of
-#: one SM. Measured on an H100 (scripts/tune_linear.py splits, docs/perf/NOTES.md): a step took
+#: one SM. Measured on an H100 (scripts/tune_linear.py splits, docs/perf/history.md): a step took
 #: 0.4 us and the partials cost about 1.9 TB/s, so that dW of 16384x768x2304 ran 27% slower split
 #: 6 ways (the best fill of its 108 tiles) than unsplit.
 SPLIT_K_STEP_BYTES = 760_000

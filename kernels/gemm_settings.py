@@ -25,7 +25,7 @@ from .settings import Settings, configure, in_force
 
 @dataclass(frozen=True)
 class GemmSettings(Settings):
-    """The GEMM engine's switches, with the measured defaults (docs/perf/NOTES.md; scripts/tune_linear.py
+    """The GEMM engine's switches, with the measured defaults (docs/perf/history.md; scripts/tune_linear.py
     and scripts/sm_contention.py time them on the GPU). Used as a context manager (``with
     configure_gemm(...)``, which returns the settings before the change), an instance puts itself back in
     force when the block ends (:mod:`kernels.settings`)."""

@@ -59,14 +59,14 @@ from .softcap import check_cap, softcap_math
 
 REDUCTIONS = ("mean", "sum", "none")
 
-# Knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/NOTES.md, issue 3).
+# Knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/history.md, issue 3).
 #: bytes of the [chunk, V] logits buffer when ``chunk_size`` is None: the tokens go through in the fewest
 #: chunks of equal size (a multiple of 64 tokens) whose buffer fits (:func:`chunk_for`). None: Liger-Kernel's
 #: extra memory (:func:`default_chunk`). Fewer chunks are faster: each chunk after the first adds a
 #: read-modify-write of dW (4 V H bytes in bf16), and a chunk of few tokens under-fills the dx GEMM.
 #: 1 GiB: measured on an H100 at 16384x768x32000 fwd+bwd (one chunk) 4.93 ms, peak 1.12 GB, against 5.82 ms
 #: (0.23 GB) at chunks of 2048 tokens, 5.39 at 4096 and 8192, and 9.54 (0.106 GB) at Liger's memory
-#: (docs/perf/NOTES.md); torch.compile's unfused head takes 2.1 GB there.
+#: (docs/perf/history.md); torch.compile's unfused head takes 2.1 GB there.
 CHUNK_BYTES: int | None = 1 << 30
 #: default_chunk: the least share of the SMs the dx GEMM's split programs may fill when memory caps
 #: the number of splits

@@ -8,6 +8,8 @@ PY=${PY:-python3}
 mkdir -p .whl/extra
 plat=(--only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --implementation cp --abi cp312)
 $PY -m pip download -q --no-deps -d .whl hydra-core==1.3.2 omegaconf==2.3.0 liger-kernel
+# torchao float8: the FP8 baseline of bench kernels (fp8_linear) and bench train (trainer.precision=fp8); 0.17 pairs with torch 2.11
+$PY -m pip download -q --no-deps -d .whl/extra "${plat[@]}" --abi abi3 --abi none torchao==0.17.0
 $PY -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 $PY -m pip download -q -d .whl/extra "${plat[@]}" transformers tokenizers peft optuna matplotlib nvidia-ml-py \
     pytest pytest-xdist safetensors sentencepiece jinja2 accelerate

@@ -1,6 +1,6 @@
 """Does a kernel running on other SMs beside our GEMM (NCCL's, under FSDP2) slow ours more than cuBLAS?
 
-Issue 19's FSDP2 analysis (docs/perf/NOTES.md, "Several GPUs"): under FSDP2 our per-GPU compute
+Issue 19's FSDP2 analysis (docs/perf/history.md, "Several GPUs"): under FSDP2 our per-GPU compute
 kernel time grew twice as much as the compiled baseline's. The suspect is the persistent GEMM's static
 tile assignment (``kernels/gemm.py``, ``GemmSettings.persistent``). This measures it on one GPU, no NCCL needed.
 

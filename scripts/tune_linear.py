@@ -1,4 +1,4 @@
-"""Side-by-side GPU timings of the GEMM family's tuning knobs (issue 3; predictions in docs/perf/NOTES.md).
+"""Side-by-side GPU timings of the GEMM family's tuning knobs (issue 3; predictions in docs/perf/history.md).
 
 Usage, on one GPU (aims at < 120 s on an H200, compiles included; sections that would start past
 TUNE_BUDGET_S=110 seconds are skipped and say so):

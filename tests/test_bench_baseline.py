@@ -100,7 +100,7 @@ def ref_loss(ref, moes, idx, targets):
 def check_against_reference(cfg: ModelConfig, experts: str, atol: float | None = None, dtype=None):
     """The baseline (fp32) against the float64 reference, both loaded with a tritonllm model's
     weights: the loss and the gradients of the QKV and MLP (and router) weights, within twice the
-    reference's own fp32 error (DESIGN.md section 5)."""
+    reference's own fp32 error (docs/architecture.md, "Tests")."""
     state = build_model(cfg).state_dict()
     base = BaselineTransformer(cfg, experts=experts).to(DEVICE)
     base.load_state_dict(state)  # strict: the parameter names and shapes are tritonllm's

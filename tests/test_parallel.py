@@ -210,16 +210,31 @@ def test_single_process_checkpoint_resumes_under_fsdp(runs):
 
 @cpu_only
 def test_export_for_generation(runs, tmp_path):
+    """export() writes each sharded checkpoint (DDP's and FSDP2's, saved on two ranks) as the folder
+    generation loads, holding exactly the checkpoint's weights (read back by torch's own DCP converter).
+    The two runs, the same training with its sums in another order, agree to fp32 rounding except where
+    AdamW divides by a second moment near zero: there the rounding of a near-zero gradient moves the update
+    by up to a step (optim.lr), so a few elements may differ by more (7 of 16384 in one w13 seen)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     from tritonllm.generate import load_for_generation
 
-    models = []
+    states = []
     for name in ("ddp", "fsdp"):
-        folder = export(str(runs[name] / "checkpoints" / "step_00000004"), str(tmp_path / name))
-        model, tokenizer = load_for_generation(folder, torch.device("cpu"), torch.float32)
-        models.append(model)
-    assert tokenizer.vocab_size == models[0].cfg.vocab_size
-    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+        ckpt = str(runs[name] / "checkpoints" / "step_00000004")
+        model, tokenizer = load_for_generation(export(ckpt, str(tmp_path / name)), torch.device("cpu"), torch.float32)
+        assert tokenizer.vocab_size == model.cfg.vocab_size
+        dcp_to_torch_save(ckpt, str(tmp_path / f"{name}.pt"))
+        saved = torch.load(tmp_path / f"{name}.pt", weights_only=False)["model"]
+        state = model.state_dict()
+        assert saved and set(saved) <= set(state), sorted(set(saved) - set(state))
+        for key, value in saved.items():
+            assert torch.equal(state[key], value.float()), key
+        states.append(state)
+    lr = float(next(o for o in TINY if o.startswith("optim.lr=")).split("=")[1])
+    for key, a in states[0].items():
+        diff = (a - states[1][key]).abs()
+        assert diff.max() <= lr and (diff > 1e-5).float().mean() <= 0.005, (key, diff.max().item())
 
 
 @cpu_only

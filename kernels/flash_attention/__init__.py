@@ -126,7 +126,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             and a dQ kernel, seven tile products per tile pair). False: one fused kernel with five
             products that adds dQ with fp32 atomics, whose order varies between runs. On an H100 with
             Triton 3.6 the atomics cost more than the two products they save (B8 Hq32/Hkv8 T4096 D128
-            backward 8.9 ms fused against 7.2 ms; ``docs/perf/NOTES.md``), so the reproducible one is
+            backward 8.9 ms fused against 7.2 ms; ``docs/perf/history.md``), so the reproducible one is
             also the faster default.
         documents: packed sequences (varlen attention in a ``[B, T]`` batch): int32 ``[B, T, 2]``
             holding, for each position, the first position of its document and one past its last

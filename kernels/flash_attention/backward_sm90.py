@@ -65,8 +65,8 @@ _program_tile = gluon.jit(program_tile.fn)
 #: H100, dK/dV at B8 Hq32/Hkv8 T4096 / B1 T16384 D128 (attention-sm90-h100.json): 64x64 w4 b2 4.26 /
 #: 7.11 ms, 64x128 b2 4.53 / 8.06, 64x128 b3 4.53 / 8.17, 32x128 5.93 / 10.51; the portable one 4.36 / 8.21.
 DKDV_CONFIGS = [(64, 64, 4, 2, True), (64, 128, 8, 2, True), (64, 128, 8, 3, True), (32, 128, 8, 3, False)]
-#: dQ: persistent programs (query tiles from a global counter). H100, dQ alone (NOTES.md, a01a1ec): 64x64 w4 b2
-#: 0.112 / 0.205 / 2.72 / 4.96 ms at B16 Hq12 T1024 D64, B4 Hq16/Hkv4 T2048, B8 Hq32/Hkv8 T4096, B1 T16384 D128,
+#: dQ: persistent programs (query tiles from a global counter). H100, dQ alone (docs/perf/history.md, a01a1ec):
+#: 64x64 w4 b2 0.112 / 0.205 / 2.72 / 4.96 ms at B16 Hq12 T1024 D64, B4 Hq16/Hkv4 T2048, B8 Hq32/Hkv8 T4096, B1 T16384 D128,
 #: against 0.132 / 0.217 / 2.88 / 4.99 one tile a program and 0.117 / 0.224 / 3.07 / 5.44 for the portable
 #: kernel; the 128-row tile 8-15% slower (one tile a program: 128x64 b3 and 128x128 b2 no better, dropped).
 DQ_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2)]
@@ -75,7 +75,7 @@ DQ_CONFIGS = [(64, 64, 4, 2), (128, 64, 8, 2)]
 #: and ends at once
 DQ_PROGRAMS_PER_SM = 4
 #: the dK/dV kernel with DQ_REDUCE (64 queries a tile: the dQ chunk's rows, one warpgroup's wgmma height).
-#: 64x128 halves the reduces of 64x64. Not yet measured (NOTES.md).
+#: 64x128 halves the reduces of 64x64. Not yet measured (docs/perf/history.md).
 DKDV_REDUCE_CONFIGS = [(64, 128, 8, 2, True), (64, 128, 8, 3, True), (64, 64, 4, 2, True)]
 #: DQ_REDUCE: the columns of a dQ chunk (a 128-byte swizzle atom of the k tile: the B operand's slice) ...
 DQ_CHUNK = gl.constexpr(64)
@@ -466,7 +466,7 @@ def _sm90_dq_kernel(
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(i))
     # after the loop, outside any branch: scalar atomics in the loop's branches hit an illegal instruction or a
-    # hang on the H100 (Triton 3.6; NOTES.md)
+    # hang on the H100 (Triton 3.6; docs/perf/history.md)
     if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
         gl.atomic_xchg(COUNTER, 0)
         gl.atomic_xchg(COUNTER + 1, 0)

@@ -31,7 +31,7 @@ MASK_KINDS = ("causal", "window")
 @dataclass(frozen=True)
 class AttentionSettings(Settings):
     """Flash attention's switches with their measured defaults (scripts/tune_attention.py and
-    scripts/attention_sm90.py time them on the GPU; docs/perf/NOTES.md). Read-only: the mappings are
+    scripts/attention_sm90.py time them on the GPU; docs/perf/history.md). Read-only: the mappings are
     frozen views."""
 
     #: per kernel: stream the K/V tiles (forward, dQ) or the Q/dO tiles and lse/delta rows (dK/dV) through

@@ -1,4 +1,16 @@
-"""Benchmark of the FP8 LM head: ``linear_cross_entropy(x, W, t, fp8=True)`` (op
+"""Benchmarks of the FP8 ops.
+
+``fp8_gemm``: the GEMM alone on operands quantized per row (e4m3), scales in the epilogue, bf16 out
+(``kernels.gemm.gemm`` with ``a_scale``/``b_scale``) against ``torch._scaled_mm`` with the same rowwise
+scales (cuBLAS's fp8 GEMM, what torchao's rowwise recipe calls) and the bf16 GEMM of the same shape
+(``F.linear``). Shapes: each linear layer's three products (forward MxKxN, dx MxNxK, dW NxMxK) at
+void125m's ("default") and void1b's ("large") layers.
+
+``fp8_linear``: the whole FP8 layer (``kernels.fp8_linear.fp8_linear``: the quantizations and the
+three GEMMs) against torchao float8's rowwise ``Float8Linear`` under torch.compile (when torchao is
+importable), our bf16 ``linear`` and cuBLAS bf16 (``F.linear``). FLOPs 2MNK forward, 4MNK backward.
+
+``linear_cross_entropy_fp8``: the FP8 LM head: ``linear_cross_entropy(x, W, t, fp8=True)`` (op
 ``linear_cross_entropy_fp8``) against the same fused head in bf16 (``tritonllm bf16``), torch eager
 and torch.compile of ``cross_entropy(linear(x, W).float(), t)``, and Liger-Kernel's fused linear
 cross-entropy. Shapes as ``linear_cross_entropy``'s (tokens x hidden x vocab): "default" is
@@ -12,11 +24,65 @@ from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
 from tritonllm.bench.harness import Case, compiled, liger_available
 from tritonllm.bench.ops_linear import SHAPES, gemm_flops, lce_liger, lce_torch, random_weight
-from tritonllm.kernels import linear_cross_entropy
+from tritonllm.kernels import linear, linear_cross_entropy
+from tritonllm.kernels.fp8 import quantize_rows
+from tritonllm.kernels.fp8_linear import fp8_linear
+from tritonllm.kernels.gemm import gemm
 
-OPS = ["linear_cross_entropy_fp8"]
+OPS = ["fp8_gemm", "fp8_linear", "linear_cross_entropy_fp8"]
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8_gemm_case(m: int, k: int, n: int, product: str) -> Case:
+    def make_inputs():
+        qa, sa = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), E4M3)
+        qb, sb = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5, E4M3)
+        return qa, sa, qb, sb
+
+    def ours(qa, sa, qb, sb):
+        return gemm(qa, qb.t(), torch.empty(m, n, device="cuda", dtype=torch.bfloat16), a_scale=sa, b_scale=sb)
+
+    def scaled_mm(qa, sa, qb, sb):
+        return torch._scaled_mm(qa, qb.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)
+
+    bf16 = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    return Case("fp8_gemm", f"{m}x{k}x{n} ({product})", torch.float8_e4m3fn, make_inputs, ours=ours,
+                baselines={"torch._scaled_mm": scaled_mm, "cuBLAS bf16": lambda *_: F.linear(*bf16)},
+                flops={"fwd": 2.0 * m * n * k}, passes=("fwd",))
+
+
+def _torchao_linear(k: int, n: int):
+    """torchao float8's rowwise Float8Linear of an [n, k] bias-free layer under torch.compile, called as
+    ``(x, w)`` with the bench's weight ``w`` (a Parameter) as its own; None without torchao."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    layer = convert_to_float8_training(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16),
+                                       config=Float8LinearConfig.from_recipe_name("rowwise"))
+    step = compiled(layer)
+
+    def call(x, w):
+        layer.weight = w  # the bench's weight (a Parameter), so that its gradient is the baseline's too
+        return step(x)
+    return call
+
+
+def _fp8_linear_case(m: int, k: int, n: int) -> Case:
+    def make_inputs():
+        return (torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+                torch.nn.Parameter(random_weight(n, k, torch.bfloat16).detach()))
+
+    baselines = {"tritonllm bf16": lambda x, w: linear(x, w), "cuBLAS bf16": F.linear}
+    torchao = _torchao_linear(k, n)
+    if torchao is not None:
+        baselines["torchao rowwise+compile"] = torchao
+    return Case("fp8_linear", f"{m}x{k}x{n}", torch.bfloat16, make_inputs, ours=lambda x, w: fp8_linear(x, w),
+                baselines=baselines, flops=gemm_flops(m, n, k))
 
 
 def _fp8_head_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> Case:
@@ -34,8 +100,14 @@ def _fp8_head_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> 
 
 
 def cases(size: str, dtype: torch.dtype):
-    """The FP8 head at the ``linear_cross_entropy`` shapes of ``size`` ("default" or "large")."""
+    """The FP8 GEMM at the three products of each ``linear`` shape of ``size`` ("default" or "large"), the
+    FP8 layer at those shapes, the FP8 head at the ``linear_cross_entropy`` shapes."""
     if size not in SHAPES:
         raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
+    for m, k, n in SHAPES[size]["linear"]:
+        for shape, product in (((m, k, n), "fwd"), ((m, n, k), "dx"), ((n, m, k), "dW")):
+            yield _fp8_gemm_case(*shape, product)
+    for shape in SHAPES[size]["linear"]:
+        yield _fp8_linear_case(*shape)
     for shape in SHAPES[size]["linear_cross_entropy"]:
         yield _fp8_head_case(*shape, dtype)

@@ -193,7 +193,8 @@ RESUME_FREE_KEYS = ("out_dir", "device", "logger.", "data.cache_dir", "trainer.m
                     "trainer.resume_force", "trainer.ckpt_dir", "trainer.ckpt_interval", "trainer.keep_last",
                     "trainer.log_interval", "trainer.eval_interval", "trainer.eval_batches", "trainer.progress",
                     "trainer.sample_", "trainer.gpu_telemetry", "trainer.control", "trainer.peak_flops",
-                    "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel", "trainer.gemm_")
+                    "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel", "trainer.precision",
+                    "trainer.gemm_")
 
 
 def _flat(node, prefix: str = "") -> dict:
@@ -289,12 +290,14 @@ def train(cfg) -> float:
 
     from tritonllm.hf import init_run_model
     from tritonllm.models import build_model
+    from tritonllm.nn.fp8 import apply_precision
 
     torch.manual_seed(cfg.seed)
     mode = resolve_parallel(tr.parallel, env, model_cfg.param_count())
     # FSDP2 shards fp32 weights (the master weights) and gathers them in `dtype` for compute
     model = build_model(model_cfg, device=device, dtype=torch.float32 if mode == "fsdp" else dtype)
     init_run_model(model, cfg)  # Hugging Face weights (model.path), LoRA (+lora=...)
+    apply_precision(model, tr.precision)  # fp8 linear layers (trainer.precision=fp8)
     parallel = parallelize(model, mode, env, compute_dtype=dtype, gemm_grid=tr.gemm_grid,
                            gemm_sm_margin=tr.gemm_sm_margin)
     master = cfg.optim.master_weights

@@ -1,5 +1,5 @@
 """Training on several GPUs (or CPU processes) with PyTorch's own engine, applied to the
-single-device model from outside (DESIGN.md section 9, in the manner of torchtitan's ``parallelize``).
+single-device model from outside (docs/architecture.md, in the manner of torchtitan's ``parallelize``).
 
 ``torchrun --nproc_per_node=N -m tritonllm.train +model=... trainer.parallel=auto|ddp|fsdp|none``:
 every process runs the same loop on its own device (``cuda:<LOCAL_RANK>``; the CPU with gloo when
@@ -234,13 +234,13 @@ def gemm_grid_beside_nccl(grid: str = "dynamic", sm_margin: int = 0) -> str:
     kernel one program per tile; ``persistent``: the single-GPU default, min(#SMs, tiles) programs with a
     static share of the tiles each. ``sm_margin`` (``trainer.gemm_sm_margin``, an integer >= 0) is
     ``GemmSettings.sm_margin``: the SMs the persistent grids leave free for NCCL's kernels (timed under
-    FSDP2 on 4 H100s: no gain shown apart from the machine's drift from run to run; docs/perf/NOTES.md).
+    FSDP2 on 4 H100s: no gain shown apart from the machine's drift from run to run; docs/perf/history.md).
 
     A static share waits for SMs that NCCL holds: on an H100 with 16 SMs held by another kernel for the
     whole op, void1b's four linear layers (fwd+bwd, the WS kernel) took 5.58 ms with the persistent
     grid, 3.99 ms with one program per tile and 3.86 ms with dynamic tiles (3.31 / 3.39 / 3.49 ms alone;
     cuBLAS 4.14, alone 2.90; held for the op's first half: 3.78 / 3.69 / 3.37, cuBLAS 3.29;
-    docs/perf/NOTES.md, scripts/sm_contention.py). Returns the grid chosen, also said in a log line."""
+    docs/perf/history.md, scripts/sm_contention.py). Returns the grid chosen, also said in a log line."""
     from tritonllm.kernels import configure_gemm
 
     if grid not in GEMM_GRIDS:

@@ -1,0 +1,77 @@
+"""FP8 training of a model's linear layers (``trainer.precision=fp8``), applied from outside the model.
+
+:func:`convert_to_fp8` turns every :class:`~tritonllm.nn.linear.Linear` and
+:class:`~tritonllm.nn.linear.LinearSwiGLU` of a model (attention qkv and output projections, the dense
+MLPs and the MoE shared experts) into their FP8 forms in place: same parameters, same state dict, the
+forward and both backward GEMMs on fp8 operands (``tritonllm.kernels.fp8_linear``). The weights stay
+in the model's dtype (AdamW's fp32 master weights are unchanged) and nothing fp8 is saved in a
+checkpoint. The LM head and the embedding stay as they are (``model.lm_head_fp8`` puts the head's GEMMs in
+fp8), and so do the routed MoE experts (grouped GEMM) and LoRA layers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tritonllm.errors import ConfigError
+from tritonllm.kernels.fp8_linear import E4M3, fp8_linear, fp8_linear_swiglu, fp8_supported
+from tritonllm.nn.linear import Linear, LinearSwiGLU
+
+log = logging.getLogger(__name__)
+
+#: training precisions of the linear layers (``trainer.precision``)
+PRECISIONS = ("bf16", "fp8")
+
+
+class Fp8Linear(Linear):
+    """:class:`Linear` with its GEMMs in FP8 (:func:`~tritonllm.kernels.fp8_linear.fp8_linear`)."""
+
+    grad_dtype: torch.dtype = E4M3
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, residual, grad_dtype=self.grad_dtype)
+
+
+class Fp8LinearSwiGLU(LinearSwiGLU):
+    """:class:`LinearSwiGLU` with its GEMMs in FP8 (:func:`~tritonllm.kernels.fp8_linear.fp8_linear_swiglu`)."""
+
+    grad_dtype: torch.dtype = E4M3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear_swiglu(x, self.weight, grad_dtype=self.grad_dtype)
+
+
+def convert_to_fp8(model: nn.Module, grad_dtype: torch.dtype = E4M3, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Make every Linear and LinearSwiGLU of ``model`` (but those whose name is in ``skip``) compute in FP8,
+    gradients quantized to ``grad_dtype``; returns how many were converted. Raises ValueError on a device
+    without fp8 tensor cores."""
+    device = next(model.parameters()).device
+    if not fp8_supported(device):
+        raise ValueError(f"fp8 needs a GPU with fp8 tensor cores (compute capability 8.9 or later: Ada, Hopper, "
+                         f"Blackwell), or Triton's interpreter on the CPU; the model is on {device}")
+    converted = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in skip:
+            continue
+        kind = {Linear: Fp8Linear, LinearSwiGLU: Fp8LinearSwiGLU}.get(type(module))
+        if kind is not None:
+            module.__class__ = kind
+            module.grad_dtype = grad_dtype
+            converted += 1
+    log.info("precision fp8: %d linear layers compute in fp8 (e4m3 x and W, %s gradients, rowwise scales)",
+             converted, str(grad_dtype).replace("torch.float8_", ""))
+    return converted
+
+
+def apply_precision(model: nn.Module, precision: str) -> None:
+    """``trainer.precision``: ``bf16`` leaves the model as built, ``fp8`` is :func:`convert_to_fp8`."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"trainer.precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp8":
+        try:
+            convert_to_fp8(model)
+        except ValueError as e:
+            raise ConfigError(f"trainer.precision=fp8: {e}") from None
