@@ -54,6 +54,8 @@ class TrainerConfig:
     checkpoint_on_signal: bool = True
     max_bad_steps: int = _f(5, ge=1)
     parallel: str = _f("auto", choices=("auto", "ddp", "fsdp", "none"))
+    gemm_grid: str = _f("dynamic", choices=("dynamic", "tile", "persistent"))
+    gemm_sm_margin: int = _f(0, ge=0)
     dist_timeout_s: float = _f(300.0, gt=0)
     cuda_graph: Any = _f("auto", choices=AUTO_BOOL)
     peak_flops: float = _f(989e12, gt=0)

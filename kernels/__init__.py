@@ -15,6 +15,21 @@ the kernels (no CUDA device visible and Triton not imported yet) and logs a line
 ``tritonllm.kernels`` logger saying so; on a machine with a CUDA device, or with Triton already
 imported, it changes nothing. ``interpreting()`` tells which mode is on, and a CPU tensor given to
 a kernel while the interpreter is off is refused with an error naming the argument and the variable.
+Every environment variable tritonllm reads is in the table of docs/environment.md.
+
+Settings. The choices a user may make about how the kernels run (the GEMM's grid, its Hopper kernel,
+TMA stores; attention's TMA, loop shape, program order, Hopper kernels) are frozen dataclasses with the
+measured defaults, ``GemmSettings`` and ``AttentionSettings``, each changed only through its function::
+
+    from tritonllm.kernels import configure_attention, configure_gemm
+
+    previous = configure_gemm(persistent=False, dynamic=True)   # from now on; returns the settings before
+    with configure_attention(sm90_bwd={"dq": ()}):              # for the block only
+        ...
+
+``gemm_settings()`` and ``attention_settings()`` return those in force. The GEMM's launch plans are keyed
+on its settings, so a change takes effect at the next call. Training runs set the GEMM grid beside NCCL
+from the config (``trainer.gemm_grid``, ``trainer.gemm_sm_margin``).
 
 Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
 ``swiglu``, ``relu2``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``rope_flash_attention``, ``split_heads``,
@@ -55,6 +70,7 @@ from ._interpreter import choose_interpreter as _choose_interpreter  # noqa: E40
 _choose_interpreter()
 
 from ._common import interpreting  # noqa: E402
+from .gemm_settings import GemmSettings, configure_gemm, gemm_settings  # noqa: E402
 from . import library  # noqa: E402,F401  (registers the ops the functionals route to under torch.compile)
 # memory-bound ops
 from .rms_norm import rms_norm  # noqa: E402
@@ -72,6 +88,7 @@ from .linear import linear, linear_swiglu  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 # attention
 from .flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd, rope_flash_attention  # noqa: E402
+from .flash_attention.settings import AttentionSettings, attention_settings, configure_attention  # noqa: E402
 from .split_heads import split_heads  # noqa: E402
 # mixture of experts
 from .moe_router import MoERouting, moe_router  # noqa: E402
@@ -80,12 +97,13 @@ from .grouped_linear import grouped_linear, grouped_linear_swiglu  # noqa: E402
 from .moe import moe  # noqa: E402
 
 __all__ = [
-    "interpreting",
+    "interpreting", "GemmSettings", "configure_gemm", "gemm_settings",
     "rms_norm", "swiglu", "relu2", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
     "clip_grads_", "weighted_add", "fork", "add_fork",
     "muon_step_", "orthogonalize",
     "linear", "linear_swiglu", "linear_cross_entropy",
     "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "rope_flash_attention", "split_heads",
+    "AttentionSettings", "attention_settings", "configure_attention",
     "MoERouting", "moe_router", "MoEPlan", "moe_sort", "moe_gather", "moe_combine",
     "grouped_linear", "grouped_linear_swiglu", "moe",
 ]

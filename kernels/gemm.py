@@ -5,7 +5,7 @@ One persistent kernel computes C = A @ B for A [M, K] and B [K, N] of any
 strides, so x W^T, dy W and dy^T x are the same kernel with different strides (no transposed
 copies). Output tiles are visited in grouped-M order (GROUP_M row tiles sweep the column tiles
 before moving on, so the B tiles they share stay in L2) by min(#SMs, #tiles) programs (one per
-tile with ``PERSISTENT = False``). Constexpr switches pick the epilogue (bias, residual,
+tile with ``GemmSettings.persistent`` off). Constexpr switches pick the epilogue (bias, residual,
 accumulate-into-C, SwiGLU) and the operand loads: on Hopper with Triton's tensor descriptors (TMA,
 ``tl.make_tensor_descriptor``) when both operands have a unit stride and 16-byte aligned strides,
 else masked pointer loads (also the path of the CPU interpreter). Edges are masked (pointer path) or
@@ -27,61 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemm_sm90
 from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
+from .gemm_settings import GemmSettings, gemm_settings
+from .gemm_tiles import PLAIN, SWIGLU_FWD, tile_coords
 
-#: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
-PLAIN, SWIGLU_FWD = 0, 1
-
-# Tuning knobs for the GPU, timed by scripts/tune_linear.py (docs/perf/history.md, issue 3).
-#: flatten the persistent tile loop into the K loop (``tl.range(flatten=...)``): the pipeliner
-#: then loads the next tile's first K blocks during this tile's last ones and its epilogue.
-#: On with TMA_STORE: measured on an H200 (scripts/tune_linear.py, stage A) the pair was the best or
-#: within 2% of the best knob set for every forward and dx GEMM at the void125m shapes, e.g.
-#: 16384x768x32000 forward 1.07x cuBLAS against 0.97x with both off.
-FLATTEN = True
-#: warp-specialize the persistent loop (``tl.range(warp_specialize=...)``, TMA operands only): a
-#: producer warp issues the TMA loads while the MMA warps compute and store. Overrides FLATTEN;
-#: its configs run 4 warps (see :func:`_config`).
-WARP_SPECIALIZE = False
-#: write C (and the SwiGLU gate/up pre-activations) through tensor descriptors (asynchronous TMA
-#: stores) where the outputs allow it, instead of masked pointer stores from registers.
-TMA_STORE = True
-#: with TMA_STORE, store each tile as two [BLOCK_M, BLOCK_N / 2] halves (half the staging memory).
-EPILOGUE_SUBTILE = False
-#: launch min(#SMs, tiles) programs that each take tiles p, p + P, ... (True: FLATTEN overlaps a
-#: tile's epilogue with the next tile's first loads), or one program per tile (False: the hardware
-#: hands tiles to SMs as they free up, so SMs held by another stream's kernels, NCCL's under FSDP2,
-#: delay only the tiles queued behind them instead of a whole program's share).
-#: scripts/sm_contention.py times both beside cuBLAS with some SMs held (docs/perf/history.md);
-#: ``tritonllm.train.parallel.parallelize`` sets False for DDP and FSDP2 on GPUs.
-PERSISTENT = True
-#: on Hopper, run the plain and residual products of 16-bit tensor-descriptor operands through
-#: gemm_sm90's warp-specialized Gluon kernel (a producer warp streaming the tiles, two consumer
-#: warpgroups, cooperative or ping-pong) instead of _matmul_kernel. On: each GEMM of linear (fwd, dx,
-#: dW) at the nine benchmark shapes, alone in CUDA graphs, ran 1.00-1.09x _matmul_kernel (the best of
-#: both through their autotuners; 0.998x at 8192^3's dW), 0.82-1.06x cuBLAS (scripts/tune_linear.py
-#: splits, H100, docs/perf/history.md).
-SM90_WS = True
-#: linear_swiglu's fused forward (SWIGLU_FWD) through gemm_sm90's kernel too (two accumulators, gate and
-#: up, and a B ring twice as deep; its GATED_CONFIGS). On: at 16384x768x(2x2048) on an H100, in CUDA graphs, the
-#: forward ran 0.168 and 0.171 ms in two runs against _matmul_kernel's 0.214 and 0.215 (1.28x cuBLAS + Triton
-#: swiglu; scripts/tune_linear.py swiglu, docs/perf/history.md).
-SM90_WS_GATED = True
-#: gemm_sm90's kernel on a persistent grid (min(#SMs, tiles) programs, whatever PERSISTENT says, which
-#: then sets the other kernels' grid) whose programs take their tiles from a global counter as they get
-#: to them (:func:`_common.tile_counter`) instead of every P-th tile: a program that starts late, behind
-#: another stream's kernels on its SM (NCCL's under FSDP2), takes fewer tiles instead of holding back a
-#: share, and each program still overlaps a tile's epilogue with the next tile's loads. Each tile is one
-#: program's whole K loop either way: the same bits. ``parallelize`` sets it for DDP and FSDP2 on GPUs;
-#: ``gemm(dynamic=...)`` sets it for one call (linear's backward, for dW and dx run side by side).
-DYNAMIC = False
-#: SMs that the persistent grids leave to another stream's kernels: min(#SMs - SM_MARGIN, tiles) programs (at
-#: least one). cuBLAS's ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`` and Transformer Engine's SM margin do the same,
-#: so that NCCL's kernels, launched while a GEMM runs, find free SMs instead of waiting for the GEMM to end.
-#: 0 (none) by default and on one GPU; ``parallelize`` sets it beside NCCL from ``TRITONLLM_GEMM_SM_MARGIN``.
-#: Timed under FSDP2 on 4 H100s (2026-11-27, docs/perf/history.md): no gain shown apart from the machine's drift
-#: from run to run. Read when a problem is first planned: set it before the first GEMM, or clear ``_LAUNCH_CONFIGS``.
-SM_MARGIN = 0
+# The switches a run chooses (flatten, TMA stores, the grid, ...) are gemm_settings.GemmSettings; the
+# constants below are measured tuning facts.
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) tried by the autotuner; GROUP_M is 8.
 GPU_CONFIGS = [
     (128, 256, 64, 3, 8),
@@ -115,17 +67,6 @@ SPLIT_K_MAX = 8
 #: 0.4 us and the partials cost about 1.9 TB/s, so that dW of 16384x768x2304 ran 27% slower split
 #: 6 ways (the best fill of its 108 tiles) than unsplit.
 SPLIT_K_STEP_BYTES = 760_000
-
-
-@triton.jit
-def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Row and column tile of ``tile_id`` in grouped-M order: GROUP_M row tiles sweep every
-    column tile before the next group starts (the Gluon kernel of gemm_sm90 compiles it too)."""
-    tiles_per_group = GROUP_M * num_pid_n
-    first_m = (tile_id // tiles_per_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    local = tile_id % tiles_per_group
-    return first_m + local % group_size, local // group_size
 
 
 @triton.jit
@@ -202,9 +143,9 @@ def _matmul_kernel(
     FP8: tl.constexpr,  # fp8 operands: fp32 accumulation promoted once per BLOCK_K (Hopper's fp8 MMA adds in less)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,  # module knob FLATTEN (off under warp specialization)
-    WARP_SPECIALIZE: tl.constexpr,  # module knob WARP_SPECIALIZE (TMA path only)
-    EPILOGUE_SUBTILE: tl.constexpr,  # module knob EPILOGUE_SUBTILE (TMA_STORE only)
+    FLATTEN: tl.constexpr,  # GemmSettings.flatten (off under warp specialization)
+    WARP_SPECIALIZE: tl.constexpr,  # GemmSettings.warp_specialize (TMA path only)
+    EPILOGUE_SUBTILE: tl.constexpr,  # GemmSettings.epilogue_subtile (TMA_STORE only)
 ):
     GATED: tl.constexpr = EPILOGUE != 0
     WS: tl.constexpr = WARP_SPECIALIZE and USE_TMA
@@ -401,12 +342,14 @@ def prune_configs(configs, named_args, **kwargs):
 
 
 def _config(bm, bn, bk, stages, warps, flatten=None, warp_specialize=None, subtile=None) -> triton.Config:
-    """A GEMM launch config; the knobs default to the module constants. Warp-specialized configs
-    run 4 warps: Triton partitions the loop on Hopper only then (offline sm_90a compile)."""
-    ws = WARP_SPECIALIZE if warp_specialize is None else warp_specialize
+    """A GEMM launch config; the knobs default to the settings in force (:func:`gemm_settings`).
+    Warp-specialized configs run 4 warps: Triton partitions the loop on Hopper only then (offline
+    sm_90a compile)."""
+    settings = gemm_settings()
+    ws = settings.warp_specialize if warp_specialize is None else warp_specialize
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
-                          "FLATTEN": FLATTEN if flatten is None else flatten, "WARP_SPECIALIZE": ws,
-                          "EPILOGUE_SUBTILE": EPILOGUE_SUBTILE if subtile is None else subtile},
+                          "FLATTEN": settings.flatten if flatten is None else flatten, "WARP_SPECIALIZE": ws,
+                          "EPILOGUE_SUBTILE": settings.epilogue_subtile if subtile is None else subtile},
                          num_stages=stages, num_warps=4 if ws else warps)
 
 
@@ -414,17 +357,24 @@ def _config(bm, bn, bk, stages, warps, flatten=None, warp_specialize=None, subti
 #: residual (one output tile less of shared memory) must not be reused for the same shape with one
 _AUTOTUNE_KEY = ["M", "N", "K", "EPILOGUE", "HAS_BIAS", "HAS_RESIDUAL", "ACCUMULATE", "STORE_GU", "USE_TMA",
                  "A_K_CONTIGUOUS", "B_N_CONTIGUOUS", "TMA_STORE", "PRECISION", "SPLIT_K", "SCALED"]
-_matmul_kernel_tuned, _matmul_kernel_fp8_tuned = (triton.autotune(
-    configs=[_config(*cfg) for cfg in configs],
-    key=_AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": prune_configs},
-    restore_value=["c_ptr"],  # ACCUMULATE reads C: every timed config must start from the same C
-)(_matmul_kernel) for configs in (GPU_CONFIGS, FP8_GPU_CONFIGS))
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_kernel(fp8: bool, flatten: bool, warp_specialize: bool, subtile: bool):
+    """_matmul_kernel's autotuner over :data:`GPU_CONFIGS` (``fp8``: :data:`FP8_GPU_CONFIGS`) with these
+    knobs (:class:`GemmSettings`'s ``flatten``, ``warp_specialize``, ``epilogue_subtile``)."""
+    return triton.autotune(
+        configs=[_config(*cfg, flatten, warp_specialize, subtile) for cfg in (FP8_GPU_CONFIGS if fp8 else GPU_CONFIGS)],
+        key=_AUTOTUNE_KEY,
+        prune_configs_by={"early_config_prune": prune_configs},
+        restore_value=["c_ptr"],  # ACCUMULATE reads C: every timed config must start from the same C
+    )(_matmul_kernel)
+
 
 #: launch plans per problem (:func:`_gemm_key`): the kernel's Launch with the autotuner's choice
 #: (made on the problem's first launch), its integer arguments and the split-K sum's Launch; later
-#: launches skip the planning and the autotuner's per-call argument scan (scripts/tune_linear.py
-#: clears it after changing configs or knobs)
+#: launches skip the planning and the autotuner's per-call argument scan (the key holds the settings:
+#: a change of :class:`GemmSettings` plans again; scripts/tune_linear.py clears it after changing configs)
 _LAUNCH_CONFIGS = Plans()
 #: the kernel's tensor arguments, its runtime arguments after them, and its constexpr flags, as _gemm_plan
 #: names them
@@ -433,13 +383,6 @@ _INT_ARGS = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", 
              "stride_gm", "stride_em", "stride_en")
 _FLAG_ARGS = ("EPILOGUE", "HAS_BIAS", "HAS_RESIDUAL", "ACCUMULATE", "STORE_GU", "USE_TMA", "A_K_CONTIGUOUS",
               "B_N_CONTIGUOUS", "TMA_STORE", "PRECISION", "SPLIT_K", "SCALED", "FP8")
-
-
-def _sm90_ws():
-    """kernels.gemm_sm90, imported on first use (it imports this module, and Gluon)."""
-    from . import gemm_sm90
-
-    return gemm_sm90
 
 
 def _interpreter_config(M: int, N: int, K: int) -> dict:
@@ -493,9 +436,10 @@ def split_k_for(M: int, N: int, K: int, sms: int) -> int:
 
 
 def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None,
-               b_scale=None, dynamic=False):
+               b_scale=None, dynamic=False, settings: GemmSettings | None = None):
     """The kernel arguments, grid and launch-cache key of :func:`gemm` (C = the fp32 partials
-    when split along K)."""
+    when split along K) under ``settings`` (None: those in force)."""
+    settings = gemm_settings() if settings is None else settings
     if (a_scale is None) != (b_scale is None) or (a_scale is not None and epilogue != PLAIN):
         raise ValueError("a_scale and b_scale go together, with the PLAIN epilogue")
     M, K = a.shape
@@ -513,7 +457,7 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
         raise ValueError("split_k > 1 needs the PLAIN epilogue without bias, residual or accumulate")
     out = c if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=c.device)
     store_gu = epilogue == SWIGLU_FWD and gu is not None
-    tma_store = (TMA_STORE and bool(use_tma) and split_k == 1 and _tma_operand(c) is True
+    tma_store = (settings.tma_store and bool(use_tma) and split_k == 1 and _tma_operand(c) is True
                  and (not store_gu or (_tma_operand(gu) is True and (N * gu.element_size()) % 16 == 0)))
     precision = "ieee" if (a.dtype == torch.float32 and not allow_tf32) else "tf32"
     args = dict(
@@ -531,11 +475,11 @@ def _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, us
         TMA_STORE=tma_store, PRECISION=precision, SPLIT_K=split_k, SCALED=a_scale is not None,
         FP8=a.dtype in FP8_DTYPES,
     )
-    sms = max(1, num_sms() - SM_MARGIN)
+    sms = max(1, num_sms() - settings.sm_margin)
 
     def grid(meta):
         units = split_k * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        persistent = PERSISTENT or (dynamic and "PINGPONG" in meta)  # PINGPONG: a gemm_sm90 config
+        persistent = settings.persistent or (dynamic and "PINGPONG" in meta)  # PINGPONG: a gemm_sm90 config
         return (min(sms, units) if persistent else units,)
 
     key = (M, N, K, epilogue, bias is not None, residual is not None, accumulate, store_gu, bool(use_tma), a_k, b_n,
@@ -561,17 +505,19 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
     (scripts/tune_linear.py); one of ``gemm_sm90.configs()`` (it has ``PINGPONG``; ``configs(gated=True)``
     for ``SWIGLU_FWD``) runs the warp-specialized Hopper kernel. fp8 operands (``FP8_DTYPES``, GPU only) take ``a_scale`` [M] and
     ``b_scale`` [N] (fp32, ``PLAIN``): c = a_scale[m] b_scale[n] (a @ b), fp32 accumulation
-    promoted once per BLOCK_K. ``dynamic`` sets :data:`DYNAMIC` for this call (None: the module's value).
+    promoted once per BLOCK_K. ``dynamic`` sets ``GemmSettings.dynamic`` for this call (None: the setting in
+    force). The other choices come from :func:`gemm_settings` (:func:`gemm_settings.configure_gemm`).
     """
     if c.shape[0] == 0 or c.shape[1] == 0:
         return c
-    dynamic = DYNAMIC if dynamic is None else dynamic
+    settings = gemm_settings()
+    dynamic = settings.dynamic if dynamic is None else dynamic
     key = None if config is not None else _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32,
-                                                   use_tma, split_k, a_scale, dynamic)
+                                                   use_tma, split_k, a_scale, dynamic, settings)
     plan = None if key is None else _LAUNCH_CONFIGS.get(key)
     if plan is None:
         plan = _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
-                           a_scale, b_scale, dynamic)
+                           a_scale, b_scale, dynamic, settings)
         if key is not None:
             _LAUNCH_CONFIGS[key] = plan
         return c
@@ -588,31 +534,33 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: torch.Tenso
 
 
 def _gemm_key(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale=None,
-              dynamic=False) -> tuple:
+              dynamic=False, settings: GemmSettings | None = None) -> tuple:
     """What a gemm launch plan depends on: shapes, strides, dtypes, the 16-byte alignment of the
-    operands (TMA), the options, the device and the module knobs."""
+    operands (TMA), the options, the device and the settings (None: those in force)."""
     return (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), a.dtype, b.dtype, c.dtype,
             a.data_ptr() % 16, b.data_ptr() % 16, c.data_ptr() % 16, c.device,
             None if bias is None else bias.dtype,
             None if residual is None else (residual.stride(), residual.dtype),
             None if gu is None else (gu.stride(), gu.dtype, gu.data_ptr() % 16),
-            epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, FLATTEN, WARP_SPECIALIZE, TMA_STORE,
-            EPILOGUE_SUBTILE, PERSISTENT, SM90_WS, SM90_WS_GATED, dynamic, SM_MARGIN)
+            epilogue, accumulate, allow_tf32, use_tma, split_k, a_scale is not None, dynamic,
+            gemm_settings() if settings is None else settings)
 
 
 def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k, config,
-                a_scale=None, b_scale=None, dynamic=False) -> tuple:
+                a_scale=None, b_scale=None, dynamic=False, settings: GemmSettings | None = None) -> tuple:
     """Plan a problem and launch it once (through the autotuner on the GPU, which picks the config
     on a problem's first launch); return the plan later launches of the problem reuse:
     ``(Launch, integer arguments, SPLIT_K, split-sum Launch or None, uses TMA, dynamic)``, dynamic None for
     _matmul_kernel; the WS kernel takes tile_counter() after the integers when dynamic, else an unread
     pointer (no per-call counter lookup)."""
+    settings = gemm_settings() if settings is None else settings
     args, grid, key = _gemm_plan(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, use_tma, split_k,
-                                 a_scale, b_scale, dynamic)
+                                 a_scale, b_scale, dynamic, settings)
     tma = args["USE_TMA"] and not interpreting()
     if tma:
         triton.set_allocator(tma_scratch)
-    kernel, flags = _matmul_kernel, _FLAG_ARGS
+    flags: tuple[str, ...] = _FLAG_ARGS
+    kernel = _matmul_kernel
     ints = tuple(args[k] for k in _INT_ARGS)
     tensors = tuple(args[k] for k in _TENSOR_ARGS)
     if interpreting():
@@ -620,22 +568,20 @@ def _first_gemm(a, b, c, bias, residual, gu, epilogue, accumulate, allow_tf32, u
     elif config is not None:
         meta = config.all_kwargs()
         if "PINGPONG" in meta:  # a gemm_sm90 config: its kernel, where it applies
-            ws = _sm90_ws()
-            if not ws.applies(args, a.dtype, c.dtype):
+            if not gemm_sm90.applies(args, a.dtype, c.dtype):
                 raise ValueError("config: a gemm_sm90 config (PINGPONG) needs a problem its kernel takes: 16-bit, "
                                  "PLAIN with at most a residual or SWIGLU_FWD, unsplit, through tensor descriptors")
-            if epilogue != PLAIN and config.kwargs not in [g.kwargs for g in ws.configs(gated=True)]:
+            if epilogue != PLAIN and config.kwargs not in [g.kwargs for g in gemm_sm90.configs(gated=True)]:
                 raise ValueError("config: a SWIGLU_FWD problem takes one of gemm_sm90.configs(gated=True)")
-            kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
-    elif (SM90_WS and torch.cuda.get_device_capability(a.device)[0] == 9 and (epilogue == PLAIN or SM90_WS_GATED)
-          and _sm90_ws().applies(args, a.dtype, c.dtype)):
-        ws = _sm90_ws()
-        kernel, flags = ws.ws_matmul_kernel, ws.FLAG_ARGS
-        ws.tuned(args)[grid](*tensors, *ints, tile_counter() if dynamic else c, DYNAMIC=dynamic,
-                             **{k: args[k] for k in flags})
-        meta = ws.tuned(args).best_config.all_kwargs()
+            kernel, flags = gemm_sm90.ws_matmul_kernel, gemm_sm90.FLAG_ARGS
+    elif (settings.sm90_ws and torch.cuda.get_device_capability(a.device)[0] == 9
+          and (epilogue == PLAIN or settings.sm90_ws_gated) and gemm_sm90.applies(args, a.dtype, c.dtype)):
+        kernel, flags = gemm_sm90.ws_matmul_kernel, gemm_sm90.FLAG_ARGS
+        gemm_sm90.tuned(args)[grid](*tensors, *ints, tile_counter() if dynamic else c, DYNAMIC=dynamic,
+                                    **{k: args[k] for k in flags})
+        meta = gemm_sm90.tuned(args).best_config.all_kwargs()
     else:
-        tuned = _matmul_kernel_fp8_tuned if args["FP8"] else _matmul_kernel_tuned
+        tuned = tuned_kernel(args["FP8"], settings.flatten, settings.warp_specialize, settings.epilogue_subtile)
         tuned[grid](**args)
         meta = tuned.best_config.all_kwargs()
     dynamic = None if kernel is _matmul_kernel else dynamic

@@ -1,7 +1,7 @@
 """A warp-specialized GEMM for Hopper (sm90), written in Gluon: the plain and residual products of
 :func:`gemm.gemm` with 16-bit tensor-descriptor operands, and the scaled products of fp8 operands (both
 K-major, as Hopper's fp8 wgmma takes them: ``c = a_scale[m] b_scale[n] (a @ b) (+ residual)``, the wgmma's
-limited-precision sums promoted to fp32 every BLOCK_K), behind ``gemm.SM90_WS`` (on by default).
+limited-precision sums promoted to fp32 every BLOCK_K), behind ``GemmSettings.sm90_ws`` (on by default).
 
 One producer warp (``_load_partition``, few registers) streams the A and B tiles of every output tile
 the program owns through a STAGES-deep ring in shared memory (TMA, an mbarrier per slot each way);
@@ -10,14 +10,14 @@ that read it is done, and write the tile through a TMA store. Two schedules (``P
 field): cooperative, two warpgroups splitting a 128-row tile between them (the producer runs ahead into
 the next tile while they finish this one's epilogue); ping-pong, two warpgroups taking the program's
 tiles in turn, one's products running while the other's epilogue does (cuBLAS ships both kinds). The
-single-stream kernel of gemm.py (``FLATTEN``) overlaps the epilogue only as far as its software
+single-stream kernel of gemm.py (``GemmSettings.flatten``) overlaps the epilogue only as far as its software
 pipeline reaches.
 
 Same layouts as gemm._matmul_kernel: A [M, K] K- or M-contiguous, B [K, N] N- or K-contiguous (x W^T,
-dY W and dY^T x without copies); the same tile order (grouped M, :func:`gemm.tile_coords`) and grid
-(min(#SMs, tiles) programs, or one per tile with ``gemm.PERSISTENT = False``). The producer picks each
+dY W and dY^T x without copies); the same tile order (grouped M, :func:`gemm_tiles.tile_coords`) and grid
+(min(#SMs, tiles) programs, or one per tile with ``GemmSettings.persistent`` off). The producer picks each
 of the program's tiles and hands its index to the consumers through shared memory: every P-th tile, or
-with ``gemm.DYNAMIC`` (a persistent grid) the next one no program has taken, from a global counter
+with ``GemmSettings.dynamic`` (a persistent grid) the next one no program has taken, from a global counter
 (:func:`_common.tile_counter`) that the last program to finish sets back to zero. fp32 accumulation.
 """
 
@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from . import gemm
+from .gemm_tiles import PLAIN, tile_coords
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, PINGPONG) the autotuner tries; one producer warp beside the consumers.
 #: PINGPONG False: one consumer partition of 8 warps (two warpgroups splitting each tile's rows); True: two
@@ -50,7 +50,7 @@ LOAD_REGS = gl.constexpr(40)
 #: may run ahead (with few K steps a tile, more than the operand ring's depth)
 ID_SLOTS = gl.constexpr(4)
 
-_tile_coords = gluon.jit(gemm.tile_coords.fn)
+_tile_coords = gluon.jit(tile_coords.fn)
 
 
 @gluon.jit
@@ -349,12 +349,12 @@ def applies(args: dict, a_dtype, c_dtype) -> bool:
     descriptors; 16-bit operands of the output's dtype, or scaled fp8 operands (PLAIN, both K-major) with
     a 16-bit output."""
     if args["FP8"]:
-        operands = (args["SCALED"] and args["EPILOGUE"] == gemm.PLAIN and args["A_K_CONTIGUOUS"]
+        operands = (args["SCALED"] and args["EPILOGUE"] == PLAIN and args["A_K_CONTIGUOUS"]
                     and not args["B_N_CONTIGUOUS"] and c_dtype.itemsize == 2)
     else:
         operands = not args["SCALED"] and a_dtype == c_dtype and a_dtype.itemsize == 2
     return (operands and not (args["HAS_BIAS"] or args["ACCUMULATE"])
-            and (args["EPILOGUE"] == gemm.PLAIN or not args["HAS_RESIDUAL"])
+            and (args["EPILOGUE"] == PLAIN or not args["HAS_RESIDUAL"])
             and args["SPLIT_K"] == 1 and args["USE_TMA"] and args["TMA_STORE"] and args["K"] > 0
             and (not args["STORE_GU"] or args["gu_ptr"].dtype == c_dtype))  # gu goes out through c_smem
 
@@ -378,6 +378,6 @@ ws_fp8_kernel_tuned = triton.autotune(configs=configs(fp8=True), key=_TUNE_KEY)(
 
 def tuned(args: dict):
     """The autotuner of ``args``'s problem (gemm._gemm_plan's): gated (SwiGLU), fp8, or plain 16-bit."""
-    if args["EPILOGUE"] != gemm.PLAIN:
+    if args["EPILOGUE"] != PLAIN:
         return ws_gated_kernel_tuned
     return ws_fp8_kernel_tuned if args["FP8"] else ws_matmul_kernel_tuned

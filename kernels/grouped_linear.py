@@ -18,7 +18,7 @@ The forward and dx products are one persistent launch: every program walks the t
 (expert, m-tile, n-tile), computed on the device from ``offsets`` (per-expert m-tile counts and
 their prefix sum, held in registers; m-tiles of all experts in one grouped-M order as in
 ``kernels/gemm.py``), so there is no host synchronisation and no per-expert launch. Its grid follows
-``gemm.PERSISTENT``: min(#SMs, tiles) programs, or one per tile (an upper bound on the tile count, the
+``GemmSettings.persistent``: min(#SMs, tiles) programs, or one per tile (an upper bound on the tile count, the
 programs past the device's count doing nothing) beside NCCL. dW has one program per (expert, n-tile, k-tile) output tile that runs over all of the
 expert's rows: no split over rows, no atomics, deterministic. Accumulation is fp32 (``tl.dot``,
 tf32 for fp32 inputs on the GPU).
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable,
                       interpreting, next_pow2, num_sms, rows_view)
-from . import gemm
+from .gemm_settings import gemm_settings
 from .gemm import GPU_CONFIGS, PLAIN, SWIGLU_FWD, prune_configs
 from .swiglu import swiglu_bwd
 
@@ -175,7 +175,7 @@ def _grouped_mm(a, w, offsets, b_strides, kr, no, swiglu=False, up_off=0):
 
     def grid(meta):  # the tile count is known on the device only: at most each expert's last m-tile more
         tiles = (triton.cdiv(M, meta["BLOCK_M"]) + E) * triton.cdiv(no, meta["BLOCK_N"])
-        return (max(1, min(n_sm, tiles) if gemm.PERSISTENT else tiles),)
+        return (max(1, min(n_sm, tiles) if gemm_settings().persistent else tiles),)
 
     _fwd_kernel[grid](a, w, out, gu, offsets, M, E, no, kr, a.stride(0), *b_strides, up_off,
                       EPILOGUE=SWIGLU_FWD if swiglu else PLAIN, BLOCK_E=next_pow2(E),

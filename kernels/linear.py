@@ -31,6 +31,7 @@ import triton.language as tl
 from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
                       hopper, needs_grad, num_sms, side_stream)
 from .gemm import SWIGLU_FWD, as_matrix, gemm
+from .gemm_settings import gemm_settings
 from .swiglu import swiglu_bwd
 
 
@@ -79,22 +80,11 @@ def sum_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.view(N)
 
 
-#: on Hopper, the backward's dW = dy^T x runs on a second CUDA stream beside dx = dy W (:func:`_input_weight_grads`)
-#: when dW's [N, K] output has fewer than two waves of 128x256 tiles: each is a long K loop over the tokens,
-#: and the SMs that a short last wave leaves idle take dx's tiles, which both products then hand out from a
-#: global counter (gemm's ``dynamic``; a program that starts late takes fewer tiles). The results are the
-#: same bits either way. Measured on an H100 in two runs (scripts/tune_linear.py overlap, docs/perf/history.md):
-#: the backward at 16384x768x4096 ran 0.88 / 0.91 -> 0.92 / 0.96x cuBLAS, linear_swiglu's 0.96 / 0.91 ->
-#: 1.02 / 0.96x; 16384x768x2304 lost 2% / 5% (not understood), and with more dW tiles (8192x2048x11264, 8192^3)
-#: it cost 1-2%, hence the threshold. void125m's step: 1.052x -> 1.079x (with the gated WS forward). Off: one
-#: after the other.
-OVERLAP_DW = True
-
-
 def _beside(g: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`_input_weight_grads` runs dW beside dx (OVERLAP_DW, a Hopper GPU, few dW tiles)."""
+    """Whether :func:`_input_weight_grads` runs dW beside dx (``GemmSettings.overlap_dw``, a Hopper GPU, few
+    dW tiles)."""
     N, K = weight.shape
-    return (OVERLAP_DW and g.is_cuda and hopper(g.device)
+    return (gemm_settings().overlap_dw and g.is_cuda and hopper(g.device)
             and triton.cdiv(N, 128) * triton.cdiv(K, 256) < 2 * num_sms(g.device.index))
 
 
@@ -138,7 +128,7 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def _input_weight_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool = True,
                        need_dw: bool = True, allow_tf32: bool = True):
     """(dx, dW) of a product y = x W^T from g = dL/dy [M, N] (rows of y): dx = g W (x's shape) and
-    dW = g^T x (None where not needed); both needed and OVERLAP_DW's conditions met, dW runs on a second
+    dW = g^T x (None where not needed); both needed and ``GemmSettings.overlap_dw``'s conditions met, dW runs on a second
     stream (:func:`_common.side_stream`), launched first, beside dx on the current one."""
     N, K = weight.shape
     x2 = as_matrix(x, K)

@@ -26,8 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tritonllm.bench import reference_ops as ref_ops  # noqa: E402
 from tritonllm.bench.train import host_cpu_model  # noqa: E402
 from tritonllm.kernels.flash_attention import flash_attention  # noqa: E402
+from tritonllm.kernels.flash_attention.settings import attention_settings, configure_attention  # noqa: E402
 
-fa_config = importlib.import_module("tritonllm.kernels.flash_attention.config")
+fa_tuning = importlib.import_module("tritonllm.kernels.flash_attention.tuning")
 fa_forward = importlib.import_module("tritonllm.kernels.flash_attention.forward")
 fa_backward = importlib.import_module("tritonllm.kernels.flash_attention.backward")
 bwd_sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
@@ -38,16 +39,13 @@ def run_config(q, k, v, causal, cfg):
     B, T, Hq, D = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
-    g.launch(q, k, v, o, lse, causal, D ** -0.5 * fa_config.LOG2E, fa_config.group_programs("fwd"), None, config=cfg)
+    g.launch(q, k, v, o, lse, causal, D ** -0.5 * fa_tuning.LOG2E, fa_tuning.group_programs("fwd"), None, config=cfg)
     return o, lse
 
 
 def portable(q, k, v, causal):
-    knob, fa_config.SM90_FWD = fa_config.SM90_FWD, ()
-    try:
+    with configure_attention(sm90_fwd=()):
         return fa_forward.flash_attention_fwd(q, k, v, causal)
-    finally:
-        fa_config.SM90_FWD = knob
 
 
 def inputs(B, Hq, Hkv, T, S, D, packed=False):
@@ -66,14 +64,13 @@ SHAPES = [(16, 12, 12, 1024, 64), (4, 16, 4, 2048, 128), (8, 32, 8, 4096, 128), 
 
 def fused_backward(q, k, v, do, out, lse, flops: float, off: dict) -> dict:
     """The backward of ``deterministic=False`` with backward_sm90's dK/dV kernel in its DQ_REDUCE variant
-    (config.SM90_FUSED; dQ by a writer warp's TMA bulk reduces, then the finalize kernel): ms of the whole backward in CUDA graphs for each
+    (AttentionSettings.sm90_fused; dQ by a writer warp's TMA bulk reduces, then the finalize kernel): ms of the whole backward in CUDA graphs for each
     config and autotuned, the largest difference of its gradients to the portable deterministic ones, and
     the autotuned fwd+bwd."""
     D = q.shape[-1]
-    fa_config.SM90_BWD = off
+    configure_attention(sm90_bwd=off)
     want = fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True)
-    fa_config.SM90_BWD, fused_default = {"dkdv": (D,), "dq": (D,)}, fa_config.SM90_FUSED
-    fa_config.SM90_FUSED = (D,)
+    fused_default = configure_attention(sm90_bwd={"dkdv": (D,), "dq": (D,)}, sm90_fused=(D,))
     tuned = bwd_sm90._dkdv_reduce_kernel
     configs, res = list(tuned.configs), {}
 
@@ -102,20 +99,20 @@ def fused_backward(q, k, v, do, out, lse, flops: float, off: dict) -> dict:
         res["fwd_bwd_ms"] = round(triton.testing.do_bench_cudagraph(fwd_bwd, rep=200), 4)
     except Exception as e:  # noqa: BLE001
         res["fwd_bwd_ms"] = repr(e)[:300]
-    fa_config.SM90_FUSED = fused_default
+    configure_attention(sm90_fused=fused_default.sm90_fused)
     return res
 
 
 def backward_part(res: dict) -> None:
     """The deterministic backward at SHAPES: each gradient kernel (dK/dV, dQ) alone, portable and each
     Gluon config, with its largest gradient difference to the portable kernel's; then the whole backward
-    and fwd+bwd, portable, with both Gluon kernels autotuned and as shipped (config.SM90_BWD), beside SDPA's
-    fwd+bwd; the knob is left as shipped."""
+    and fwd+bwd, portable, with both Gluon kernels autotuned and as shipped (AttentionSettings.sm90_bwd), beside SDPA's
+    fwd+bwd; the setting is left as shipped."""
     res["backward"] = []
     kernels = {"dkdv": bwd_sm90._dkdv_kernel, "dq": bwd_sm90._dq_kernel}
     all_configs = {name: list(t.configs) for name, t in kernels.items()}
     off = {"dkdv": (), "dq": ()}
-    default = dict(fa_config.SM90_BWD)
+    default = dict(attention_settings().sm90_bwd)
     for B, Hq, Hkv, T, D in SHAPES:
         q, k, v = inputs(B, Hq, Hkv, T, T, D, packed=True)
         do = torch.randn_like(q)
@@ -132,11 +129,11 @@ def backward_part(res: dict) -> None:
             return triton.testing.do_bench_cudagraph(fn, rep=200), grads
 
         for name, tuned in kernels.items():
-            fa_config.SM90_BWD = off
+            configure_attention(sm90_bwd=off)
             ms, want = one_kernel(name)
             times = {"portable": round(ms, 4)}
             for cfg in all_configs[name]:
-                fa_config.SM90_BWD = {**off, name: (D,)}
+                configure_attention(sm90_bwd={**off, name: (D,)})
                 tuned.configs = [cfg]
                 label = ("sm90 {BLOCK_M}x{BLOCK_N} w{w} buf{NUM_BUF}".format(w=cfg.num_warps, **cfg.kwargs)
                          + (" dv_wait" if cfg.kwargs.get("DV_WAIT") else "")
@@ -151,7 +148,7 @@ def backward_part(res: dict) -> None:
             tuned.configs = all_configs[name]
             row["kernels"][name] = times
         for variant, knob in (("portable", off), ("sm90", {"dkdv": (D,), "dq": (D,)}), ("default", default)):
-            fa_config.SM90_BWD = knob
+            configure_attention(sm90_bwd=knob)
             try:
                 fa_backward.flash_attention_bwd(do, q, k, v, out, lse, True)  # autotunes
                 bwd_ms = triton.testing.do_bench_cudagraph(
@@ -170,7 +167,7 @@ def backward_part(res: dict) -> None:
                             "fwd_bwd_ms": round(fwd_bwd_ms, 4)}
         row["fused"] = fused_backward(q, k, v, do, out, lse, flops, off)
         row["sm90_configs"] = {n: str(t.autotuner.best_config) for n, t in kernels.items()}
-        fa_config.SM90_BWD = default
+        configure_attention(sm90_bwd=default)
         qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
         dos = do.transpose(1, 2)
 

@@ -17,8 +17,8 @@
 # Usage: MODEL=void1b scripts/gpu_multi.sh [tests] [bench]            (default: both)
 #        MODEL=void125m BENCH_ARGS="trainer.batch_size=16 trainer.seq_len=1024" scripts/gpu_multi.sh bench
 #        MODEL=void3b PARALLEL=fsdp NPROC=2,4 BENCH_ARGS="trainer.batch_size=2" scripts/gpu_multi.sh bench
-#        MODEL=void1b PARALLEL=fsdp NPROC=2 BENCH_ARGS="--no-one-gpu --rounds 4 --ab TRITONLLM_GEMM_SM_MARGIN=8" scripts/gpu_multi.sh bench
-#          (an environment knob against the default and the baseline, interleaved A B C / C B A over 4 rounds:
+#        MODEL=void1b PARALLEL=fsdp NPROC=2 BENCH_ARGS="--no-one-gpu --rounds 4 --ab trainer.gemm_sm_margin=8" scripts/gpu_multi.sh bench
+#          (a config setting against the default and the baseline, interleaved A B C / C B A over 4 rounds:
 #          here the SMs our persistent GEMM grids leave to NCCL)
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -42,7 +42,9 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import gemm  # noqa: E402
 from kernels._common import next_pow2  # noqa: E402
-from kernels.flash_attention import backward_sm90, config as attn_config, forward as attn_forward  # noqa: E402
+from kernels.flash_attention import backward_sm90, forward as attn_forward, kernel_args as attn_args  # noqa: E402
+from kernels.flash_attention.settings import attention_settings  # noqa: E402
+from kernels.flash_attention.tuning import LOG2E  # noqa: E402
 
 #: shared memory per block an H100 or H200 grants (opt-in maximum)
 HOPPER_SMEM = 232448
@@ -155,22 +157,23 @@ def gemm_sm90_main(args) -> None:
 def attention_fwd_main(args) -> None:
     """The one-pass forward at ``--shape`` (contiguous [B, T, H, D] q, k, v, S = T) with the configs of
     FWD_CONFIGS that the pruning keeps
-    (``--all``: all of them); the TMA and ONE_LOOP knobs as config.py sets them (``--loops``: ONE_LOOP)."""
+    (``--all``: all of them); the ``tma`` and ``one_loop`` settings in force (``--loops``: one_loop)."""
     B, Hq, Hkv, T, D = (int(v) for v in args.shape.split(","))
     dtype = DTYPES[args.dtype]
     probe = torch.empty(1, T, Hq, D, dtype=dtype)
     kind = "causal" if args.window is None else "window"
-    one_loop = attn_config.ONE_LOOP["fwd"][kind] if args.loops is None else args.loops == "one"
-    flags = {**attn_config.kernel_flags(probe, args.causal or args.window is not None, args.window),
-             "USE_TMA": attn_config.TMA["fwd"] and dtype != torch.float32, "ONE_LOOP": one_loop,
+    settings = attention_settings()
+    one_loop = settings.one_loop["fwd"][kind] if args.loops is None else args.loops == "one"
+    flags = {**attn_args.kernel_flags(probe, args.causal or args.window is not None, args.window),
+             "USE_TMA": settings.tma["fwd"] and dtype != torch.float32, "ONE_LOOP": one_loop,
              "HAS_DOCS": args.documents}
     q_strides, kv_strides = (T * Hq * D, Hq * D, D), (T * Hkv * D, Hkv * D, D)
     ints = dict(zip(["stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
                      "stride_vs", "stride_vh"], q_strides + kv_strides + kv_strides))
     ints.update(T=T, S=T, HQ=Hq, GROUP=Hq // Hkv, shift=0, window=args.window or 0, T_BUCKET=next_pow2(T),
-                S_BUCKET=next_pow2(T), group_programs=int((attn_config.GROUP_WAVES["fwd"] or 0) * 132) or 2**31 - 1)
+                S_BUCKET=next_pow2(T), group_programs=int((settings.group_waves["fwd"] or 0) * 132) or 2**31 - 1)
     kernel_args = {"Q": f"*{args.dtype}", "K": f"*{args.dtype}", "V": f"*{args.dtype}", "O": f"*{args.dtype}",
-                   "LSE": "*fp32", "qk_scale": D ** -0.5 * attn_config.LOG2E,
+                   "LSE": "*fp32", "qk_scale": D ** -0.5 * LOG2E,
                    "DOCS": "*i32" if args.documents else 0, **ints}
     tuned = attn_forward._fwd_kernel
     configs = tuned.configs
@@ -190,7 +193,7 @@ def attention_bwd_sm90_main(args) -> None:
                 "q_head_cols": D, "stride_dob": T * Hq * D, "stride_dot": Hq * D, "do_rows": T, "do_cols": Hq * D,
                 "do_head_rows": 0, "do_head_cols": D, "stride_kb": T * Hkv * D, "stride_ks": Hkv * D, "stride_kh": D,
                 "stride_vb": T * Hkv * D, "stride_vs": Hkv * D, "stride_vh": D, "T": T, "S": T, "HQ": Hq, "HKV": Hkv,
-                "stat_pitch": -(-T // 4) * 4, "shift": 0, "qk_scale": D ** -0.5 * attn_config.LOG2E,
+                "stat_pitch": -(-T // 4) * 4, "shift": 0, "qk_scale": D ** -0.5 * LOG2E,
                 "softmax_scale": D ** -0.5, "group_programs": 2**31 - 1, "T_BUCKET": next_pow2(T),
                 "S_BUCKET": next_pow2(T), "LSE2": "*fp32", "DELTA": "*fp32", "B": B, "COUNTER": "*i32"}
     tensors = {**{n: f"*{args.dtype}" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}, "DQ_ACC": "*fp32"}
@@ -219,7 +222,7 @@ def attention_fwd_sm90_main(args) -> None:
                    "stride_qb": T * Hq * D, "stride_qt": Hq * D, "stride_qh": D, "stride_kb": T * Hkv * D,
                    "stride_ks": Hkv * D, "stride_kh": D, "stride_vb": T * Hkv * D, "stride_vs": Hkv * D,
                    "stride_vh": D, "B": B, "T": T, "S": T, "HQ": Hq, "GROUP": Hq // Hkv, "shift": 0,
-                   "qk_scale": D ** -0.5 * attn_config.LOG2E, "sched_pitch": 17,
+                   "qk_scale": D ** -0.5 * LOG2E, "sched_pitch": 17,
                    "T_BUCKET": next_pow2(T), "S_BUCKET": next_pow2(T)}
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, B,Hq,Hkv,T,D {args.shape}, causal {args.causal}")
     rows = [("{BLOCK_M} {BLOCK_N} b{NUM_BUF}".format(**c.kwargs) + f" w{c.num_warps}", c, True, None)

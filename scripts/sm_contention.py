@@ -2,7 +2,7 @@
 
 Issue 19's FSDP2 analysis (docs/perf/history.md, "Several GPUs"): under FSDP2 our per-GPU compute
 kernel time grew twice as much as the compiled baseline's. The suspect is the persistent GEMM's static
-tile assignment (``kernels/gemm.py``, ``PERSISTENT``). This measures it on one GPU, no NCCL needed.
+tile assignment (``kernels/gemm.py``, ``GemmSettings.persistent``). This measures it on one GPU, no NCCL needed.
 
 Usage, on one GPU (about a minute, compiles included):
 
@@ -18,9 +18,9 @@ a lower clock: the alone column had read slower than the held ones).
 
 Ops: one linear layer's forward and backward (y = x W^T, then dx and dW) at void1b's shapes per GPU
 (8192 tokens; qkv 2048 -> 3072, out 2048 -> 2048, w13 2048 -> 11264, w2 5632 -> 2048), bf16, each
-captured in a CUDA graph: ours with ``PERSISTENT = True`` (the default) and ``False`` (one program per
-tile), each also with ``SM90_WS`` (the warp-specialized Gluon kernel, "ours WS"; persistent also with
-``DYNAMIC``, tiles taken from a global counter), and ``F.linear`` (cuBLAS). With ``--holds 0`` this is the plain side-by-side timing of each of ours against cuBLAS. Printed: ms alone, ms with each hold, the slowdown against alone,
+captured in a CUDA graph: ours with ``persistent=True`` (the default) and ``False`` (one program per
+tile), each also with ``sm90_ws`` (the warp-specialized Gluon kernel, "ours WS"; persistent also with
+``dynamic``, tiles taken from a global counter), and ``F.linear`` (cuBLAS). With ``--holds 0`` this is the plain side-by-side timing of each of ours against cuBLAS. Printed: ms alone, ms with each hold, the slowdown against alone,
 and the bound set by the SMs left (#SMs / (#SMs - k) with the hog throughout). $OUT/sm_contention.json
 when OUT is set.
 """
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.bench.train import host_cpu_model
-from tritonllm.kernels import linear
+from tritonllm.kernels import configure_gemm, gemm_settings, linear
 
 HOG_SMEM = 200 * 1024
 HOG_SOURCE = r"""
@@ -87,7 +87,7 @@ class Hog:
         return start.elapsed_time(end)
 
 
-#: our variants: (gemm.PERSISTENT, gemm.SM90_WS, gemm.DYNAMIC)
+#: our variants: GemmSettings (persistent, sm90_ws, dynamic)
 OURS = {"ours, persistent": (True, False, False), "ours, one program per tile": (False, False, False),
         "ours WS, persistent": (True, True, False), "ours WS, dynamic tiles": (True, True, True),
         "ours WS, one program per tile": (False, True, False)}
@@ -98,7 +98,7 @@ def graphed_op(variant: str, K: int, N: int):
     chosen configs (BLOCK_M, BLOCK_N, STAGES, PINGPONG) of its products, if it ran any."""
     gemm_module = importlib.import_module("tritonllm.kernels.gemm")
     gemm_module._LAUNCH_CONFIGS.clear()  # this op's plans only, below
-    knobs = gemm_module.PERSISTENT, gemm_module.SM90_WS, gemm_module.DYNAMIC
+    library = gemm_settings()
     gen = torch.Generator(device="cuda").manual_seed(K * N)
     x = torch.randn(TOKENS, K, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5).requires_grad_()
@@ -106,7 +106,8 @@ def graphed_op(variant: str, K: int, N: int):
     fn = F.linear if variant == "cuBLAS" else linear
 
     def step():
-        gemm_module.PERSISTENT, gemm_module.SM90_WS, gemm_module.DYNAMIC = OURS.get(variant, (True, False, False))
+        persistent, ws, dynamic = OURS.get(variant, (True, False, False))
+        configure_gemm(library, persistent=persistent, sm90_ws=ws, dynamic=dynamic)
         return torch.autograd.grad(fn(x, w), (x, w), dy)
 
     side = torch.cuda.Stream()
@@ -118,7 +119,7 @@ def graphed_op(variant: str, K: int, N: int):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    gemm_module.PERSISTENT, gemm_module.SM90_WS, gemm_module.DYNAMIC = knobs
+    configure_gemm(library)
     ws = [plan[0].kwargs for plan in gemm_module._LAUNCH_CONFIGS.values() if plan[0].fn.__name__ == "ws_matmul_kernel"]
     return graph.replay, [[kw[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "PINGPONG")] for kw in ws]
 

@@ -49,13 +49,14 @@ from tritonllm.bench.ops_attention import attention_flops  # noqa: E402
 from tritonllm.bench.train import host_cpu_model  # noqa: E402
 from tritonllm.kernels import flash_attention  # noqa: E402
 from tritonllm.kernels.flash_attention.backward import AttentionBackward  # noqa: E402
+from tritonllm.kernels.flash_attention.settings import attention_settings, configure_attention  # noqa: E402
 
 
 class _Package:
-    """The attention package's knobs (config), kernels and launchers (forward, backward), looked up in
+    """The attention package's tuning constants, kernels and launchers (forward, backward), looked up in
     whichever of its modules defines them: the package itself re-exports only the public API."""
 
-    modules = [importlib.import_module(f"tritonllm.kernels.flash_attention.{m}") for m in ("config", "forward", "backward")]
+    modules = [importlib.import_module(f"tritonllm.kernels.flash_attention.{m}") for m in ("tuning", "forward", "backward")]
 
     def __getattr__(self, name: str):
         for module in self.modules:
@@ -134,29 +135,23 @@ def passes(attn, q, k, v, do) -> dict[str, float]:
 
 
 class Knobs:
-    """Sets one kernel's config and its TMA / ONE_LOOP / HEADS_PER_GROUP knobs; ``restore`` puts the
-    module's back."""
+    """Sets one kernel's config and its ``tma`` / ``one_loop`` / ``group_waves`` settings; ``restore`` puts
+    the configs and settings before back."""
 
     def __init__(self):
         self.saved = {attr: list(getattr(fa, attr).configs) for attr, *_ in KERNELS.values()}
-        self.tma, self.one_loop = dict(fa.TMA), {k: dict(v) for k, v in fa.ONE_LOOP.items()}
-        self.group = dict(fa.GROUP_WAVES)
+        self.settings = attention_settings()
 
     def set(self, kernel: str, config: tuple, tma: bool, one_loop: bool, group: float | None, kind: str) -> None:
         bm, bn, warps, stages = config
         attr, _, _, knob = KERNELS[kernel]
         getattr(fa, attr).configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)]
-        fa.TMA[knob] = tma
-        fa.ONE_LOOP[knob][kind] = one_loop
-        fa.GROUP_WAVES[knob] = group
+        configure_attention(tma={knob: tma}, one_loop={knob: {kind: one_loop}}, group_waves={knob: group})
 
     def restore(self) -> None:
         for attr, configs in self.saved.items():
             getattr(fa, attr).configs = configs
-        fa.TMA.update(self.tma)
-        fa.GROUP_WAVES.update(self.group)
-        for k, v in self.one_loop.items():
-            fa.ONE_LOOP[k].update(v)
+        configure_attention(self.settings)
 
 
 Variant = tuple[int, str, tuple, bool, bool, float | None]
@@ -168,7 +163,8 @@ def variants(kernel: str, kind: str, groups: tuple[float | None, ...]) -> list[V
     (priority 1)."""
     _, configs_attr, _, knob = KERNELS[kernel]
     configs = getattr(fa, configs_attr)
-    tma, one_loop, group = fa.TMA[knob], fa.ONE_LOOP[knob][kind], fa.GROUP_WAVES[knob]
+    settings = attention_settings()
+    tma, one_loop, group = settings.tma[knob], settings.one_loop[knob][kind], settings.group_waves[knob]
     return ([(0, "default", configs[0], tma, one_loop, group),
              (0, f"TMA={not tma}", configs[0], not tma, one_loop, group),
              (0, f"ONE_LOOP={not one_loop}", configs[0], tma, not one_loop, group)]

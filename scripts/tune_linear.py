@@ -20,16 +20,16 @@ Sections, in this order:
            of fwd+bwd is the GPU waiting on the host.
   swiglu   linear_swiglu 16384x768x(2x2048) fwd / bwd / fwd+bwd in CUDA graphs against cuBLAS + Triton
            swiglu, with the library's configs and knobs: the fused forward through _matmul_kernel and (on
-           Hopper) through the WS kernel (gemm.SM90_WS_GATED); output and gradient errors against the pair.
+           Hopper) through the WS kernel (GemmSettings.sm90_ws_gated); output and gradient errors against the pair.
   overlap  the backward of linear at every benchmark shape and of linear_swiglu in CUDA graphs, dW on a second
-           stream beside dx where linear.OVERLAP_DW applies or one after the other (static or dynamic
+           stream beside dx where GemmSettings.overlap_dw applies or one after the other (static or dynamic
            tiles), against cuBLAS.
   lce      linear_cross_entropy 16384x768x32000 fwd+bwd ms and peak memory for sets of
            CHUNK_BYTES / DW_FP32 / GRAD_IN_PLACE, against Liger-Kernel and eager PyTorch.
   configs  stage B: every candidate config with each problem's best knob set.
   splits   the three GEMMs of linear (fwd, dx, dW) at every benchmark shape, each replayed in a CUDA
            graph, the best of CANDIDATES with the default knobs and (on Hopper) of gemm_sm90's WS
-           configs against cuBLAS (and the WS kernel with gemm.DYNAMIC's tiles), and dW once per
+           configs against cuBLAS (and the WS kernel with GemmSettings.dynamic's tiles), and dW once per
            split count along K (1, 2, 3, 4, 6, 8 and split_k_for's choice): which GEMM of the
            backward trails cuBLAS, and what each split costs (its fp32 partials and their sum).
 The e2e sections (host, linear, lce) autotune over the two best configs of the best knob set of stage
@@ -54,16 +54,15 @@ import triton
 
 from tritonllm.bench.harness import graph_ms, pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
 from tritonllm.bench.ops_linear import SHAPES
-from tritonllm.kernels import linear, linear_cross_entropy, linear_swiglu, swiglu
+from tritonllm.kernels import configure_gemm, gemm_settings, linear, linear_cross_entropy, linear_swiglu, swiglu
 from tritonllm.kernels._common import smem_budget
 
 L = importlib.import_module("tritonllm.kernels.gemm")
 LCE = importlib.import_module("tritonllm.kernels.linear_cross_entropy")
 WS = importlib.import_module("tritonllm.kernels.gemm_sm90")
-LIN = importlib.import_module("tritonllm.kernels.linear")
 
 T0 = time.time()
-LIBRARY_TMA_STORE = L.TMA_STORE
+LIBRARY_SETTINGS = gemm_settings()
 BUDGET_S = float(os.environ.get("TUNE_BUDGET_S", "110"))
 DT = torch.bfloat16
 RESULTS: dict = {}
@@ -153,8 +152,8 @@ def variant(cfg, knob):
 
 
 def plan(prob, config, tma_store):
-    """gemm's kernel arguments and grid for ``prob`` under a variant (sets linear.TMA_STORE)."""
-    L.TMA_STORE = tma_store
+    """gemm's kernel arguments and grid for ``prob`` under a variant (sets GemmSettings.tma_store)."""
+    configure_gemm(tma_store=tma_store)
     c, gu = prob.new_out()
     return L._gemm_plan(prob.a, prob.b, c, None, None, gu, prob.kw.get("epilogue", L.PLAIN),
                         prob.kw.get("accumulate", False), True, None, prob.kw.get("split_k"))[:2]
@@ -224,7 +223,7 @@ def time_variants(prob, jobs, failed, reference):
             res[(cfg, knob[0])] = "compile: " + failed[key]
             continue
         config, tma_store = variant(cfg, knob)
-        L.TMA_STORE = tma_store
+        configure_gemm(tma_store=tma_store)
         try:
             c, gu = prob.new_out()
             prob.call(c, gu, config)
@@ -327,9 +326,11 @@ def use_library_configs(state):
     """linear's autotuner back on the library's GPU_CONFIGS and knobs (after use_e2e_configs: a later e2e
     section sets those again)."""
     state["e2e_set"] = False
-    L.TMA_STORE = LIBRARY_TMA_STORE
-    L._matmul_kernel_tuned.configs = [L._config(*c) for c in L.GPU_CONFIGS]
-    L._matmul_kernel_tuned.cache.clear()
+    configure_gemm(LIBRARY_SETTINGS)
+    tuned = L.tuned_kernel(False, LIBRARY_SETTINGS.flatten, LIBRARY_SETTINGS.warp_specialize,
+                           LIBRARY_SETTINGS.epilogue_subtile)
+    tuned.configs = [L._config(*c) for c in L.GPU_CONFIGS]
+    tuned.cache.clear()
     L._LAUNCH_CONFIGS.clear()
 
 
@@ -337,9 +338,11 @@ def use_e2e_configs(state):
     """Point linear's autotuner at the e2e configs (stage A's choice, else GPU_CONFIGS, knobs off)."""
     knob, cfgs = state.get("e2e", (KNOBS[0], [tuple(c) for c in L.GPU_CONFIGS]))
     configs = [variant(c, knob)[0] for c in cfgs]
-    L.TMA_STORE = knob[4]
-    L._matmul_kernel_tuned.configs = configs
-    L._matmul_kernel_tuned.cache.clear()
+    _, flatten, ws, subtile, tma_store = knob
+    configure_gemm(flatten=flatten, warp_specialize=ws, epilogue_subtile=subtile, tma_store=tma_store)
+    tuned = L.tuned_kernel(False, flatten, ws, subtile)
+    tuned.configs = configs
+    tuned.cache.clear()
     L._LAUNCH_CONFIGS.clear()
     print(f"\n(e2e: knobs {knob[0]}, configs {cfgs})")
 
@@ -409,11 +412,11 @@ def section_swiglu(state):
     base = {k: graph_ms(lambda k=k: pass_fn(unfused_swiglu, (x, w13), k)) for k in kinds}
     print("\n== linear_swiglu 16384x768x(2x2048) in CUDA graphs: ms (cuBLAS + Triton swiglu ms), "
           "target fwd+bwd >= 1.1x")
-    gated_default = L.SM90_WS_GATED
+    library = gemm_settings()
     RESULTS["swiglu"] = {"cublas_ms": base}
     for name, gated in [("_matmul_kernel", False)] + ([("WS gated", True)] if torch.cuda.get_device_capability()[0] == 9
                                                       else []):
-        L.SM90_WS_GATED = gated  # the fused forward through _matmul_kernel, then through the WS kernel
+        configure_gemm(library, sm90_ws_gated=gated)  # the fused forward through _matmul_kernel, then through the WS kernel
         L._LAUNCH_CONFIGS.clear()
         err = rel_err(linear_swiglu(x, w13), unfused_swiglu(x, w13))
         x.grad = w13.grad = None
@@ -427,7 +430,7 @@ def section_swiglu(state):
         print(f"  {name:<20}" + "  ".join(f"{k} {row[k]:.4f} ({base[k]:.4f}) {base[k] / row[k]:.2f}x" for k in row)
               + f"  err {err:.1e} grad err {grad_err:.1e}")
         RESULTS["swiglu"][name] = {"ms": row, "err": err, "grad_err": grad_err}
-    L.SM90_WS_GATED = gated_default
+    configure_gemm(library)
     L._LAUNCH_CONFIGS.clear()
 
 
@@ -435,7 +438,7 @@ def unfused_swiglu(x, w13):
     return swiglu(F.linear(x, w13))
 
 
-#: (name, linear.OVERLAP_DW, gemm.DYNAMIC) timed by section_overlap: OVERLAP_DW runs dW beside dx, both with
+#: (name, GemmSettings.overlap_dw, GemmSettings.dynamic) timed by section_overlap: overlap_dw runs dW beside dx, both with
 #: dynamic tiles, where dW's output has fewer than two waves of tiles (linear._beside), else one after the other
 OVERLAP_VARIANTS = [("one after the other", False, False), ("one after the other, dynamic tiles", False, True),
                     ("dW beside dx where few dW tiles", True, False)]
@@ -451,7 +454,7 @@ def section_overlap(state):
         problems.append((f"linear {M}x{K}x{N}", linear, F.linear, (x, w)))
     x, w13 = randn(16384, 768).requires_grad_(), randn(4096, 768, scale=768 ** -0.5).requires_grad_()
     problems.append(("linear_swiglu 16384x768x2x2048", linear_swiglu, unfused_swiglu, (x, w13)))
-    defaults = LIN.OVERLAP_DW, L.DYNAMIC
+    library = gemm_settings()
     print("\n== overlap: bwd ms in CUDA graphs (cuBLAS / ours), " + "; ".join(v[0] for v in OVERLAP_VARIANTS))
     RESULTS["overlap"] = {}
     for name, ours, theirs, inputs in problems:
@@ -461,12 +464,12 @@ def section_overlap(state):
         base = graph_ms(lambda: pass_fn(theirs, inputs, "bwd"))
         row = {}
         for variant, overlap, dynamic in OVERLAP_VARIANTS:
-            LIN.OVERLAP_DW, L.DYNAMIC = overlap, dynamic
+            configure_gemm(library, overlap_dw=overlap, dynamic=dynamic)
             L._LAUNCH_CONFIGS.clear()
             row[variant] = graph_ms(lambda: pass_fn(ours, inputs, "bwd"))
         RESULTS["overlap"][name] = {"cublas_ms": base, "ms": row}
         print(f"  {name:<32} cuBLAS {base:.4f}  " + "  ".join(f"{v:.4f} {base / v:.3f}x" for v in row.values()))
-    LIN.OVERLAP_DW, L.DYNAMIC = defaults
+    configure_gemm(library)
     L._LAUNCH_CONFIGS.clear()
 
 
@@ -561,7 +564,7 @@ def ws_name(config) -> str:
 
 def section_splits(state):
     default_knob = next(k for k in KNOBS if k[0] == "flat+tmaS")
-    ws_default, dynamic_default = L.SM90_WS, L.DYNAMIC
+    library = gemm_settings()
     probs, splits_of = [], {}
     for M, K, N in SHAPES["default"]["linear"] + SHAPES["large"]["linear"] + [(16384, 768, 768)]:
         x, w, dy = randn(M, K), randn(N, K, scale=K ** -0.5), randn(M, N)
@@ -595,7 +598,7 @@ def section_splits(state):
                 res[cfg] = "compile: " + failed[(p.name, cfg, k[0])]
                 continue
             config, tma_store = variant(cfg, k)
-            L.TMA_STORE = tma_store
+            configure_gemm(tma_store=tma_store)
             c, gu = p.new_out()
             p.call(c, gu, config)
             ref = c.clone() if ref is None else ref
@@ -606,13 +609,13 @@ def section_splits(state):
             hopper = torch.cuda.get_device_capability()[0] == 9
             for name, ws, dynamic in [("autotuned", False, False), ("ws", True, False)] + \
                     ([("ws dynamic", True, True)] if hopper else []):
-                L.SM90_WS, L.DYNAMIC = ws, dynamic
+                configure_gemm(library, sm90_ws=ws, dynamic=dynamic)
                 c, gu = p.new_out()
                 p.call(c, gu, None)
                 ref = c.clone() if ref is None else ref
                 err = rel_err(c, ref)
                 res[name] = graph_ms(lambda c=c: lambda: p.call(c, None, None)) if err < 2e-2 else f"BAD err {err:.1e}"
-            L.SM90_WS, L.DYNAMIC = ws_default, dynamic_default
+            configure_gemm(library)
             if torch.cuda.get_device_capability()[0] == 9:  # and the WS kernel at each of its configs
                 for wcfg in WS.configs():
                     c, gu = p.new_out()
@@ -637,7 +640,7 @@ def section_splits(state):
                               for k in ("autotuned", "ws", "ws dynamic") if k in res)
             print(f"{p.name:<34}{base:9.4f}{times[best]:9.4f}{base / times[best]:7.3f}  {best}  {tuned}")
         out[p.name] = {"cublas_ms": base, **{str(c): v for c, v in res.items()}}
-    L.TMA_STORE = default_knob[4]
+    configure_gemm(tma_store=default_knob[4])
     RESULTS["splits"] = {"split_k_for": splits_of, "problems": out}
 
 

@@ -68,6 +68,16 @@ def seed_of(nodeid: str) -> int:
     return zlib.crc32(nodeid.encode())
 
 
+@pytest.fixture
+def kernel_settings():
+    """A test may change the kernels' settings (``configure_gemm``, ``configure_attention``): those in force
+    before it come back after it."""
+    from tritonllm.kernels import attention_settings, gemm_settings
+
+    with gemm_settings(), attention_settings():  # settings put themselves back in force at the end of the block
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     """A different, reproducible seed per test: fresh random data, replayable from the test id."""

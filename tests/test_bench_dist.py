@@ -133,14 +133,14 @@ def test_rounds_alternate_and_pair(tmp_path, monkeypatch):
 
 
 def test_ab_variant_interleaved(tmp_path, monkeypatch):
-    """``--ab NAME=VALUE``: tritonllm again with that environment variable set, a third side in every
+    """``--ab NAME=VALUE``: tritonllm again with that config key set, a third side in every
     round (A B C, then C B A), not on one GPU; the row keeps the default's figures and holds the
     variant's with its paired gain over the default."""
     import tritonllm.bench.dist_train as dist_train
 
     order = []
     fake = _fake_run(order)
-    knob = "TRITONLLM_GEMM_SM_MARGIN=8"
+    knob = "trainer.gemm_sm_margin=8"
 
     def faster_variant(side, mode, n, *rest):
         f = fake(side, mode, n, *rest)
@@ -158,14 +158,15 @@ def test_ab_variant_interleaved(tmp_path, monkeypatch):
 
 def test_ab_sets_the_variable_for_the_variant_only(tmp_path, monkeypatch):
     """``_run`` starts torchrun with ``--side tritonllm`` for the variant, the ``--ab`` variable in its
-    environment and not in the default's; a malformed ``--ab`` is refused, naming the flag."""
+    environment (a dotted config key: among its overrides) and not in the default's; a malformed ``--ab``
+    is refused, naming the flag."""
     import tritonllm.bench.dist_train as dist_train
 
     started = []
 
     class Torchrun:
         def __init__(self, cmd, env, **kwargs):
-            started.append((cmd[cmd.index("--side") + 1], env.get("TRITONLLM_GEMM_SM_MARGIN")))
+            started.append((cmd[cmd.index("--side") + 1], env.get("NCCL_ALGO"), "trainer.gemm_sm_margin=8" in cmd))
             with open(cmd[cmd.index("--result") + 1], "w") as f:
                 json.dump({"step_ms": 1.0}, f)
             self.returncode, self.pid = 0, os.getpid()
@@ -174,11 +175,13 @@ def test_ab_sets_the_variable_for_the_variant_only(tmp_path, monkeypatch):
             return 0
 
     monkeypatch.setattr(dist_train.subprocess, "Popen", Torchrun)
-    monkeypatch.delenv("TRITONLLM_GEMM_SM_MARGIN", raising=False)
-    args, _ = dist_train._parse(["--nproc", "2", "--ab", "TRITONLLM_GEMM_SM_MARGIN=8"])
-    for side in ("tritonllm", "tritonllm[TRITONLLM_GEMM_SM_MARGIN=8]", "baseline"):
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    args, _ = dist_train._parse(["--nproc", "2", "--ab", "NCCL_ALGO=Ring"])
+    assert dist_train._parse(["--nproc", "2", "--ab", "trainer.gemm_sm_margin=8"])[0].ab == "trainer.gemm_sm_margin=8"
+    for side in ("tritonllm", "tritonllm[NCCL_ALGO=Ring]", "tritonllm[trainer.gemm_sm_margin=8]", "baseline"):
         assert dist_train._run(side, "fsdp", 2, args, [], str(tmp_path))["step_ms"] == 1.0
-    assert started == [("tritonllm", None), ("tritonllm", "8"), ("baseline", None)]
+    assert started == [("tritonllm", None, False), ("tritonllm", "Ring", False), ("tritonllm", None, True),
+                       ("baseline", None, False)]
     with pytest.raises(SystemExit):
         dist_train._parse(["--nproc", "2", "--ab", "8"])
 

@@ -19,10 +19,9 @@ import torch
 from _checks import DEVICE, assert_close, dtype_id, gemm_atol, randn
 from test_flash_attention import Case, _check_fwd_bwd, reference
 from tritonllm.kernels.flash_attention import flash_attention
+from tritonllm.kernels.flash_attention.settings import KERNELS, MASK_KINDS, configure_attention
 from tritonllm.kernels.split_heads import split_heads
 
-fa = importlib.import_module("tritonllm.kernels.flash_attention")
-fa_config = importlib.import_module("tritonllm.kernels.flash_attention.config")  # the knobs the launchers read
 
 #: the interpreter dots need fp32 or fp16 (bfloat16 on the GPU only, where the main suites run it)
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -57,10 +56,10 @@ def test_flash_attention_one_token(case, dtype, poisoned_empty):
 
 @pytest.mark.parametrize("tma, one_loop", [(True, True), (False, True), (True, False), (False, False)],
                          ids=["tma-one-loop", "pointers-one-loop", "tma-three-loops", "pointers-three-loops"])
-def test_flash_attention_one_token_knobs(tma, one_loop, monkeypatch, poisoned_empty):
-    """T = S = 1 through every setting of the TMA and ONE_LOOP knobs (float16: the TMA path)."""
-    monkeypatch.setattr(fa_config, "TMA", dict.fromkeys(fa.TMA, tma))
-    monkeypatch.setattr(fa_config, "ONE_LOOP", {name: dict.fromkeys(kinds, one_loop) for name, kinds in fa.ONE_LOOP.items()})
+def test_flash_attention_one_token_knobs(tma, one_loop, kernel_settings, poisoned_empty):
+    """T = S = 1 through every value of the ``tma`` and ``one_loop`` settings (float16: the TMA path)."""
+    configure_attention(tma=dict.fromkeys(KERNELS, tma),
+                        one_loop={name: dict.fromkeys(MASK_KINDS, one_loop) for name in KERNELS})
     _check_fwd_bwd(ONE_TOKEN[0], torch.float16)
 
 

@@ -16,10 +16,11 @@ import torch
 from _checks import DTYPES, assert_close, dtype_id, non_contiguous, randn
 from tritonllm.bench import reference_ops as ref_ops
 from tritonllm.kernels.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
+from tritonllm.kernels.flash_attention.settings import KERNELS, MASK_KINDS, configure_attention
 from tritonllm.kernels.split_heads import split_heads
 
-fa = importlib.import_module("tritonllm.kernels.flash_attention")  # the module (the package exports the function)
-fa_config = importlib.import_module("tritonllm.kernels.flash_attention.config")  # the knobs the launchers read
+fa_args = importlib.import_module("tritonllm.kernels.flash_attention.kernel_args")  # stream_flags and its device probes
+fa_tuning = importlib.import_module("tritonllm.kernels.flash_attention.tuning")
 fa_forward = importlib.import_module("tritonllm.kernels.flash_attention.forward")
 
 
@@ -128,28 +129,28 @@ def test_flash_attention_strided_inputs(layout, dtype):
     Case("mha-window20-T100", 1, 2, 2, 100, 100, 32, window=20),
     Case("D96-full-T40", 1, 2, 1, 40, 40, 96, causal=False),
 ], ids=lambda c: c.name)
-def test_flash_attention_knobs(case, tma, one_loop, monkeypatch):
-    """The other settings of the TMA and ONE_LOOP knobs (the defaults, both on, are covered above):
+def test_flash_attention_knobs(case, tma, one_loop, kernel_settings):
+    """The other values of the ``tma`` and ``one_loop`` settings (the defaults, both on, are covered above):
     float16, since fp32 never takes the tensor-descriptor path."""
-    monkeypatch.setattr(fa_config, "TMA", dict.fromkeys(fa.TMA, tma))
-    monkeypatch.setattr(fa_config, "ONE_LOOP", {name: dict.fromkeys(kinds, one_loop) for name, kinds in fa.ONE_LOOP.items()})
+    configure_attention(tma=dict.fromkeys(KERNELS, tma),
+                        one_loop={name: dict.fromkeys(MASK_KINDS, one_loop) for name in KERNELS})
     _check_fwd_bwd(case, torch.float16)
 
 
 @pytest.mark.parametrize("waves", [0, 3, None], ids=["one-pair-at-a-time", "groups-of-4-of-6", "all-pairs"])
-def test_program_order(waves, monkeypatch):
-    """The program order (GROUP_WAVES: the (batch, head) pairs taken one, four (3 waves of the
+def test_program_order(waves, kernel_settings):
+    """The program order (``group_waves``: the (batch, head) pairs taken one, four (3 waves of the
     interpreter's 4 "SMs" over 3 tiles a pair) or all at a time, the last group short) visits every
     tile once: the reference holds, and every order gives the same bits (causal GQA, 3 query and 3
     key tiles per pair)."""
     case = Case("gqa3:1-causal-B2-T70", 2, 3, 1, 70, 70, 32)
-    monkeypatch.setattr(fa_config, "GROUP_WAVES", dict.fromkeys(fa_config.GROUP_WAVES, waves))
+    configure_attention(group_waves=dict.fromkeys(KERNELS, waves))
     _check_fwd_bwd(case, torch.float16)
     torch.manual_seed(0)
     q, k, v = _inputs(case, torch.float16)
     out = flash_attention(q, k, v)
     got = (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
-    monkeypatch.setattr(fa_config, "GROUP_WAVES", dict.fromkeys(fa_config.GROUP_WAVES, 0))
+    configure_attention(group_waves=dict.fromkeys(KERNELS, 0))
     out = flash_attention(q, k, v)
     want = (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -161,13 +162,13 @@ def test_tma_only_where_the_streamed_span_is_long_enough(L, D, tma, monkeypatch)
     """On the GPU a kernel streams through descriptors only from next_pow2(L) * D >= TMA_MIN_ELEMS;
     under the interpreter wherever the knob, dtype and alignment allow (tests' small shapes)."""
     t = torch.empty(1, L, 2, D, dtype=torch.float16)  # never launched: the flags only
-    monkeypatch.setattr(fa_config, "tma_device", lambda device: True)
-    monkeypatch.setattr(fa_config, "interpreting", lambda: True)
-    assert fa_config.stream_flags("fwd", None, t, t)["USE_TMA"]
-    monkeypatch.setattr(fa_config, "interpreting", lambda: False)
-    monkeypatch.setattr(fa_config.triton, "set_allocator", lambda alloc: None)
-    for kernel in ("fwd", "dkdv", "dq"):
-        assert fa_config.stream_flags(kernel, None, t, t)["USE_TMA"] is tma
+    monkeypatch.setattr(fa_args, "tma_device", lambda device: True)
+    monkeypatch.setattr(fa_args, "interpreting", lambda: True)
+    assert fa_args.stream_flags("fwd", None, t, t)["USE_TMA"]
+    monkeypatch.setattr(fa_args, "interpreting", lambda: False)
+    monkeypatch.setattr(fa_args.triton, "set_allocator", lambda alloc: None)
+    for kernel in KERNELS:
+        assert fa_args.stream_flags(kernel, None, t, t)["USE_TMA"] is tma
 
 
 @pytest.mark.parametrize("split_kv", [0, 1, 3], ids=lambda s: f"split{s}")
@@ -391,17 +392,17 @@ SM90_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
-def test_flash_attention_sm90_forward(case, monkeypatch):
-    """The Hopper forward (forward_sm90, at the head dims of the SM90_FWD knob, here both) against the
+def test_flash_attention_sm90_forward(case, kernel_settings):
+    """The Hopper forward (forward_sm90, at the head dims of the sm90_fwd setting, here both) against the
     reference, its output and lse beside the portable kernel's, and the backward from its lse."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward is for sm90 (H100, H200)")
-    monkeypatch.setattr(fa_config, "SM90_FWD", (64, 128))
+    configure_attention(sm90_fwd=(64, 128))
     _check_fwd_bwd(case, torch.bfloat16)
     q, k, v = (t.detach() for t in _inputs(case, torch.bfloat16, "packed" if case.T == case.S else "contiguous"))
     assert fa_forward.forward_sm90.supported(q, k, v, None, None)
     out, lse = flash_attention_fwd(q, k, v, case.causal, split_kv=0)  # one pass: short T would take split-KV
-    monkeypatch.setattr(fa_config, "SM90_FWD", ())
+    configure_attention(sm90_fwd=())
     ref_out, ref_lse = flash_attention_fwd(q, k, v, case.causal, split_kv=0)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     assert_close("out", out, ref_out.double())
@@ -415,7 +416,7 @@ def test_sm90_forward_schedule(B, Hq, T, S, causal, programs):
     list schedule balances them (no program above the mean load by more than the longest tile), and the same
     table when computed again."""
     fwd = fa_forward.forward_sm90
-    group = fa_config.group_programs("fwd")
+    group = fa_tuning.group_programs("fwd")
     table = fwd.schedule(B, Hq, T, S, causal, programs, group, torch.device("cpu"))
     n_tiles = -(-T // fwd.SCHED_BLOCK_M)
     assert table.dtype == torch.int32 and table.shape[0] == min(programs, n_tiles * B * Hq)
@@ -449,14 +450,14 @@ def test_sm90_backward_head_rows():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("config", range(4), ids=lambda i: f"config{i}")
-def test_flash_attention_sm90_backward(case, config, monkeypatch):
-    """The Hopper backward (backward_sm90's dK/dV and dQ, at the head dims of the SM90_BWD knob, here both;
+def test_flash_attention_sm90_backward(case, config, monkeypatch, kernel_settings):
+    """The Hopper backward (backward_sm90's dK/dV and dQ, at the head dims of the sm90_bwd setting, here both;
     each of their configs) against the float64 reference, beside the portable kernels' gradients, and
     bitwise the same in a second run (the deterministic backward), for both head layouts."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is for sm90 (H100, H200)")
     sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
-    monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (64, 128), "dq": (64, 128)})
+    configure_attention(sm90_bwd={"dkdv": (64, 128), "dq": (64, 128)})
     for tuned in (sm90._dkdv_kernel, sm90._dq_kernel):  # the i-th config of each (the i-th modulo their number)
         monkeypatch.setattr(tuned, "configs", [tuned.configs[config % len(tuned.configs)]])
     _check_fwd_bwd(case, torch.bfloat16)
@@ -469,11 +470,11 @@ def test_flash_attention_sm90_backward(case, config, monkeypatch):
         do = randn(case.B, case.T, case.Hq, case.D, dtype=torch.bfloat16)
         assert sm90.matrix_args(q, k, v, do, None, None) is not None
         out, lse = flash_attention_fwd(q, k, v, case.causal)
-        monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (64, 128), "dq": (64, 128)})
+        configure_attention(sm90_bwd={"dkdv": (64, 128), "dq": (64, 128)})
         grads = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
         again = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
         assert all(torch.equal(a, b) for a, b in zip(grads, again))
-        monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (), "dq": ()})
+        configure_attention(sm90_bwd={"dkdv": (), "dq": ()})
         ref = flash_attention_bwd(do, q, k, v, out, lse, case.causal)
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
             assert_close(name, got, want.double())
@@ -482,15 +483,15 @@ def test_flash_attention_sm90_backward(case, config, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("config", range(3), ids=lambda i: f"config{i}")
-def test_flash_attention_sm90_fused_backward(case, config, monkeypatch):
+def test_flash_attention_sm90_fused_backward(case, config, monkeypatch, kernel_settings):
     """deterministic=False on Hopper: backward_sm90's dK/dV kernel with DQ_REDUCE (a writer warp adding dQ by
     TMA bulk reduces into the fp32 accumulator), each of its configs, against the float64 reference, and
     within rounding of the deterministic backward (the adds' order varies, so not bitwise)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is for sm90 (H100, H200)")
     sm90 = importlib.import_module("tritonllm.kernels.flash_attention.backward_sm90")
-    monkeypatch.setattr(fa_config, "SM90_BWD", {"dkdv": (64, 128), "dq": (64, 128)})
-    monkeypatch.setattr(fa_config, "SM90_FUSED", (64, 128))
+    configure_attention(sm90_bwd={"dkdv": (64, 128), "dq": (64, 128)})
+    configure_attention(sm90_fused=(64, 128))
     monkeypatch.setattr(sm90._dkdv_reduce_kernel, "configs", [sm90._dkdv_reduce_kernel.configs[config]])
     _check_fwd_bwd(case, torch.bfloat16, deterministic=False)
     q, k, v = (t.detach() for t in _inputs(case, torch.bfloat16, "contiguous"))

@@ -10,11 +10,10 @@ import torch
 from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, gemm_atol, non_contiguous, poison_, randn
 from tritonllm.bench.reference_ops import linear as ref_linear
 from tritonllm.bench.reference_ops import linear_swiglu as ref_swiglu
-from tritonllm.kernels import linear, linear_swiglu
+from tritonllm.kernels import configure_gemm, linear, linear_swiglu
 from tritonllm.kernels._common import smem_budget
 
 gemm_module = importlib.import_module("tritonllm.kernels.gemm")
-linear_module = importlib.import_module("tritonllm.kernels.linear")
 
 @contextlib.contextmanager
 def torch_tf32(dtype):
@@ -122,18 +121,18 @@ def test_linear_swiglu_transposed_weight():
 @pytest.mark.skipif(not ON_GPU, reason="a second CUDA stream")
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("op", ["linear", "linear_swiglu"])
-def test_backward_dw_beside_dx(op, dynamic, monkeypatch):
-    """dW on a second stream beside dx (linear.OVERLAP_DW): the same bits as one after the other, eagerly and
+def test_backward_dw_beside_dx(op, dynamic, kernel_settings):
+    """dW on a second stream beside dx (GemmSettings.overlap_dw): the same bits as one after the other, eagerly and
     replayed in a CUDA graph (the streams captured as parallel branches), with the WS kernel's tiles static
-    and dynamic (gemm.DYNAMIC: each stream takes its own counter)."""
-    monkeypatch.setattr(gemm_module, "DYNAMIC", dynamic)
+    and dynamic (GemmSettings.dynamic: each stream takes its own counter)."""
+    configure_gemm(dynamic=dynamic)
     fn, rows = (linear, 1536) if op == "linear" else (linear_swiglu, 2 * 1536)
     x = randn(2048, 768, dtype=torch.bfloat16, requires_grad=True)
     w = randn(rows, 768, dtype=torch.bfloat16, scale=768 ** -0.5, requires_grad=True)
     dy = randn(2048, 1536, dtype=torch.bfloat16)
     grads = {}
     for overlap in (False, True):
-        monkeypatch.setattr(linear_module, "OVERLAP_DW", overlap)
+        configure_gemm(overlap_dw=overlap)
         gemm_module._LAUNCH_CONFIGS.clear()
         grads[overlap] = torch.autograd.grad(fn(x, w), [x, w], dy)
     for name, one, beside in zip(("dx", "dw"), grads[False], grads[True]):
@@ -169,14 +168,13 @@ LAYOUTS = [("A_rows-B_rows", _rows, _rows), ("A_cols-B_cols", _cols, _cols), ("A
 
 @pytest.mark.parametrize("tma_store", [False, True, "subtile"], ids=lambda s: f"tma_store={s}")
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l[0])
-def test_gemm_descriptor_path_matches_pointer_path(layout, tma_store, monkeypatch):
+def test_gemm_descriptor_path_matches_pointer_path(layout, tma_store, kernel_settings):
     """Both operand-load paths of the GEMM (tensor descriptors / masked pointers) on ragged tiles,
     with accumulate (beta = 1), the SwiGLU epilogue writing gate/up, and split-K; the descriptor
     path also with TMA stores (whole tiles or halves). The interpreter emulates descriptors."""
     if ON_GPU and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need sm90+")
-    monkeypatch.setattr(gemm_module, "TMA_STORE", bool(tma_store))
-    monkeypatch.setattr(gemm_module, "EPILOGUE_SUBTILE", tma_store == "subtile")
+    configure_gemm(tma_store=bool(tma_store), epilogue_subtile=tma_store == "subtile")
     _, make_a, make_b = layout
     dtype = torch.float16
     M, K, N = 72, 40, 24
@@ -210,16 +208,15 @@ def test_gemm_split_k(M, N, K, splits, poisoned_empty):
 
 
 @pytest.mark.parametrize("split_k", [1, 3], ids=["whole-K", "split-K"])
-def test_gemm_grids_match(split_k, monkeypatch):
-    """``PERSISTENT = False`` (one program per output tile instead of min(#SMs, tiles) programs
-    looping over them) and ``SM_MARGIN`` (a persistent grid of #SMs - margin programs) compute every tile
+def test_gemm_grids_match(split_k, kernel_settings):
+    """``GemmSettings.persistent`` off (one program per output tile instead of min(#SMs, tiles) programs
+    looping over them) and ``sm_margin`` (a persistent grid of #SMs - margin programs) compute every tile
     the same way: bitwise the same C, with more tiles than SMs (4 under the interpreter)."""
     M, N, K = (600, 300, 40) if not ON_GPU else (4096, 4096, 256)
     a, b = randn(M, K), randn(N, K).t()
     out, programs = {}, {}
     for grid in ("persistent", "tile", "margin"):
-        monkeypatch.setattr(gemm_module, "PERSISTENT", grid != "tile")
-        monkeypatch.setattr(gemm_module, "SM_MARGIN", 1 if grid == "margin" else 0)
+        configure_gemm(persistent=grid != "tile", sm_margin=1 if grid == "margin" else 0)
         gemm_module._LAUNCH_CONFIGS.clear()
         for _ in range(2):  # planned, then from the plan
             out[grid] = gemm_module.gemm(a, b, poison_(torch.empty(M, N, device=DEVICE)), split_k=split_k,
@@ -232,11 +229,10 @@ def test_gemm_grids_match(split_k, monkeypatch):
     assert_close("c", out["tile"], a.double() @ b.double(), atol=1e-5)
 
 
-def test_split_k_heuristic(monkeypatch):
+def test_split_k_heuristic():
     """Few output tiles and a long K split, as far as the fp32 partials' traffic pays; a product that
-    fills the GPU, or a short K, does not."""
-    for knob, value in (("SPLIT_K_MIN_K", 2048), ("SPLIT_K_MAX", 8), ("SPLIT_K_STEP_BYTES", 760_000)):
-        monkeypatch.setattr(gemm_module, knob, value)
+    fills the GPU, or a short K, does not (the expectations are for the measured constants)."""
+    assert (gemm_module.SPLIT_K_MIN_K, gemm_module.SPLIT_K_MAX, gemm_module.SPLIT_K_STEP_BYTES) == (2048, 8, 760_000)
     split_k_for, split_cost = gemm_module.split_k_for, gemm_module.split_cost
     assert split_k_for(384, 768, 32000, 132) == 7  # 18 tiles of 128x128: 126 programs, one wave of 72 steps
     assert split_k_for(2048, 768, 32000, 132) == 4  # 96 tiles: 384 programs fill 3 waves of 132
@@ -313,16 +309,15 @@ def test_gemm_tma_vs_pointer_gpu(layout, dtype):
 @pytest.mark.parametrize("grid", ["persistent", "dynamic", "tile-per-program"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
-def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatch):
-    """gemm_sm90's warp-specialized kernel (the SM90_WS knob, on by default; the first config of each
+def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatch, kernel_settings):
+    """gemm_sm90's warp-specialized kernel (GemmSettings.sm90_ws, on by default; the first config of each
     schedule) on ragged sizes (no dimension a multiple of a tile, K shorter than the ring and longer than
     it), every operand layout, with and without the residual epilogue, each grid (the persistent one with
     static or dynamic tiles): against float64 and the default kernel, and the plan really is the Gluon kernel."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
     _, make_a, make_b = layout
-    monkeypatch.setattr(gemm_module, "PERSISTENT", grid != "tile-per-program")
-    monkeypatch.setattr(gemm_module, "DYNAMIC", grid == "dynamic")
+    configure_gemm(persistent=grid != "tile-per-program", dynamic=grid == "dynamic")
     tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").ws_matmul_kernel_tuned
     monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["PINGPONG"] is pingpong][:1])
     monkeypatch.setattr(tuned, "cache", {})
@@ -332,7 +327,7 @@ def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatc
         ref = a.double() @ b.double() + (e.double() if residual else 0)
         got = {}
         for ws in (True, False):
-            monkeypatch.setattr(gemm_module, "SM90_WS", ws)
+            configure_gemm(sm90_ws=ws)
             gemm_module._LAUNCH_CONFIGS.clear()
             for _ in range(2):  # planned, then from the plan
                 got[ws] = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)),
@@ -347,8 +342,8 @@ def test_gemm_sm90_warp_specialized(layout, residual, grid, pingpong, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "ping-pong"])
-def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch):
-    """DYNAMIC (programs take tiles from a global counter): the same bits as the static schedule (a
+def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch, kernel_settings):
+    """GemmSettings.dynamic (programs take tiles from a global counter): the same bits as the static schedule (a
     tile is one program's whole K loop either way), eagerly and replayed from a CUDA graph captured on a
     stream the counters have not seen, and the counters are back at zero after every launch, so the
     next launch on the stream starts from tile 0. A counter already past the last tile leaves the
@@ -363,7 +358,7 @@ def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch):
     a, b = randn(M, K, dtype=torch.bfloat16), randn(K, N, dtype=torch.bfloat16)
     out = {}
     for dynamic in (False, True):
-        monkeypatch.setattr(gemm_module, "DYNAMIC", dynamic)
+        configure_gemm(dynamic=dynamic)
         gemm_module._LAUNCH_CONFIGS.clear()
         runs = [gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)))
                 for _ in range(3)]
@@ -416,16 +411,15 @@ def test_gemm_sm90_every_config(layout):
 @pytest.mark.parametrize("grid", ["persistent", "dynamic", "tile-per-program"])
 @pytest.mark.parametrize("store_gu", [False, True], ids=["h", "h+gu"])
 @pytest.mark.parametrize("layout", LAYOUTS + [("A_cols-B_rows", _cols, _rows)], ids=lambda l: l[0])
-def test_gemm_sm90_gated(layout, store_gu, grid, monkeypatch):
+def test_gemm_sm90_gated(layout, store_gu, grid, kernel_settings):
     """The WS kernel's gated (SwiGLU) forward on each grid: every config of ``configs(gated=True)``
     through ``gemm(config=...)``, on a ragged problem in every operand layout, h = silu(gate) * up and
     the pre-activations in gu against float64; a plain config is refused for it. Then with
-    ``SM90_WS_GATED`` on, linear_swiglu's forward and backward through the autotuner, against the
+    ``GemmSettings.sm90_ws_gated`` on, linear_swiglu's forward and backward through the autotuner, against the
     _matmul_kernel's."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
-    monkeypatch.setattr(gemm_module, "PERSISTENT", grid != "tile-per-program")
-    monkeypatch.setattr(gemm_module, "DYNAMIC", grid == "dynamic")
+    configure_gemm(persistent=grid != "tile-per-program", dynamic=grid == "dynamic")
     ws = importlib.import_module("tritonllm.kernels.gemm_sm90")
     _, make_a, make_b = layout
     M, K, N = 1000, 1512, 1032  # 2N: gate columns [0, N), up columns [N, 2N)
@@ -451,7 +445,7 @@ def test_gemm_sm90_gated(layout, store_gu, grid, monkeypatch):
     dy = randn(3, 333, N, dtype=torch.bfloat16)
     got = {}
     for gated in (True, False):
-        monkeypatch.setattr(gemm_module, "SM90_WS_GATED", gated)
+        configure_gemm(sm90_ws_gated=gated)
         gemm_module._LAUNCH_CONFIGS.clear()
         y = linear_swiglu(x, w13)
         got[gated] = (y, *torch.autograd.grad(y, (x, w13), dy))

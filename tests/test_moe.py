@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
@@ -14,10 +13,8 @@ from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, gemm_atol, n
 from tritonllm.bench.reference_ops import grouped_linear as ref_grouped
 from tritonllm.bench.reference_ops import moe as ref_moe
 from tritonllm.bench.reference_ops import moe_router as ref_router
-from tritonllm.kernels import (grouped_linear, grouped_linear_swiglu, moe, moe_combine, moe_gather, moe_router,
-                               moe_sort)
-
-gemm_module = importlib.import_module("tritonllm.kernels.gemm")  # its PERSISTENT knob
+from tritonllm.kernels import (configure_gemm, grouped_linear, grouped_linear_swiglu, moe, moe_combine, moe_gather,
+                               moe_router, moe_sort)
 
 
 def offsets_of(counts):
@@ -237,8 +234,8 @@ def test_grouped_linear(case, dtype, swiglu, poisoned_empty):
 
 
 @pytest.mark.parametrize("swiglu", [False, True], ids=["linear", "swiglu"])
-def test_grouped_linear_one_program_per_tile_matches_persistent(swiglu, monkeypatch):
-    """``gemm.PERSISTENT = False`` (the grid beside NCCL: one program per possible tile, those past the
+def test_grouped_linear_one_program_per_tile_matches_persistent(swiglu):
+    """``GemmSettings.persistent`` off (the grid beside NCCL: one program per possible tile, those past the
     device's tile count idle) gives the persistent grid's outputs bitwise, with more tiles than SMs and
     an empty expert."""
     counts, K, N = ([120, 0, 75, 200, 1], 40, 70) if not ON_GPU else ([3000, 0, 1500, 4000, 1], 512, 1024)
@@ -248,8 +245,8 @@ def test_grouped_linear_one_program_per_tile_matches_persistent(swiglu, monkeypa
     fn = grouped_linear_swiglu if swiglu else grouped_linear
     out = {}
     for persistent in (True, False):
-        monkeypatch.setattr(gemm_module, "PERSISTENT", persistent)
-        out[persistent] = fn(x, w, offsets)
+        with configure_gemm(persistent=persistent):
+            out[persistent] = fn(x, w, offsets)
     assert torch.equal(out[True], out[False])
 
 

@@ -342,36 +342,25 @@ def test_adamw_counts_the_step_of_an_empty_shard(device):
     assert float(only_empty[0]) == 1.0
 
 
-@pytest.mark.parametrize("setting, persistent, dynamic",
-                         [(None, False, True), ("dynamic", False, True), ("tile", False, False), ("persistent", True, False)])
-def test_gemm_grid_beside_nccl(monkeypatch, setting, persistent, dynamic):
+@pytest.mark.parametrize("grid, persistent, dynamic",
+                         [("dynamic", False, True), ("tile", False, False), ("persistent", True, False)])
+def test_gemm_grid_beside_nccl(grid, persistent, dynamic, kernel_settings):
     """Under DDP or FSDP2 on GPUs the WS GEMM takes dynamic tiles and the other GEMM kernels run one
-    program per tile unless the environment asks for another grid, leaving no SMs to NCCL unless
-    TRITONLLM_GEMM_SM_MARGIN says how many; anything else is refused, naming the variable."""
-    from tritonllm.kernels import gemm
+    program per tile unless trainer.gemm_grid asks for another grid, leaving no SMs to NCCL unless
+    trainer.gemm_sm_margin says how many; anything else is refused, naming the key."""
+    from tritonllm.kernels import configure_gemm, gemm_settings
     from tritonllm.train.parallel import gemm_grid_beside_nccl
 
-    monkeypatch.setattr(gemm, "PERSISTENT", not persistent)
-    monkeypatch.setattr(gemm, "DYNAMIC", not dynamic)
-    monkeypatch.setattr(gemm, "SM_MARGIN", 3)
-    monkeypatch.delenv("TRITONLLM_GEMM_SM_MARGIN", raising=False)
-    if setting is None:
-        monkeypatch.delenv("TRITONLLM_GEMM_GRID", raising=False)
-    else:
-        monkeypatch.setenv("TRITONLLM_GEMM_GRID", setting)
-    assert gemm_grid_beside_nccl() == (setting or "dynamic")
-    assert (gemm.PERSISTENT, gemm.DYNAMIC, gemm.SM_MARGIN) == (persistent, dynamic, 0)
-    monkeypatch.setenv("TRITONLLM_GEMM_SM_MARGIN", "16")
-    gemm_grid_beside_nccl()
-    assert gemm.SM_MARGIN == 16
-    for bad in ("-4", "sixteen"):
-        monkeypatch.setenv("TRITONLLM_GEMM_SM_MARGIN", bad)
-        with pytest.raises(ConfigError, match="TRITONLLM_GEMM_SM_MARGIN"):
-            gemm_grid_beside_nccl()
-    monkeypatch.delenv("TRITONLLM_GEMM_SM_MARGIN")
-    monkeypatch.setenv("TRITONLLM_GEMM_GRID", "static")
-    with pytest.raises(ConfigError, match="TRITONLLM_GEMM_GRID"):
-        gemm_grid_beside_nccl()
+    configure_gemm(persistent=not persistent, dynamic=not dynamic, sm_margin=3)
+    assert gemm_grid_beside_nccl(grid) == grid
+    assert (gemm_settings().persistent, gemm_settings().dynamic, gemm_settings().sm_margin) == (persistent, dynamic, 0)
+    gemm_grid_beside_nccl(grid, 16)
+    assert gemm_settings().sm_margin == 16
+    for bad in (-4, "sixteen", True):
+        with pytest.raises(ConfigError, match="trainer.gemm_sm_margin"):
+            gemm_grid_beside_nccl(grid, bad)
+    with pytest.raises(ConfigError, match="trainer.gemm_grid"):
+        gemm_grid_beside_nccl("static")
 
 
 @pytest.mark.gpu

@@ -369,7 +369,7 @@ RUN_KEYS = {"name", "path", "max_seq_len"}
 
 def run_model_config(node) -> ModelConfig:
     """The ModelConfig of a ``+model=hf model.path=<folder>`` run (keys ``path``, ``max_seq_len``, ``name``)."""
-    from tritonllm.models.config import plain_container
+    from tritonllm.containers import plain_container
 
     d = plain_container(node)
     unknown = sorted(set(d) - RUN_KEYS)

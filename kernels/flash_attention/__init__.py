@@ -19,16 +19,18 @@ exponent's FMA, ``exp2(x * s log2(e) - m)``, so the resident q tile stays an uns
 shared-memory operand of the tensor-core product), fp32 accumulators. Key tiles wholly
 outside a query block's causal/window range are skipped (the loop bounds are computed per query
 block), tiles wholly inside are processed without masks: either in three loops (masked head,
-mask-free middle, masked tail) or in one loop whose edge tiles take a masking branch (``ONE_LOOP``).
+mask-free middle, masked tail) or in one loop whose edge tiles take a masking branch (``one_loop``).
 On sm90+ GPUs (and under the interpreter) 16-bit inputs with 16-byte aligned strides stream their
-tiles through tensor descriptors (TMA, knob ``TMA``); other inputs through masked pointer loads.
-On Hopper, at the head dims of ``config.SM90_FWD`` (64 and 128 by default), the forward runs
+tiles through tensor descriptors (TMA, setting ``tma``); other inputs through masked pointer loads.
+On Hopper, at the head dims of ``sm90_fwd`` (64 and 128 by default), the forward runs
 FlashAttention-3's warp-specialized schedule instead, written in Gluon (``forward_sm90``: a producer
 warp loading k and v tiles, two consumer warpgroups taking turns at the tensor cores, each overlapping
 its softmax with its own products; persistent, one program an SM over a host-balanced list of query
-tiles); ``config.SM90_BWD`` names, per kernel of the deterministic
+tiles); ``sm90_bwd`` names, per kernel of the deterministic
 backward, the head dims that run its Gluon version (``backward_sm90``): by default both kernels at
-D128, faster there as measured; D64 stays portable.
+D128, faster there as measured; D64 stays portable. These switches (``tma``, ``one_loop``, the program
+order ``group_waves``, ``sm90_fwd``, ``sm90_bwd``, ``sm90_fused``) are :class:`settings.AttentionSettings`,
+changed through :func:`configure_attention`; the tile configs and thresholds are in ``tuning``.
 Decode (``T <= 16``, or too few query blocks to fill the GPU) uses a split-KV (flash-decoding)
 kernel instead: programs over (KV split, block of the group's query rows, batch x KV head) put
 all ``Hq / Hkv`` query heads of a KV head in the M dimension of the tile, so each K/V tile is read
@@ -71,12 +73,14 @@ from .._common import check_tensor, compilable, needs_grad
 from ..rope import rope
 from ..split_heads import split_heads
 from .backward import flash_attention_bwd, flash_attention_bwd_packed
-from .config import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, HEAD_DIMS, ONE_LOOP, TMA
 from .forward import flash_attention_decode, flash_attention_fwd
+from .settings import AttentionSettings, attention_settings, configure_attention
+from .tuning import DKDV_CONFIGS, DQ_CONFIGS, FWD_CONFIGS, HEAD_DIMS
 
 __all__ = ["flash_attention", "rope_flash_attention", "rope_qkv", "flash_attention_fwd", "flash_attention_bwd",
            "flash_attention_bwd_packed", "flash_attention_decode",
-           "FlashAttentionFunction", "HEAD_DIMS", "TMA", "ONE_LOOP", "FWD_CONFIGS", "DKDV_CONFIGS", "DQ_CONFIGS"]
+           "FlashAttentionFunction", "AttentionSettings", "attention_settings", "configure_attention", "HEAD_DIMS",
+           "FWD_CONFIGS", "DKDV_CONFIGS", "DQ_CONFIGS"]
 
 
 # ----------------------------------------------------------------------------- autograd + functional

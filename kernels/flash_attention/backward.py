@@ -8,10 +8,12 @@ import triton
 import triton.language as tl
 
 from .._common import Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2
-from . import backward_sm90, config
-from .config import (DKDV_CONFIGS, DQ_CONFIGS, KEYS, LOG2E, NEG_INF, POS_INF, PREPROCESS_BLOCK_M,
-                      block_configs, check_attention_inputs, check_documents, docs_arg, group_programs,
-                      kernel_flags, last_dim_contiguous, stream_flags, strides, tuned)
+from . import backward_sm90
+from .checks import check_attention_inputs, check_documents
+from .kernel_args import docs_arg, kernel_flags, last_dim_contiguous, stream_flags, strides
+from .settings import attention_settings
+from .tuning import (DKDV_CONFIGS, DQ_CONFIGS, KEYS, LOG2E, NEG_INF, POS_INF, PREPROCESS_BLOCK_M, block_configs,
+                     group_programs, tuned)
 from .masks import in_document, keys_seen, program_tile, queries_seeing, row_block, segments
 
 @triton.jit
@@ -388,11 +390,12 @@ class AttentionBackward:
         self.common = (*strides(q), *strides(k), *strides(v), *do_strides, T, S, Hq, pitch)
         self.scales = (S - T, window or 0, scale * LOG2E, scale, next_pow2(T), next_pow2(S), docs_arg(documents))
         self.flags["HAS_DOCS"] = documents is not None
-        #: the gradient kernels ("dkdv", "dq") that run backward_sm90's Gluon kernel here (the SM90_BWD knob),
+        settings = attention_settings()
+        #: the gradient kernels ("dkdv", "dq") that run backward_sm90's Gluon kernel here (the sm90_bwd setting),
         #: each with the arguments both take
-        #: (the fused backward: its dK/dV kernel's DQ_REDUCE variant, dQ by TMA bulk reduces, where SM90_FUSED names D)
-        gluon = ([name for name in ("dkdv",) if D in config.SM90_FUSED] if self.fused else
-                 [name for name, dims in config.SM90_BWD.items() if D in dims])
+        #: (the fused backward: its dK/dV kernel's DQ_REDUCE variant, dQ by TMA bulk reduces, where sm90_fused names D)
+        gluon = ([name for name in ("dkdv",) if D in settings.sm90_fused] if self.fused else
+                 [name for name, dims in settings.sm90_bwd.items() if D in dims])
         args = backward_sm90.matrix_args(q, k, v, do, window, documents) if gluon else None
         self.sm90 = dict.fromkeys(gluon, args) if args is not None else {}
         #: what, besides the streamed tensors' alignment (USE_TMA), fixes the gradient kernels' plans

@@ -35,8 +35,8 @@ sum dS k, each in a fixed order without DQ_REDUCE: no atomic adds (the dQ kernel
 work), so the backward stays bitwise reproducible.
 Only 16-bit q, k, v, dO on sm90, head dim 64 or 128, causal or not, no window and no documents, q and dO
 with each token's heads side by side or each head's tokens in a row (a head is then a column or a row
-block of one descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``config.SM90_BWD``
-names, per kernel, the head dims it runs at, ``config.SM90_FUSED`` those of DQ_REDUCE.
+block of one descriptor per batch entry: :func:`_head_rows`; :func:`matrix_args`); ``AttentionSettings.sm90_bwd``
+names, per kernel, the head dims it runs at, ``AttentionSettings.sm90_fused`` those of DQ_REDUCE.
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@ import triton
 import triton.language as tl
 
 from .._common import check_same_device, compilable, interpreting, next_pow2
-from .config import (COMBINE_ROWS, FWD_CONFIGS, INTERP_COMBINE_ROWS, KEYS, LN2, LOG2E, NEG_INF,
-                      SPLIT_MAX_ROWS, auto_splits, block_configs, check_attention_inputs, check_documents,
-                      docs_arg, group_programs, kernel_flags, last_dim_contiguous, split_count,
-                      split_rows_block, stream_flags, strides, tuned)
-from . import config, forward_sm90
+from . import forward_sm90
+from .checks import check_attention_inputs, check_documents
+from .kernel_args import docs_arg, kernel_flags, last_dim_contiguous, stream_flags, strides
+from .settings import attention_settings
+from .tuning import (COMBINE_ROWS, FWD_CONFIGS, INTERP_COMBINE_ROWS, KEYS, LN2, LOG2E, NEG_INF, SPLIT_MAX_ROWS,
+                     auto_splits, block_configs, group_programs, split_count, split_rows_block, tuned)
 from .masks import in_document, keys_seen, program_tile, segments
 
 @triton.jit
@@ -267,7 +268,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     key_lo = max(shift - window + 1, 0) if window is not None else 0
     splits = 0 if documents is not None else auto_splits(B, T, Hq, Hkv, S - key_lo) if split_kv is None else split_kv
 
-    if splits == 0 and q.shape[-1] in config.SM90_FWD and forward_sm90.supported(q, k, v, window, documents):
+    if splits == 0 and q.shape[-1] in attention_settings().sm90_fwd and forward_sm90.supported(q, k, v, window, documents):
         key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), causal, "sm90")
         forward_sm90.launch(q, k, v, o, lse, causal, qk_scale, group_programs("fwd"), key)
         return o, lse

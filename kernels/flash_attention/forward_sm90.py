@@ -19,7 +19,7 @@ FlashAttention-3's warp-specialized schedule on a persistent grid.
 The same math as :func:`forward._attend` (base-2 online softmax, scores scaled inside the exponent),
 so the output and the natural-log ``lse`` are the portable kernel's, to rounding. Only 16-bit q, k, v
 on sm90, head dim 64 or 128, with or without the causal mask, no window and no documents
-(:func:`supported`); ``config.SM90_FWD`` names the head dims it runs (64 and 128 by default, see the knob).
+(:func:`supported`); ``AttentionSettings.sm90_fwd`` names the head dims it runs (64 and 128 by default, see the setting).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ geometric mean over the rounds of the baseline's step time over ours in the same
 references (CUDA-graphed, steadier) run once.
 
 ``--ab NAME=VALUE`` adds a third side to every parallel configuration: tritonllm again with the
-environment variable NAME set to VALUE (a knob read from the environment, e.g.
-``TRITONLLM_GEMM_SM_MARGIN=8``), in the same rounds (A B C, then C B A). The row's figures stay the
+config key NAME set to VALUE (a dotted key, one more Hydra override, e.g. ``trainer.gemm_sm_margin=8``) or
+else the environment variable NAME (e.g. ``NCCL_ALGO=Ring``), in the same rounds (A B C, then C B A). The row's figures stay the
 default's; ``ab`` holds the variant's (the median run, ``step_ms_rounds``) and ``gain``, the geometric
 mean over the rounds of our default's step time over the variant's in the same round (> 1: the
 variant is faster; ``gain_rounds``).
@@ -114,7 +114,8 @@ def _tritonllm_step(model_cfg, cfg, mode, env, dtype):
     from tritonllm.train.step import TrainStep
 
     model = build_model(model_cfg, device=env.device, dtype=torch.float32 if mode == "fsdp" else dtype)
-    par = parallelize(model, mode, env, compute_dtype=dtype)
+    par = parallelize(model, mode, env, compute_dtype=dtype, gemm_grid=cfg.trainer.gemm_grid,
+                      gemm_sm_margin=cfg.trainer.gemm_sm_margin)
     optimizer = build_optimizer(model, cfg.optim, master_weights=dtype != torch.float32)
     step = TrainStep(model, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1,
                      cuda_graph=env.device.type == "cuda", parallel=par if env.distributed else None)
@@ -264,12 +265,13 @@ def run_worker(argv: list[str]) -> None:
                        gpu_busy_ms=round(busy, 3),
                        top_kernels={name[:100]: round(ms, 3) for name, ms in top})
         if args.side == "tritonllm" and compute:
-            from tritonllm.kernels import gemm
+            from tritonllm.kernels import gemm_settings
 
+            gemm = gemm_settings()
             figures["triton_share"] = round(sum(ours.values()) / compute, 4)
-            figures["gemm_grid"] = "dynamic" if gemm.DYNAMIC else "persistent" if gemm.PERSISTENT else "tile"
-            if gemm.SM_MARGIN:
-                figures["gemm_grid"] += f", {gemm.SM_MARGIN} SMs left to NCCL"
+            figures["gemm_grid"] = "dynamic" if gemm.dynamic else "persistent" if gemm.persistent else "tile"
+            if gemm.sm_margin:
+                figures["gemm_grid"] += f", {gemm.sm_margin} SMs left to NCCL"
     if env.main:
         from tritonllm.models import build_model
 
@@ -304,7 +306,8 @@ def _parse(argv: list[str]):
                    help="untimed steps first (compilation, autotuning; DDP's graph is captured after 11)")
     p.add_argument("--no-baseline", action="store_true", help="time tritonllm only")
     p.add_argument("--ab", metavar="NAME=VALUE",
-                   help="also time tritonllm with this environment variable set, interleaved in the rounds")
+                   help="also time tritonllm with this config key (dotted: a Hydra override) or environment "
+                        "variable set, interleaved in the rounds")
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of each parallel configuration, rounds in alternating order (A B B A; even: drift cancels)")
     p.add_argument("--compile-mode", choices=tuple(COMPILE_MODES), default="default",
@@ -327,8 +330,8 @@ def _parse(argv: list[str]):
         p.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.ab is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", args.ab):
-        p.error(f"--ab: an environment variable and its value, NAME=VALUE, got {args.ab!r}")
+    if args.ab is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.*", args.ab):
+        p.error(f"--ab: a config key or an environment variable and its value, NAME=VALUE, got {args.ab!r}")
     return args, overrides
 
 
@@ -343,8 +346,12 @@ def _run(side: str, mode: str, n: int, args, overrides: list[str], folder: str) 
     ``side`` is ``tritonllm``, ``baseline`` or :func:`_variant` (tritonllm with ``--ab`` set)."""
     env = dict(os.environ)
     if side.startswith("tritonllm["):
-        name, value = side[len("tritonllm["):-1].split("=", 1)
-        env[name] = value
+        setting = side[len("tritonllm["):-1]
+        name, value = setting.split("=", 1)
+        if "." in name:
+            overrides = [*overrides, setting]
+        else:
+            env[name] = value
     safe = re.sub(r"[^A-Za-z0-9_.-]", "-", side)
     result = os.path.join(folder, f"{safe}-{mode}-{n}.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",

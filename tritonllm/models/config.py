@@ -14,6 +14,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tritonllm.containers import plain_container
 from tritonllm.errors import ConfigError
 
 MOE_SCORES = ("softmax", "sigmoid")
@@ -200,15 +201,6 @@ class ModelConfig:
         if exclude_embedding:
             return total + head
         return total + embed + head
-
-
-def plain_container(value):
-    """An OmegaConf container as plain Python (resolved); anything else unchanged."""
-    if type(value).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def _check_types(cfg: ModelConfig) -> None:

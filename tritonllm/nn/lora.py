@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tritonllm.containers import plain_container
 from tritonllm.errors import CheckpointError, ConfigError
 from tritonllm.kernels.linear import linear
 from tritonllm.kernels.lora import lora_linear
@@ -73,8 +74,6 @@ class LoRAConfig:
 
     @classmethod
     def from_dict(cls, d) -> LoRAConfig:
-        from tritonllm.models.config import plain_container
-
         d = dict(plain_container(d))
         unknown = sorted(set(d) - {"rank", "alpha", "dropout", "targets"})
         if unknown:

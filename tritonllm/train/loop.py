@@ -207,7 +207,8 @@ RESUME_FREE_KEYS = ("out_dir", "device", "logger.", "data.cache_dir", "trainer.m
                     "trainer.resume_force", "trainer.checkpoint_on_signal", "trainer.ckpt_dir", "trainer.ckpt_interval", "trainer.keep_last",
                     "trainer.log_interval", "trainer.eval_interval", "trainer.eval_batches", "trainer.progress",
                     "trainer.sample_", "trainer.gpu_telemetry", "trainer.control", "trainer.peak_flops",
-                    "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel", "trainer.precision")
+                    "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel", "trainer.precision",
+                    "trainer.gemm_")
 
 
 def _flat(node, prefix: str = "") -> dict:
@@ -407,7 +408,8 @@ def build_run(cfg, cleanup: contextlib.ExitStack) -> Run:
     model = build_model(model_cfg, device=env.device, dtype=torch.float32 if mode == "fsdp" else dtype)
     init_run_model(model, cfg)  # Hugging Face weights (model.path), LoRA (+lora=...)
     apply_precision(model, tr.precision)  # fp8 linear layers (trainer.precision=fp8)
-    parallel = parallelize(model, mode, env, compute_dtype=dtype)
+    parallel = parallelize(model, mode, env, compute_dtype=dtype, gemm_grid=tr.gemm_grid,
+                           gemm_sm_margin=tr.gemm_sm_margin)
     master = cfg.optim.master_weights
     optimizer = build_optimizer(model, cfg.optim, dtype != torch.float32 if master == "auto" else bool(master))
     train_loader, val_loader = corpus.loaders(tr.batch_size, tr.seq_len, cfg.seed, model_cfg.vocab_size,

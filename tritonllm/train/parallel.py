@@ -33,7 +33,8 @@ Modes (:func:`resolve_parallel`, :func:`parallelize`):
 - On GPUs both modes switch tritonllm's GEMM grid (:func:`gemm_grid_beside_nccl`): NCCL's kernels run
   beside ours and hold SMs, which the persistent grid's static tile shares wait for. The
   warp-specialized Hopper GEMM takes its tiles from a global counter instead, the other GEMM kernels
-  run one program per output tile; ``TRITONLLM_GEMM_SM_MARGIN`` SMs can be left to NCCL (0 by default).
+  run one program per output tile (``trainer.gemm_grid``); ``trainer.gemm_sm_margin`` SMs can be left to
+  NCCL (0 by default).
 - ``auto``: one process -> ``none``; several -> ``ddp`` when the weights, gradients and optimizer
   state (16 bytes per parameter) fit in half of one GPU's memory (the rest for activations), else
   ``fsdp``.
@@ -231,52 +232,51 @@ class Parallel:
         return bool(flag.item())
 
 
-#: TRITONLLM_GEMM_GRID: (gemm.PERSISTENT, gemm.DYNAMIC) of each grid beside NCCL, the default first
+#: trainer.gemm_grid: the GemmSettings (persistent, dynamic) of each grid beside NCCL, the default first
 GEMM_GRIDS = {"dynamic": (False, True), "tile": (False, False), "persistent": (True, False)}
 
 
-def gemm_grid_beside_nccl() -> str:
-    """Pick the GEMM's grid for a GPU whose SMs NCCL's kernels share, ``TRITONLLM_GEMM_GRID``:
-    ``dynamic`` (the default): gemm_sm90's warp-specialized kernel on a persistent grid whose programs
-    take tiles from a global counter (``gemm.DYNAMIC``), the other GEMM kernels one program per output
-    tile (``gemm.PERSISTENT = False``); ``tile``: every kernel one program per tile; ``persistent``:
-    the single-GPU default, min(#SMs, tiles) programs with a static share of the tiles each.
-    ``TRITONLLM_GEMM_SM_MARGIN`` (an integer >= 0, default 0) sets ``gemm.SM_MARGIN``: the SMs the
-    persistent grids leave free for NCCL's kernels (timed under FSDP2 on 4 H100s: no gain shown apart from
-    the machine's drift from run to run; docs/perf/history.md).
+def gemm_grid_beside_nccl(grid: str = "dynamic", sm_margin: int = 0) -> str:
+    """Set the GEMM's grid for a GPU whose SMs NCCL's kernels share (``trainer.gemm_grid``, through
+    :func:`tritonllm.kernels.configure_gemm`): ``dynamic`` (the default): gemm_sm90's warp-specialized
+    kernel on a persistent grid whose programs take tiles from a global counter (``GemmSettings.dynamic``),
+    the other GEMM kernels one program per output tile (``GemmSettings.persistent`` off); ``tile``: every
+    kernel one program per tile; ``persistent``: the single-GPU default, min(#SMs, tiles) programs with a
+    static share of the tiles each. ``sm_margin`` (``trainer.gemm_sm_margin``, an integer >= 0) is
+    ``GemmSettings.sm_margin``: the SMs the persistent grids leave free for NCCL's kernels (timed under
+    FSDP2 on 4 H100s: no gain shown apart from the machine's drift from run to run; docs/perf/history.md).
 
     A static share waits for SMs that NCCL holds: on an H100 with 16 SMs held by another kernel for the
     whole op, void1b's four linear layers (fwd+bwd, the WS kernel) took 5.58 ms with the persistent
     grid, 3.99 ms with one program per tile and 3.86 ms with dynamic tiles (3.31 / 3.39 / 3.49 ms alone;
     cuBLAS 4.14, alone 2.90; held for the op's first half: 3.78 / 3.69 / 3.37, cuBLAS 3.29;
     docs/perf/history.md, scripts/sm_contention.py). Returns the grid chosen, also said in a log line."""
-    from tritonllm.kernels import gemm
+    from tritonllm.kernels import configure_gemm
 
-    grid = os.environ.get("TRITONLLM_GEMM_GRID", "dynamic")
     if grid not in GEMM_GRIDS:
-        raise ConfigError(f"TRITONLLM_GEMM_GRID must be one of {', '.join(GEMM_GRIDS)}, got {grid!r}")
-    margin = os.environ.get("TRITONLLM_GEMM_SM_MARGIN", "0")
-    if not margin.isdigit():
-        raise ConfigError(f"TRITONLLM_GEMM_SM_MARGIN must be an integer >= 0 (SMs left to NCCL), got {margin!r}")
-    gemm.PERSISTENT, gemm.DYNAMIC = GEMM_GRIDS[grid]
-    gemm.SM_MARGIN = int(margin)
+        raise ConfigError(f"trainer.gemm_grid must be one of {', '.join(GEMM_GRIDS)}, got {grid!r}")
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
+        raise ConfigError(f"trainer.gemm_sm_margin must be an integer >= 0 (SMs left to NCCL), got {sm_margin!r}")
+    persistent, dynamic = GEMM_GRIDS[grid]
+    configure_gemm(persistent=persistent, dynamic=dynamic, sm_margin=sm_margin)
     log.info("GEMM grid beside NCCL (NCCL's kernels share the SMs): %s%s", {
         "dynamic": "the WS kernel's tiles from a global counter, other kernels one program per output tile",
-        "tile": "one program per output tile (TRITONLLM_GEMM_GRID)",
-        "persistent": "persistent, static tile shares (TRITONLLM_GEMM_GRID)"}[grid],
-        f"; persistent grids leave {gemm.SM_MARGIN} SMs to NCCL (TRITONLLM_GEMM_SM_MARGIN)" if gemm.SM_MARGIN else "")
+        "tile": "one program per output tile (trainer.gemm_grid)",
+        "persistent": "persistent, static tile shares (trainer.gemm_grid)"}[grid],
+        f"; persistent grids leave {sm_margin} SMs to NCCL (trainer.gemm_sm_margin)" if sm_margin else "")
     return grid
 
 
-def parallelize(model: torch.nn.Module, mode: str, env: DistEnv, *,
-                compute_dtype: torch.dtype = torch.float32) -> Parallel:
+def parallelize(model: torch.nn.Module, mode: str, env: DistEnv, *, compute_dtype: torch.dtype = torch.float32,
+                gemm_grid: str = "dynamic", gemm_sm_margin: int = 0) -> Parallel:
     """Apply ``mode`` (``none``, ``ddp``, ``fsdp``) to ``model``, a :class:`~tritonllm.models.Transformer`
     on ``env.device``. For ``fsdp`` the model must hold fp32 weights (the sharded master weights);
-    ``compute_dtype`` is the dtype FSDP2 all-gathers them in."""
+    ``compute_dtype`` is the dtype FSDP2 all-gathers them in. ``ddp`` and ``fsdp`` on GPUs set the GEMM's
+    grid beside NCCL (:func:`gemm_grid_beside_nccl`: ``gemm_grid``, ``gemm_sm_margin``)."""
     if mode == "none":
         return Parallel(mode, env, model, model)
     if mode in ("ddp", "fsdp") and env.device.type == "cuda":
-        gemm_grid_beside_nccl()
+        gemm_grid_beside_nccl(gemm_grid, gemm_sm_margin)
     if mode == "ddp":
         if env.device.type == "cuda":
             # built on a side stream, as a DDP step captured later in a CUDA graph requires
