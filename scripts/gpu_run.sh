@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [sm90] [contention] [train] [trainrun] [finetune] [evolve]
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [sm90] [contention] [train] [trainrun] [smoke] [finetune] [evolve]
 #        (default: tests bench)
 # contention: scripts/sm_contention.py (CONTENTION_ARGS): our GEMM against cuBLAS with some SMs held
 # sm90: the Gluon kernels' GPU tests (-k sm90: attention forward and backward, the WS GEMM; spread over the
@@ -70,6 +70,10 @@ for stage in $stages; do
                 trainer.eval_interval=1000 trainer.eval_batches=2 trainer.ckpt_interval=null trainer.progress=false \
                 hydra.run.dir=/tmp/trainrun ${TRAINRUN_ARGS:-} > "$OUT/trainrun.log" 2>&1
             grep -E "captured|graph|error|Error" "$OUT/trainrun.log" | head; grep '"kind": "train"' /tmp/trainrun/metrics.jsonl ;;
+        smoke)  # make smoke-gpu: every README command at the smallest sizes (SMOKE_ONLY: case names); logs as one archive
+            timeout ${SMOKE_TIMEOUT:-560} python3 scripts/smoke_gpu.py --out "$OUT" ${SMOKE_ONLY:+--only $SMOKE_ONLY} 2>&1 \
+                | tee "$OUT/smoke.log" | tail -${TAIL:-40}
+            tar czf "$OUT/smoke-logs.tar.gz" -C "$OUT" smoke-logs && rm -rf "$OUT/smoke-logs" ;;
         finetune)
             timeout ${FINETUNE_TIMEOUT:-500} python3 -m tritonllm.bench finetune ${FINETUNE_ARGS:---config tinyllama --batch 4 --seq-len 2048 --rank 16 --steps 10 --warmup 3} \
                 --out "$OUT" 2>&1 | tee "$OUT/finetune.log" | tail -${TAIL:-40} ;;

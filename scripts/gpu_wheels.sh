@@ -11,6 +11,7 @@ $PY -m pip download -q --no-deps -d .whl hydra-core==1.3.2 omegaconf==2.3.0 lige
 # torchao float8: the FP8 baseline of bench kernels (fp8_linear) and bench train (trainer.precision=fp8); 0.17 pairs with torch 2.11
 $PY -m pip download -q --no-deps -d .whl/extra "${plat[@]}" --abi abi3 --abi none torchao==0.17.0
 $PY -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+$PY -m pip download -q --no-deps -d .whl/extra hydra-optuna-sweeper  # hparams_search=optuna (make smoke-gpu)
 $PY -m pip download -q -d .whl/extra "${plat[@]}" transformers tokenizers peft optuna matplotlib nvidia-ml-py \
     pytest pytest-xdist safetensors sentencepiece jinja2 accelerate
 # torch, triton and what they pull in are on the device machine already

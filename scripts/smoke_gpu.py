@@ -46,11 +46,71 @@ assert err < 1e-3, err
 print(f"patch: loss {b.item():.5f} vs transformers {a.item():.5f} (diff {err:.2e})")
 """
 
+#: a tiny random Llama with a word-level tokenizer and a chat template, and chat records for data=sft (argv[1]: folder)
+HF_FOLDER_SNIPPET = """
+import json, sys, pathlib, torch, transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+folder = pathlib.Path(sys.argv[1]); folder.mkdir(parents=True)
+specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+words = "user assistant system what is the capital of france paris germany berlin italy rome spain madrid".split()
+tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tok.add_special_tokens(specials[1:])
+tok.save(str(folder / "tokenizer.json"))
+template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\\n{{ m['content'] }}<|im_end|>\\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}")
+(folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+torch.manual_seed(0)
+cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128)
+transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+qa = [("what is the capital of france", "paris"), ("what is the capital of germany", "berlin"),
+      ("what is the capital of italy", "rome"), ("what is the capital of spain", "madrid")]
+rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in qa * 8]
+(folder / "chat.jsonl").write_text("\\n".join(json.dumps(r) for r in rows) + "\\n")
+print(f"hf folder: {folder}")
+"""
+
+#: our run's newest checkpoint as a Hugging Face folder, loaded by transformers: the same logits (argv: run, out)
+HF_EXPORT_SNIPPET = """
+import sys, torch, transformers
+from tritonllm.generate import load_for_generation
+from tritonllm.hf import save_hf_model
+model, _ = load_for_generation(sys.argv[1], torch.device("cuda"), torch.float32)
+save_hf_model(model, sys.argv[2])
+hf = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2], torch_dtype=torch.float32).cuda()
+x = torch.randint(0, model.cfg.vocab_size, (2, 32), device="cuda")
+with torch.no_grad():
+    err = (hf(x).logits - model(x)).abs().max().item()
+assert err < 1e-3, err
+print(f"hf export: transformers logits within {err:.2e} of ours")
+"""
+
+#: the Studio server on the runs folder (argv[1]), asked for its runs through its API
+STUDIO_SNIPPET = """
+import json, re, subprocess, sys, time, urllib.request
+proc = subprocess.Popen([sys.executable, "-m", "tritonllm.studio", sys.argv[1], "--port", "0"], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+try:
+    url = None
+    for line in proc.stdout:
+        m = re.search(r"(http://\\S+?)/\\?key=", line)
+        if m:
+            url = m.group(1)
+            break
+    runs = json.loads(urllib.request.urlopen(url + "/api/runs", timeout=30).read())
+    print(f"studio: {len(runs)} runs from {url}/api/runs")
+finally:
+    proc.terminate()
+    proc.wait(timeout=30)
+"""
+
 
 def cases(work: Path) -> list[tuple[str, list[str], int, int, str]]:
     """(name, argv, deadline s, expected rc, regex of the line checked) in run order."""
     run = work / "run"
     train = [PY, "-m", "tritonllm.train", *TINY, f"hydra.run.dir={run}"]
+    hf = work / "hf_llama"
     return [
         ("train", [*train, "trainer.max_steps=20", "trainer.ckpt_interval=10"], 240, 0, r"done: validation loss"),
         ("resume", [*train, "trainer.max_steps=30", "trainer.resume=auto"], 180, 0, r"resumed from .* at step 20"),
@@ -76,6 +136,28 @@ def cases(work: Path) -> list[tuple[str, list[str], int, int, str]]:
                             "--eval-every", "3", "--eval-batches", "1", "--sides", "adamw", "--allow-repeat",
                             "--out", str(work / "bench")], 300, 0, r"adamw"),
         ("patch", [PY, "-c", PATCH_SNIPPET], 180, 0, r"^patch: loss"),
+        ("precision_fp8", [*train[:-1], f"hydra.run.dir={work / 'fp8'}", "trainer.precision=fp8", "trainer.max_steps=10",
+                           "trainer.ckpt_interval=null"], 240, 0, r"done: validation loss"),
+        ("hparams_search", [PY, "-m", "tritonllm.train", *TINY, "hparams_search=optuna", "hydra.sweeper.n_trials=2",
+                            "trainer.max_steps=4", "trainer.ckpt_interval=null",
+                            f"hydra.sweep.dir={work / 'optuna'}"], 300, 0, r"[Bb]est"),
+        ("hf_folder", [PY, "-c", HF_FOLDER_SNIPPET, str(hf)], 120, 0, r"^hf folder"),
+        ("generate_hf", [PY, "-m", "tritonllm.generate", f"hf={hf}", "prompt='what is the capital'",
+                         "max_new_tokens=8"], 120, 0, r"\S"),
+        ("generate_chat", [PY, "-m", "tritonllm.generate", f"hf={hf}", "chat=true", "prompt='what is the capital'",
+                           "max_new_tokens=8"], 120, 0, r"\S"),
+        ("lora_sft", [PY, "-m", "tritonllm.train", "+model=hf", f"model.path={hf}", "data=sft",
+                      f"data.files={hf / 'chat.jsonl'}", "data.val_fraction=0.2", "+lora=default", "trainer.batch_size=4",
+                      "trainer.seq_len=32", "trainer.max_steps=6", "trainer.eval_interval=3", "trainer.eval_batches=1",
+                      "trainer.ckpt_interval=null", "trainer.progress=false", f"hydra.run.dir={work / 'sft'}"], 300, 0,
+         r"done: validation loss"),
+        ("hf_export", [PY, "-c", HF_EXPORT_SNIPPET, str(run), str(work / "hf_export")], 180, 0, r"^hf export"),
+        ("dist_export", [PY, "-m", "tritonllm.train.dist_checkpoint", "export", str(work / "torchrun" / "checkpoints"),
+                         str(work / "dist_export")], 120, 0, r"\S"),
+        ("evolve", [PY, "-m", "tritonllm.evolve", "+model=void_tiny", "evolve_space=tiny", "experiment=cpu_smoke",
+                    "evolve.budget=64", "evolve.population=2", "evolve.generations=1",
+                    f"hydra.run.dir={work / 'evolve'}"], 420, 0, r"\S"),
+        ("studio", [PY, "-c", STUDIO_SNIPPET, str(work)], 120, 0, r"^studio: [1-9]"),
     ]
 
 
