@@ -201,7 +201,12 @@ def main() -> int:
     logs = out / "smoke-logs"
     logs.mkdir(parents=True, exist_ok=True)
     only = set(args.only.split(",")) if args.only else None
-    results = []
+    commit = os.environ.get("TRITONLLM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = {"gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu_model(), "torch": torch.__version__,
+           "commit": commit, "date": datetime.date.today().isoformat(), "results": []}
+    path = out / f"smoke-{gpu_slug()}.json"
+    results = doc["results"]
     for name, argv, deadline, expected, pattern in cases(work):
         if only and name not in only:
             continue
@@ -209,12 +214,7 @@ def main() -> int:
         results.append(r)
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {name:<26} rc {r['rc']:>3} {r['seconds']:7.1f} s  {r['line'][:100]}",
               flush=True)
-    commit = os.environ.get("TRITONLLM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = {"gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu_model(), "torch": torch.__version__,
-           "commit": commit, "date": datetime.date.today().isoformat(), "results": results}
-    path = out / f"smoke-{gpu_slug()}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+        path.write_text(json.dumps(doc, indent=1) + "\n")  # after every case: a run cut short keeps what ran
     failed = [r["name"] for r in results if not r["ok"]]
     print(f"wrote {path}: {len(results) - len(failed)}/{len(results)} ok" + (f"; failed: {failed}" if failed else ""))
     return 1 if failed else 0
