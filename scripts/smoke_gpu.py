@@ -110,7 +110,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("scripts/smoke_gpu.py needs a CUDA GPU")
     from tritonllm.bench.harness import gpu_slug
-    from tritonllm.bench.train import host_cpu_model
+    from tritonllm.bench.common import host_cpu_model
 
     work = Path(args.work)
     subprocess.run(["rm", "-rf", str(work)], check=True)

@@ -38,8 +38,8 @@ def _families(ops: set[str] | None):
 
 
 def bench_kernels(argv: list[str]) -> None:
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import TIMING, copy_bandwidth_gbs, print_table, run_case, write_results
-    from tritonllm.bench.train import host_cpu_model
 
     p = argparse.ArgumentParser(prog="python -m tritonllm.bench kernels")
     p.add_argument("--ops", default=None, help="comma-separated op names (default: all)")

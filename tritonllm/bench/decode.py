@@ -276,8 +276,8 @@ def _line(name: str, f: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import write_results
-    from tritonllm.bench.train import host_cpu_model
     from tritonllm.errors import TritonLLMError
     from tritonllm.models import ModelConfig, build_model
     from tritonllm.runtime import compose_config

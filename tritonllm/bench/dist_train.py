@@ -124,7 +124,7 @@ def _tritonllm_step(model_cfg, cfg, mode, env, dtype):
 def _baseline_step(model_cfg, cfg, mode, env, dtype, compile_mode):
     """The plain-PyTorch baseline's step on this rank (see the module docstring)."""
     from tritonllm.bench.baseline_model import BaselineTransformer, default_expert_impl
-    from tritonllm.bench.train import baseline_optimizer, baseline_update
+    from tritonllm.bench.common import baseline_optimizer, baseline_update
 
     experts = default_expert_impl(env.device) if model_cfg.n_experts else None
     with torch.device(env.device):
@@ -176,7 +176,7 @@ def run_worker(argv: list[str]) -> None:
 
     import torch.distributed as dist
 
-    from tritonllm.bench.train import kernel_times, wall_ms
+    from tritonllm.bench.common import kernel_times, wall_ms
     from tritonllm.runtime import compose_config
     from tritonllm.train import model_config
     from tritonllm.train.parallel import init_distributed, shutdown
@@ -510,8 +510,8 @@ def _rows(runs: dict, args, stamp: dict) -> list[dict]:
 def launch(argv: list[str]) -> list[dict]:
     """The ``--nproc`` benchmark (module docstring); returns the rows written. The rows are rewritten
     after every configuration, so that a run cut short keeps what it measured."""
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import git_commit
-    from tritonllm.bench.train import host_cpu_model
 
     args, overrides = _parse(argv)
     if args.device == "auto" and not torch.cuda.is_available():

@@ -22,7 +22,7 @@ base frozen. The transformers sides step ``loss = model(input_ids, labels=labels
 ``torch.optim.AdamW(adapters, fused=True)``, ``zero_grad(set_to_none=True)``; tritonllm's step does
 the same with its kernels. Labels: random tokens, the first quarter of each row -100 (a prompt).
 
-Figures per side (the GPU timing of ``tritonllm.bench.train``, :func:`tritonllm.bench.train.measure`):
+Figures per side (the GPU timing of ``tritonllm.bench.train``, :func:`tritonllm.bench.common.measure`):
 ``step_ms`` (wall), ``tokens_per_s`` (B T / step), ``gpu_ms`` (profiler kernel sum), ``host_ms``,
 ``peak_mem_gb``, ``triton_share`` (GPU time in tritonllm's kernels), ``mfu`` with the FLOPs of a
 frozen-base LoRA step, ``4 N + 12 n_layers n_heads head_dim T`` per token (no weight gradients for
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tritonllm.bench.train import free_gpu
+from tritonllm.bench.common import free_gpu
 
 #: model shapes (transformers LlamaConfig fields); tinyllama: TinyLlama-1.1B's dimensions
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -96,8 +96,8 @@ def lora_flops_per_token(hf_config, n_params: int, T: int) -> int:
 
 
 def _measure(step, args, tokens: int, flops_per_token: int, device: torch.device, cycles_per_ms: float | None):
-    """The side's figures: :func:`tritonllm.bench.train.measure` on CUDA; on the CPU wall time only."""
-    from tritonllm.bench.train import measure, wall_ms
+    """The side's figures: :func:`tritonllm.bench.common.measure` on CUDA; on the CPU wall time only."""
+    from tritonllm.bench.common import measure, wall_ms
 
     if device.type != "cuda" or cycles_per_ms is None:  # cycles_per_ms: measured on CUDA only
         for _ in range(args.warmup):
@@ -208,8 +208,8 @@ def _speedup(row: dict, side: dict) -> float | None:
 def main(argv: list[str]) -> dict:
     import transformers
 
+    from tritonllm.bench.common import host_cpu_model, spin_cycles_per_ms
     from tritonllm.bench.harness import liger_available, write_results
-    from tritonllm.bench.train import host_cpu_model, spin_cycles_per_ms
 
     args = _parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -376,8 +376,8 @@ def configs(args, overrides: list[str]):
 
 
 def main(argv: list[str]) -> None:
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import write_results
-    from tritonllm.bench.train import host_cpu_model
     from tritonllm.errors import TritonLLMError
 
     args, overrides = parse(argv)
