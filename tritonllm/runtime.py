@@ -5,6 +5,7 @@ a running app is (:func:`stacks_on_signal`; ``TRITONLLM_STACKS_EVERY=<s>``: ever
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import faulthandler
 import functools
@@ -85,6 +86,26 @@ def exit_on_user_error(fn):
             print(f"tritonllm: error{where}: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
     return wrapper
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` for tritonllm's commands: a bad argument (an unknown option, a value
+    of the wrong type or out of range, ``parser.error(...)``) raises a ConfigError, so that the command
+    ends in one line ``tritonllm: error: <prog>: <message>`` and exit status 1 (:func:`exit_on_user_error`)
+    instead of argparse's usage block and status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}")
+
+    def parse_with_overrides(self, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+        """The options, and the rest as Hydra overrides (``key=value``, ``+key=value``, ``~key``); anything
+        else left that starts with ``-`` is an option this command does not have: an error, not an override."""
+        args, rest = self.parse_known_args(argv)
+        unknown = [a for a in rest if a.startswith("-")]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)} (options: "
+                       f"{', '.join(o for a in self._actions for o in a.option_strings if o.startswith('--'))})")
+        return args, rest
 
 
 _CONVERSION = re.compile(r"Value '(.*)' (?:of type '\w+' could not be converted to (\w+)|is not a valid (bool))")

@@ -36,7 +36,6 @@ Without a GPU the sides run on the CPU (through Triton's interpreter; use ``--co
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 
 from tritonllm.bench.common import free_gpu
+from tritonllm.runtime import ArgumentParser, exit_on_user_error
 
 #: model shapes (transformers LlamaConfig fields); tinyllama: TinyLlama-1.1B's dimensions
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -63,7 +63,7 @@ PEAK_FLOPS = 989e12  # H100/H200 dense bf16, as trainer.peak_flops
 
 
 def _parse(argv: list[str]):
-    p = argparse.ArgumentParser(prog="python -m tritonllm.bench finetune", description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(prog="python -m tritonllm.bench finetune", description=__doc__.split("\n\n")[1])
     p.add_argument("--config", default="tinyllama", choices=sorted(CONFIGS), help="model shape")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -83,6 +83,11 @@ def _parse(argv: list[str]):
         p.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
     if args.warmup < (3 if torch.cuda.is_available() else 1) or args.steps < 1:
         p.error(f"--warmup must be >= 3 (>= 1 on the CPU) and --steps >= 1, got {args.warmup} and {args.steps}")
+    for name in ("batch", "seq_len", "rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.host_profile < 0:
+        p.error(f"--host-profile must be >= 0 (0: no profile), got {args.host_profile}")
     if args.seq_len > CONFIGS[args.config]["max_position_embeddings"]:
         p.error(f"--seq-len {args.seq_len} exceeds the {args.config} config's max_position_embeddings")
     return args
@@ -284,4 +289,4 @@ def _device_named() -> bool:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_user_error(main)(sys.argv[1:])

@@ -71,14 +71,13 @@ rewritten after every side so that a run cut short keeps what it measured.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
 import torch
 
 from tritonllm.bench.common import (baseline_optimizer, baseline_update, free_gpu, host_cpu_model, interleaved_ratio,
                                     measure, spin_cycles_per_ms)
+from tritonllm.runtime import ArgumentParser
 
 #: --baselines name -> torch.compile mode
 #: (timed in this order: the slowest to compile last)
@@ -180,7 +179,7 @@ def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args
 # --- command line ----------------------------------------------------------------------------------
 
 def _parse(argv: list[str]):
-    p = argparse.ArgumentParser(prog="python -m tritonllm.bench train",
+    p = ArgumentParser(prog="python -m tritonllm.bench train",
                                 description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--steps", type=int, default=20, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=5,
@@ -199,7 +198,7 @@ def _parse(argv: list[str]):
                    help="the MoE baseline's experts: torch._grouped_mm, a loop over experts, or auto (the default "
                         "of tritonllm.bench.baseline_model)")
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
-    args, overrides = p.parse_known_args(argv)
+    args, overrides = p.parse_with_overrides(argv)
     if args.warmup < 3:
         p.error(f"--warmup must be >= 3 (two eager warm-up steps, then the graph capture), got {args.warmup}")
     if args.steps < 1:
@@ -248,13 +247,10 @@ def main(argv: list[str]) -> None:
         launch(argv)
         return
     args, overrides = _parse(argv)
+    cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
+    model_cfg = model_config(cfg)
     if not torch.cuda.is_available():
-        sys.exit("python -m tritonllm.bench train needs a CUDA GPU")
-    try:
-        cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
-        model_cfg = model_config(cfg)
-    except TritonLLMError as e:
-        sys.exit(f"tritonllm: error: {e}")
+        raise TritonLLMError("python -m tritonllm.bench train needs a CUDA GPU (the arguments are valid)")
     B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
     with open_dict(cfg):
         cfg.model.vocab_size = model_cfg.vocab_size
