@@ -176,7 +176,8 @@ def _set_full_error(value: str | None) -> None:
 
 def hydra_app(config_name: str):
     """``@hydra.main`` over ``tritonllm.conf/<config_name>.yaml`` for a tritonllm command: a
-    TritonLLMError from the app and a config that does not compose both end as one line
+    TritonLLMError from the app, a config that does not compose and a run folder Hydra cannot create
+    (``hydra.run.dir`` below a file, a folder without write permission) end as one line
     ``tritonllm: error: ...`` and exit status 1 (``HYDRA_FULL_ERROR=1`` shows Hydra's own report)."""
     import hydra
     from hydra.errors import HydraException
@@ -184,9 +185,12 @@ def hydra_app(config_name: str):
 
     def decorate(fn):
         asked = os.environ.get("HYDRA_FULL_ERROR")
+        started = False  # whether Hydra has called the app (an OSError before that is Hydra's, on the run folder)
 
         @exit_on_user_error
         def app(cfg):
+            nonlocal started
+            started = True
             _set_full_error(asked)  # the app and the processes it starts see the user's setting
             try:
                 return fn(cfg)
@@ -204,6 +208,12 @@ def hydra_app(config_name: str):
                 if asked == "1":
                     raise
                 print(f"tritonllm: error: {describe_config_error(e)}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            except OSError as e:
+                if started or asked == "1":
+                    raise
+                print(f"tritonllm: error: cannot create the run folder {e.filename} (hydra.run.dir, hydra.sweep.dir): "
+                      f"{e.strerror}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
             finally:
                 _set_full_error(asked)
