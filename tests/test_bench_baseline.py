@@ -20,6 +20,7 @@ from tritonllm.bench.baseline_model import BaselineTransformer
 from tritonllm.bench.common import (OUR_KERNEL, busy_ms, host_area, host_area_dirs, host_ms, host_profile,
                                     interleaved_ratio, parse_cpu_model, wall_ms)
 from tritonllm.bench.train import _parse, with_speedup
+from tritonllm.errors import ConfigError
 from tritonllm.models import ModelConfig, build_model
 
 #: void_tiny's features at toy size: odd vocabulary, widths and sequence length
@@ -285,12 +286,14 @@ def test_parse_options():
     assert _parse([])[0].baselines == ["compile", "reduce-overhead", "max-autotune"]
     assert _parse(["--no-baseline"])[0].baselines == []
     assert (_parse([])[0].compiled, _parse(["--compiled"])[0].compiled) == (False, True)
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--warmup must be >= 3"):
         _parse(["--warmup", "2"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--baselines: unknown"):
         _parse(["--baselines", "compile,eager"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--ab-rounds must be >= 1"):
         _parse(["--compiled", "--ab-rounds", "0"])
+    with pytest.raises(ConfigError, match="unrecognized arguments: --stepz"):  # not taken for a Hydra override
+        _parse(["+model=void125m", "--stepz", "7"])
 
 
 def test_interleaved_ratio_pairs_each_round_on_the_same_host():
