@@ -201,6 +201,15 @@ def hydra_app(config_name: str):
 
         @functools.wraps(fn)
         def main():
+            # an option neither Hydra nor tritonllm has (a typo of a flag, an argparse habit) is one line, not
+            # Hydra's usage block and status 2; key=value overrides are Hydra's positional arguments
+            from hydra._internal.utils import get_args_parser
+
+            unknown = [a for a in get_args_parser().parse_known_args(sys.argv[1:])[1] if a.startswith("-")]
+            if unknown:
+                print(f"tritonllm: error: unrecognized arguments: {' '.join(unknown)} (settings are key=value; "
+                      f"--help lists Hydra's options)", file=sys.stderr, flush=True)
+                raise SystemExit(1)
             _set_full_error("1")  # Hydra raises a composition error instead of printing its multi-line report
             try:
                 return task()
