@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 import torch
 
@@ -94,7 +95,7 @@ class ArgumentParser(argparse.ArgumentParser):
     ends in one line ``tritonllm: error: <prog>: <message>`` and exit status 1 (:func:`exit_on_user_error`)
     instead of argparse's usage block and status 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog}: {message}")
 
     def parse_with_overrides(self, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
