@@ -109,8 +109,8 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         sys.exit("scripts/smoke_gpu.py needs a CUDA GPU")
-    from tritonllm.bench.harness import gpu_slug
     from tritonllm.bench.common import host_cpu_model
+    from tritonllm.bench.harness import gpu_slug
 
     work = Path(args.work)
     subprocess.run(["rm", "-rf", str(work)], check=True)
