@@ -1,7 +1,10 @@
 """The wheel ships kernels/ as tritonllm.kernels and conf/ as tritonllm.conf, and nothing named
-`kernels` at top level (a PyPI package of that name exists)."""
+`kernels` at top level (a PyPI package of that name exists); the bench package has no import cycle;
+each make target installs what it needs."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -81,3 +84,19 @@ def test_bench_package_has_no_import_cycle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_each_make_target_installs_what_it_needs(tmp_path):
+    """From a clean checkout (no virtual environment yet) each target creates it and installs its own extras:
+    `make train` only tritonllm and its dependencies; the test, lint and sweep extras go with their targets."""
+    def plan(target: str) -> str:
+        return subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+
+    extras = {"train": [], "test": ['".[test,sweep]"'], "lint": ['".[lint]"'],
+              "typecheck": ['".[lint]"', '".[test,sweep]"']}
+    for target, wanted in extras.items():
+        commands = plan(target)
+        assert "-m venv" in commands and "pip install -q -e .\n" in commands, (target, commands)
+        assert sorted(re.findall(r'"\.\[[a-z,]+\]"', commands)) == sorted(wanted), (target, commands)
