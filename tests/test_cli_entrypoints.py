@@ -5,8 +5,9 @@
 - ``python -m tritonllm.bench <mode>``: bad input (a misspelled mode or model, an unknown option, an
   impossible size) ends in one line ``tritonllm: error: ...`` and exit status 1; valid arguments,
   every option of the mode given, reach the one-line "needs a CUDA GPU" of the modes that time a GPU,
-  so every option is parsed and every config validated before that check (the CPU runs of the modes
-  that have one are in the tests ENTRY_POINTS names).
+  so every option is parsed and every config validated before that check; ``bench train --device cpu``
+  runs one step of the real code path in the interpreter (the CPU runs of the other modes that have one
+  are in the tests ENTRY_POINTS names).
 - Each ``python -m`` entry point in a child process: its wiring, and bad input as one line there too.
 - Combinations a newcomer tries: ``experiment=cpu_smoke`` with every data kind, a run folder below a
   file, text files that hold no text.
@@ -139,6 +140,21 @@ def test_bench_every_option_is_parsed_before_the_gpu_check(capsys, monkeypatch, 
         line = _bench(argv, capsys, monkeypatch)
         assert re.search(r"needs (a )?CUDA GPUs? \(the arguments are valid", line), (name, line)
     assert not os.path.exists(out) and not os.path.exists(tmp_path / "log")
+
+
+def test_bench_train_runs_on_the_cpu(capsys, monkeypatch, tmp_path):
+    """``bench train --device cpu``: the real code path (config, model, TrainStep, measure) at a toy size in
+    Triton's interpreter, one warm-up and one timed step; nothing written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bench_main(["train", "--device", "cpu", "+model=void_tiny", "model.n_layers=1", "model.d_model=64",
+                "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.vocab_size=128",
+                "trainer.batch_size=1", "trainer.seq_len=16", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "void_tiny: 0.0M parameters, B1 x T16 fp32" in out, out
+    assert re.search(r"^tritonllm \(eager\) on the CPU, in Triton's interpreter: \d+ ms per step", out, re.M), out
+    assert list(tmp_path.iterdir()) == []
+    assert "leave them out with --device cpu" in _bench(["train", "--device", "cpu", "+model=void_tiny", "--compiled"],
+                                                         capsys, monkeypatch)
 
 
 def test_bench_without_a_mode_prints_its_usage(capsys):

@@ -224,9 +224,15 @@ def host_area(path: str, dirs: list[tuple[str, str]]) -> str:
 
 
 def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int, peak_flops: float,
-            cycles_per_ms: float) -> tuple[dict, dict[str, float], dict[str, float]]:
+            cycles_per_ms: float | None) -> tuple[dict, dict[str, float], dict[str, float]]:
     """Warm up, then time ``step`` (see :mod:`tritonllm.bench.train`'s docstring). Returns the side's figures and its
-    kernel times per step (ours, others)."""
+    kernel times per step (ours, others). ``cycles_per_ms`` None: a step on the CPU (Triton's interpreter, a smoke
+    run of the code path), timed by its wall clock only."""
+    if cycles_per_ms is None:
+        for _ in range(args.warmup):
+            step()
+        wall = wall_ms(step, args.steps, lambda: None)
+        return {"tokens_per_s": round(tokens / (wall / 1e3)), "step_ms": round(wall, 3)}, {}, {}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -259,8 +265,9 @@ def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int,
 
 def free_gpu() -> None:
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def baseline_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:

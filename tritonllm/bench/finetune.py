@@ -100,16 +100,14 @@ def lora_flops_per_token(hf_config, n_params: int, T: int) -> int:
     return 4 * n_params + 12 * hf_config.num_hidden_layers * hf_config.num_attention_heads * head_dim * T
 
 
-def _measure(step, args, tokens: int, flops_per_token: int, device: torch.device, cycles_per_ms: float | None):
-    """The side's figures: :func:`tritonllm.bench.common.measure` on CUDA; on the CPU wall time only."""
-    from tritonllm.bench.common import measure, wall_ms
+def _measure(step, args, tokens: int, flops_per_token: int, cycles_per_ms: float | None):
+    """The side's figures: :func:`tritonllm.bench.common.measure`, with the share of tritonllm's kernels on CUDA
+    (``cycles_per_ms`` None: on the CPU, wall time only)."""
+    from tritonllm.bench.common import measure
 
-    if device.type != "cuda" or cycles_per_ms is None:  # cycles_per_ms: measured on CUDA only
-        for _ in range(args.warmup):
-            step()
-        wall = wall_ms(step, args.steps, lambda: None)
-        return {"tokens_per_s": round(tokens / (wall / 1e3)), "step_ms": round(wall, 3)}
     figures, ours, others = measure(step, args, tokens, flops_per_token, PEAK_FLOPS, cycles_per_ms)
+    if cycles_per_ms is None:
+        return figures
     total = sum(ours.values()) + sum(others.values())
     figures["triton_share"] = round(sum(ours.values()) / total, 4) if total else None
     figures["top_other_kernels_ms"] = {k: round(v, 3) for k, v in sorted(others.items(), key=lambda kv: -kv[1])[:8]}
@@ -168,7 +166,7 @@ def time_hf(side: str, folder: str, x, labels, args, flops_per_token, cycles_per
     params = [p for p in model.parameters() if p.requires_grad]
     run = _hf_step(torch.compile(model) if side == "peft+compile" else model, params)
     try:
-        return _measure(lambda: run(x, labels), args, x.numel(), flops_per_token, x.device, cycles_per_ms)
+        return _measure(lambda: run(x, labels), args, x.numel(), flops_per_token, cycles_per_ms)
     finally:
         del run, model, params
         torch._dynamo.reset()
@@ -193,8 +191,7 @@ def time_tritonllm(folder: str, x, labels, args, flops_per_token, cycles_per_ms)
     figures, captured = {}, False
     for graph in ((False, True) if x.is_cuda else (False,)):
         step = TrainStep(model, optimizer, grad_clip=1.0, cuda_graph=graph)
-        figures[graph] = _measure(lambda: step([(x, y)], lr=LR), args, x.numel(), flops_per_token, x.device,
-                                  cycles_per_ms)
+        figures[graph] = _measure(lambda: step([(x, y)], lr=LR), args, x.numel(), flops_per_token, cycles_per_ms)
         captured = captured or step.graphed
         del step
         if x.is_cuda:

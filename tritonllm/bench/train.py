@@ -1,6 +1,8 @@
 """``python -m tritonllm.bench train +model=void125m [hydra overrides] [--steps 20 --warmup 5 --out docs/perf]``
 ``python -m tritonllm.bench train --nproc 2 +model=void1b [--parallel ddp,fsdp]``: DDP and FSDP2 on
 several GPUs against one, beside the baseline parallelised alike (:mod:`tritonllm.bench.dist_train`).
+``python -m tritonllm.bench train +model=void_tiny --device cpu``: a smoke run of the code path without a
+GPU (tritonllm's eager step in Triton's interpreter, fp32; its timing means nothing and nothing is written).
 
 Training throughput of tritonllm against a strong plain-PyTorch baseline, in one process run, on
 random tokens (the data does not change the speed). The config is composed like
@@ -94,23 +96,25 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
     """tritonllm's eager and graphed steps, and with ``args.compiled`` the same two with the model under
     ``torch.compile(fullgraph=True)``. Returns (graphed figures, eager figures, graphed kernel times
     (ours, others), whether the graph was captured, flops per token, the initial weights on the CPU,
-    the compiled sides' figures by ``eager`` / ``graphed``)."""
+    the compiled sides' figures by ``eager`` / ``graphed``). On the CPU (``--device cpu``) the model is
+    fp32 and only the eager step runs, its figures standing for both."""
     from tritonllm.models import build_model
     from tritonllm.train import build_optimizer
     from tritonllm.train.step import TrainStep
 
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, device=x.device, dtype=torch.bfloat16)
+    model = build_model(model_cfg, device=x.device, dtype=torch.bfloat16 if x.is_cuda else torch.float32)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    optimizer = build_optimizer(model, cfg.optim, master_weights=True)
+    optimizer = build_optimizer(model, cfg.optim, master_weights=x.is_cuda)
     flops_per_token = model.flops_per_token(x.shape[1])
-    print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{x.shape[0]} x T{x.shape[1]} bf16, "
+    print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{x.shape[0]} x T{x.shape[1]} "
+          f"{'bf16' if x.is_cuda else 'fp32'}, "
           f"{flops_per_token * x.numel() / 1e12:.2f} TFLOP per step", flush=True)
     lr = float(cfg.optim.lr)
     sides, captured, compiled_sides = {}, {}, {}
     for compiled in (False, True) if args.compiled else (False,):
         runner = torch.compile(model, fullgraph=True) if compiled else model
-        for graph in (False, True):
+        for graph in (False, True) if x.is_cuda else (False,):
             train_step = TrainStep(runner, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1, cuda_graph=graph)
             try:
                 started = time.perf_counter()
@@ -139,11 +143,11 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
         torch._dynamo.reset()
     del model, optimizer
     free_gpu()
-    (graphed, ours, others), (eager, _, _) = sides[False, True], sides[False, False]
+    (graphed, ours, others), (eager, _, _) = sides.get((False, True), sides[False, False]), sides[False, False]
     for graph in (False, True):
         if (True, graph) in sides:
             compiled_sides["graphed" if graph else "eager"] = {**sides[True, graph][0], "cuda_graph": captured[True, graph]}
-    return graphed, eager, (ours, others), captured[False, True], flops_per_token, weights, compiled_sides
+    return graphed, eager, (ours, others), captured.get((False, True), False), flops_per_token, weights, compiled_sides
 
 
 def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args, flops_per_token, peak_flops,
@@ -198,9 +202,15 @@ def _parse(argv: list[str]):
                    help="the MoE baseline's experts: torch._grouped_mm, a loop over experts, or auto (the default "
                         "of tritonllm.bench.baseline_model)")
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                   help="cpu: a smoke run of the code path, tritonllm's eager step in Triton's interpreter (fp32, "
+                        "wall time only, no baselines, nothing written)")
     args, overrides = p.parse_with_overrides(argv)
-    if args.warmup < 3:
-        p.error(f"--warmup must be >= 3 (two eager warm-up steps, then the graph capture), got {args.warmup}")
+    if args.device == "cpu" and (args.compiled or args.host_profile):
+        p.error("--compiled and --host-profile time a GPU: leave them out with --device cpu")
+    if args.warmup < (1 if args.device == "cpu" else 3):
+        p.error(f"--warmup must be >= 3 (two eager warm-up steps, then the graph capture; >= 1 with --device cpu), "
+                f"got {args.warmup}")
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.ab_rounds < 1:
@@ -249,17 +259,23 @@ def main(argv: list[str]) -> None:
     args, overrides = _parse(argv)
     cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
     model_cfg = model_config(cfg)
-    if not torch.cuda.is_available():
-        raise TritonLLMError("python -m tritonllm.bench train needs a CUDA GPU (the arguments are valid)")
+    if args.device == "auto" and not torch.cuda.is_available():
+        raise TritonLLMError("python -m tritonllm.bench train needs a CUDA GPU (the arguments are valid; "
+                             "--device cpu: a smoke run in Triton's interpreter)")
     B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
     with open_dict(cfg):
         cfg.model.vocab_size = model_cfg.vocab_size
-    device = torch.device("cuda")
+    device = torch.device("cuda" if args.device == "auto" else "cpu")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens = torch.randint(0, model_cfg.vocab_size, (B, T + 1), device=device, generator=gen)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     peak_flops = float(cfg.trainer.peak_flops)
     host_cpu = host_cpu_model()
+    if device.type == "cpu":
+        _, eager, *_ = time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, None)
+        print(f"tritonllm (eager) on the CPU, in Triton's interpreter: {eager['step_ms']:.0f} ms per step; host CPU: "
+              f"{host_cpu}; nothing written (the interpreter's timings mean nothing)")
+        return
     cycles_per_ms = spin_cycles_per_ms()
     print(f"{torch.cuda.get_device_name()}, host CPU: {host_cpu}, torch {torch.__version__}", flush=True)
 
