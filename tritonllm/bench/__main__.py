@@ -1,5 +1,5 @@
 """``python -m tritonllm.bench kernels [--ops rms_norm,swiglu] [--sizes default,large]``
-``python -m tritonllm.bench train +model=void125m [overrides]``
+``python -m tritonllm.bench train +model=void125m [overrides]`` (``--device cpu``: a smoke run in Triton's interpreter)
 ``python -m tritonllm.bench decode +model=void125m [--batch 1,32 --prompt-len 128 --new-tokens 256]``
 ``python -m tritonllm.bench finetune [--config tinyllama --batch 4 --seq-len 2048 --rank 16]`` (LoRA, vs transformers + PEFT)
 ``python -m tritonllm.bench speedrun +model=void125m [--target 2.5 --bin 'train_*.bin' --sides adamw,recipe,torch]``

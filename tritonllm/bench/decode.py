@@ -245,7 +245,7 @@ ALL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBacke
 
 def _parse(argv: list[str]):
     p = ArgumentParser(prog="python -m tritonllm.bench decode",
-                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+                       description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)

@@ -294,7 +294,7 @@ def run_worker(argv: list[str]) -> None:
 
 def _parse(argv: list[str]):
     p = ArgumentParser(prog="python -m tritonllm.bench train --nproc N",
-                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+                       description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--nproc", required=True,
                    help="GPUs (processes) of the parallel runs, >= 2; comma-separated for several (2,4,8)")
     p.add_argument("--no-one-gpu", action="store_true",

@@ -320,7 +320,7 @@ def run_torch(model_cfg, cfg, corpus, weights, args, device) -> dict:
 
 def parse(argv: list[str]):
     p = ArgumentParser(prog="python -m tritonllm.bench speedrun",
-                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+                       description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--target", type=float, default=DEFAULT_TARGET, help="validation loss to reach")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of: {', '.join(SIDES)}")
     p.add_argument("--bin", default=None, help="llm.c / modded-nanogpt training shards (glob); default: data config")

@@ -184,7 +184,7 @@ def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args
 
 def _parse(argv: list[str]):
     p = ArgumentParser(prog="python -m tritonllm.bench train",
-                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+                       description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--steps", type=int, default=20, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps first (compilation, autotuning, tritonllm's graph capture); >= 3")
