@@ -1,5 +1,8 @@
 # tritonllm: `make train` trains void_tiny on the embedded corpus, `make test` runs the CPU suite.
-# Each target creates its own virtual environment (.venv) and installs what it needs.
+# Whichever target runs first creates the virtual environment (.venv) with tritonllm and what training
+# needs; each target then adds the extras it needs (one stamp file per set): `make train` only the
+# training dependencies, `make test` the test and sweep extras, `make lint` the lint extra, `make
+# typecheck` the lint and test extras (mypy checks against the packages the tests import).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,16 +11,28 @@ PY := $(VENV)/bin/python
 # e.g. `make train TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+STAMP_TEST := $(VENV)/.installed-test
+STAMP_LINT := $(VENV)/.installed-lint
 
 .PHONY: train test test-gpu smoke-gpu lint typecheck bench bench-train install clean
+# the stamps' pip installs share one environment: never two at once
+.NOTPARALLEL:
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,sweep,lint]"
+	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+$(STAMP_TEST): $(STAMP)
+	$(PY) -m pip install -q -e ".[test,sweep]"
+	touch $(STAMP_TEST)
+
+$(STAMP_LINT): $(STAMP)
+	$(PY) -m pip install -q -e ".[lint]"
+	touch $(STAMP_LINT)
+
+install: $(STAMP) $(STAMP_TEST) $(STAMP_LINT)
 
 # Trains void_tiny on the corpus built from the Python standard library, checkpoints it and
 # prints a generated sample; on a machine without a GPU the kernels run in Triton's interpreter.
@@ -25,16 +40,16 @@ train: $(STAMP)
 	$(PY) -m tritonllm.train +model=void_tiny experiment=cpu_smoke
 
 # CPU suite (Triton interpreter, small shapes): under 15 minutes on 2 cores.
-test: $(STAMP)
+test: $(STAMP_TEST)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # ruff's lint rules (pyproject.toml [tool.ruff]) over the whole tree; .ci/run runs it before the tests.
-lint: $(STAMP)
+lint: $(STAMP_LINT)
 	$(PY) -m ruff check .
 
 # mypy over kernels/ and tritonllm/ (pyproject.toml [tool.mypy]); clean, and .ci/run runs it after the lint
 # (about a minute on 2 cores without a cache).
-typecheck: $(STAMP)
+typecheck: $(STAMP_LINT) $(STAMP_TEST)
 	$(PY) -m mypy
 
 # The same tests on CUDA, adding bfloat16 and the large shapes marked `gpu`.

@@ -24,7 +24,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tritonllm.bench import reference_ops as ref_ops  # noqa: E402
-from tritonllm.bench.train import host_cpu_model  # noqa: E402
+from tritonllm.bench.common import host_cpu_model  # noqa: E402
 from tritonllm.kernels.flash_attention import flash_attention  # noqa: E402
 from tritonllm.kernels.flash_attention.settings import attention_settings, configure_attention  # noqa: E402
 

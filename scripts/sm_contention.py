@@ -37,7 +37,7 @@ import subprocess
 import torch
 import torch.nn.functional as F
 
-from tritonllm.bench.train import host_cpu_model
+from tritonllm.bench.common import host_cpu_model
 from tritonllm.kernels import configure_gemm, gemm_settings, linear
 
 HOG_SMEM = 200 * 1024

@@ -129,7 +129,7 @@ def cases(work: Path) -> list[tuple[str, list[str], int, int, str]]:
                           "--prompt-len", "16", "--new-tokens", "8", "--out", str(work / "bench")], 240, 0,
          r"tok|ms"),
         ("bench_finetune", [PY, "-m", "tritonllm.bench", "finetune", "--config", "tiny", "--batch", "2",
-                            "--seq-len", "128", "--steps", "2", "--warmup", "3", "--host-profile", "2",
+                            "--seq-len", "64", "--steps", "2", "--warmup", "3", "--host-profile", "2",
                             "--out", str(work / "bench")], 420, 0, r"^tritonllm"),
         ("bench_speedrun_no_model", [PY, "-m", "tritonllm.bench", "speedrun"], 120, 1, r"^tritonllm: error: no model"),
         ("bench_speedrun", [PY, "-m", "tritonllm.bench", "speedrun", "+model=void_tiny", "--max-steps", "6",
@@ -191,8 +191,8 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         sys.exit("scripts/smoke_gpu.py needs a CUDA GPU")
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import gpu_slug
-    from tritonllm.bench.train import host_cpu_model
 
     work = Path(args.work)
     subprocess.run(["rm", "-rf", str(work)], check=True)

@@ -45,8 +45,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from tritonllm.bench.common import host_cpu_model  # noqa: E402
 from tritonllm.bench.ops_attention import attention_flops  # noqa: E402
-from tritonllm.bench.train import host_cpu_model  # noqa: E402
 from tritonllm.kernels import flash_attention  # noqa: E402
 from tritonllm.kernels.flash_attention.backward import AttentionBackward  # noqa: E402
 from tritonllm.kernels.flash_attention.settings import attention_settings, configure_attention  # noqa: E402

@@ -1,5 +1,5 @@
 """The training benchmark's strong PyTorch baseline (``tritonllm.bench.baseline_model``) against the
-float64 reference model, and the benchmark's host-side bookkeeping (``tritonllm.bench.train``).
+float64 reference model, and the benchmark's host-side bookkeeping (``tritonllm.bench.common``, ``tritonllm.bench.train``).
 
 No kernel runs here: the tritonllm model is only built for its state_dict, which both the baseline
 and the reference load."""
@@ -17,8 +17,10 @@ from _checks import DEVICE, assert_close
 from reference_model import ReferenceTransformer
 from tritonllm.bench import baseline_model
 from tritonllm.bench.baseline_model import BaselineTransformer
-from tritonllm.bench.train import (OUR_KERNEL, _parse, busy_ms, host_ms, host_profile, interleaved_ratio, parse_cpu_model,
-                                   wall_ms, with_speedup)
+from tritonllm.bench.common import (OUR_KERNEL, busy_ms, host_area, host_area_dirs, host_ms, host_profile,
+                                    interleaved_ratio, parse_cpu_model, wall_ms)
+from tritonllm.bench.train import _parse, with_speedup
+from tritonllm.errors import ConfigError
 from tritonllm.models import ModelConfig, build_model
 
 #: void_tiny's features at toy size: odd vocabulary, widths and sequence length
@@ -284,12 +286,14 @@ def test_parse_options():
     assert _parse([])[0].baselines == ["compile", "reduce-overhead", "max-autotune"]
     assert _parse(["--no-baseline"])[0].baselines == []
     assert (_parse([])[0].compiled, _parse(["--compiled"])[0].compiled) == (False, True)
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--warmup must be >= 3"):
         _parse(["--warmup", "2"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--baselines: unknown"):
         _parse(["--baselines", "compile,eager"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--ab-rounds must be >= 1"):
         _parse(["--compiled", "--ab-rounds", "0"])
+    with pytest.raises(ConfigError, match="unrecognized arguments: --stepz"):  # not taken for a Hydra override
+        _parse(["+model=void125m", "--stepz", "7"])
 
 
 def test_interleaved_ratio_pairs_each_round_on_the_same_host():
@@ -328,6 +332,46 @@ def test_host_profile_attributes_self_time_to_areas_and_functions(monkeypatch):
     assert pow2["calls"] == 2000 and "_common.py" in pow2["fn"]
     assert len(host_profile(step, 1, top=5)["top"]) == 5
     assert _parse(["--host-profile", "3"])[0].host_profile == 3 and _parse([])[0].host_profile == 0
+
+
+def test_host_profile_areas_are_package_folders_not_names_in_the_path(monkeypatch, tmp_path):
+    """A file in a folder that merely has a package's name (a clone into ``tritonllm/``, a user's
+    ``triton/`` folder) is ``other``; the packages' own files are theirs, whatever folder holds them."""
+    import importlib.util
+
+    import triton
+
+    import tritonllm
+    from tritonllm.kernels import _common
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    for folder in ("tritonllm", "kernels", "triton", "torch"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "x.py").write_text("def spin(n):\n    return sum(i * i for i in range(n))\n")
+    spins = []
+    for folder in ("tritonllm", "kernels", "triton", "torch"):
+        spec = importlib.util.spec_from_file_location(f"_area_{folder}", tmp_path / folder / "x.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        spins.append(module.spin)
+    dirs = host_area_dirs()
+    for spin in spins:
+        assert host_area(spin.__code__.co_filename, dirs) == "other"
+    assert host_area(tritonllm.__file__, dirs) == "tritonllm" and host_area(_common.__file__, dirs) == "tritonllm"
+    assert host_area(triton.__file__, dirs) == "triton" and host_area(torch.__file__, dirs) == "torch"
+    assert host_area(torch._dynamo.__file__, dirs) == "dynamo" and host_area(torch.autograd.__file__, dirs) == "autograd"
+    assert host_area("~", dirs) == "builtins"
+
+    def step():
+        for spin in spins:
+            spin(20000)
+        for n in range(1, 2001):
+            _common.next_pow2(n)
+
+    prof = host_profile(step, 2, top=10**6)
+    outside = sum(r["ms"] for r in prof["top"] if str(tmp_path) in r["fn"])  # the four spins, counted as other
+    assert outside > 0 and prof["areas"]["other"] * prof["host_ms"] >= 0.99 * outside
+    assert prof["areas"]["tritonllm"] > 0
 
 
 def test_speedup_is_against_the_fastest_baseline_that_ran():

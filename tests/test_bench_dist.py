@@ -13,6 +13,7 @@ import torch
 
 from _checks import ON_GPU, child_env
 from tritonllm.bench.dist_train import launch
+from tritonllm.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -61,10 +62,10 @@ def test_two_processes_fsdp_rows(tmp_path):
     (["--nproc", "2", "--steps", "0"], "--steps must be >= 1"),
     (["--nproc", "2", "--rounds", "0"], "--rounds must be >= 1"),
 ], ids=["one-proc", "one-proc-in-list", "not-a-number", "unknown-mode", "no-steps", "no-rounds"])
-def test_bad_arguments(argv, message, capsys):
-    with pytest.raises(SystemExit):
+def test_bad_arguments(argv, message):
+    with pytest.raises(ConfigError, match="python -m tritonllm.bench train --nproc N: ") as e:
         launch([*argv, "--device", "cpu", *TINY])
-    assert message in capsys.readouterr().err
+    assert message in str(e.value)
 
 
 
@@ -182,7 +183,7 @@ def test_ab_sets_the_variable_for_the_variant_only(tmp_path, monkeypatch):
         assert dist_train._run(side, "fsdp", 2, args, [], str(tmp_path))["step_ms"] == 1.0
     assert started == [("tritonllm", None, False), ("tritonllm", "Ring", False), ("tritonllm", None, True),
                        ("baseline", None, False)]
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--ab: a config key or an environment variable and its value"):
         dist_train._parse(["--nproc", "2", "--ab", "8"])
 
 

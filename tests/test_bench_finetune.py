@@ -12,6 +12,7 @@ pytest.importorskip("peft")
 
 from tritonllm.bench import finetune  # noqa: E402
 from tritonllm.bench.harness import git_commit  # noqa: E402
+from tritonllm.errors import ConfigError  # noqa: E402
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
@@ -29,9 +30,9 @@ def test_smoke_run_writes_a_row(tmp_path, monkeypatch):
 
 
 def test_bad_options_name_the_option():
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match=r"--sides: unknown \['nope'\]"):
         finetune._parse(["--sides", "tritonllm,nope"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--seq-len 128 exceeds the tiny config's max_position_embeddings"):
         finetune._parse(["--config", "tiny", "--seq-len", "128"])
 
 

@@ -18,6 +18,7 @@ from reference_model import ReferenceTransformer
 from tritonllm.bench import speedrun
 from tritonllm.bench.baseline_model import BaselineTransformer
 from tritonllm.data import write_shard
+from tritonllm.errors import ConfigError
 from tritonllm.models import ModelConfig, build_model
 
 TINY = ["+model=void_tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.n_kv_heads=2",
@@ -118,7 +119,7 @@ def test_a_budget_over_more_than_one_pass_is_refused_in_one_line_before_training
 
 
 def test_bad_sides_are_refused():
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match=r"--sides: unknown \['jax'\]"):
         speedrun.parse(["--sides", "adamw,jax"])
 
 

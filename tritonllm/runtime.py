@@ -11,6 +11,7 @@ training loop records the signal instead (:class:`SignalFlag`) and stops after i
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import faulthandler
@@ -20,6 +21,7 @@ import re
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 import torch
 
@@ -192,6 +194,26 @@ def exit_on_user_error(fn):
     return wrapper
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` for tritonllm's commands: a bad argument (an unknown option, a value
+    of the wrong type or out of range, ``parser.error(...)``) raises a ConfigError, so that the command
+    ends in one line ``tritonllm: error: <prog>: <message>`` and exit status 1 (:func:`exit_on_user_error`)
+    instead of argparse's usage block and status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message}")
+
+    def parse_with_overrides(self, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+        """The options, and the rest as Hydra overrides (``key=value``, ``+key=value``, ``~key``); anything
+        else left that starts with ``-`` is an option this command does not have: an error, not an override."""
+        args, rest = self.parse_known_args(argv)
+        unknown = [a for a in rest if a.startswith("-")]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)} (options: "
+                       f"{', '.join(o for a in self._actions for o in a.option_strings if o.startswith('--'))})")
+        return args, rest
+
+
 _CONVERSION = re.compile(r"Value '(.*)' (?:of type '\w+' could not be converted to (\w+)|is not a valid (bool))")
 _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 
@@ -260,7 +282,8 @@ def _set_full_error(value: str | None) -> None:
 
 def hydra_app(config_name: str):
     """``@hydra.main`` over ``tritonllm.conf/<config_name>.yaml`` for a tritonllm command: a
-    TritonLLMError from the app and a config that does not compose both end as one line
+    TritonLLMError from the app, a config that does not compose and a run folder Hydra cannot create
+    (``hydra.run.dir`` below a file, a folder without write permission) end as one line
     ``tritonllm: error: ...`` and exit status 1 (``HYDRA_FULL_ERROR=1`` shows Hydra's own report)."""
     import hydra
     from hydra.errors import HydraException
@@ -268,9 +291,12 @@ def hydra_app(config_name: str):
 
     def decorate(fn):
         asked = os.environ.get("HYDRA_FULL_ERROR")
+        started = False  # whether Hydra has called the app (an OSError before that is Hydra's, on the run folder)
 
         @exit_on_user_error
         def app(cfg):
+            nonlocal started
+            started = True
             _set_full_error(asked)  # the app and the processes it starts see the user's setting
             try:
                 return fn(cfg)
@@ -281,6 +307,15 @@ def hydra_app(config_name: str):
 
         @functools.wraps(fn)
         def main():
+            # an option neither Hydra nor tritonllm has (a typo of a flag, an argparse habit) is one line, not
+            # Hydra's usage block and status 2; key=value overrides are Hydra's positional arguments
+            from hydra._internal.utils import get_args_parser
+
+            unknown = [a for a in get_args_parser().parse_known_args(sys.argv[1:])[1] if a.startswith("-")]
+            if unknown:
+                print(f"tritonllm: error: unrecognized arguments: {' '.join(unknown)} (settings are key=value; "
+                      f"--help lists Hydra's options)", file=sys.stderr, flush=True)
+                raise SystemExit(1)
             _set_full_error("1")  # Hydra raises a composition error instead of printing its multi-line report
             try:
                 return task()
@@ -288,6 +323,12 @@ def hydra_app(config_name: str):
                 if asked == "1":
                     raise
                 print(f"tritonllm: error: {describe_config_error(e)}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            except OSError as e:
+                if started or asked == "1":
+                    raise
+                print(f"tritonllm: error: cannot create the run folder {e.filename} (hydra.run.dir, hydra.sweep.dir): "
+                      f"{e.strerror}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
             finally:
                 _set_full_error(asked)

@@ -1,5 +1,5 @@
 """``python -m tritonllm.bench kernels [--ops rms_norm,swiglu] [--sizes default,large]``
-``python -m tritonllm.bench train +model=void125m [overrides]``
+``python -m tritonllm.bench train +model=void125m [overrides]`` (``--device cpu``: a smoke run in Triton's interpreter)
 ``python -m tritonllm.bench decode +model=void125m [--batch 1,32 --prompt-len 128 --new-tokens 256]``
 ``python -m tritonllm.bench finetune [--config tinyllama --batch 4 --seq-len 2048 --rank 16]`` (LoRA, vs transformers + PEFT)
 ``python -m tritonllm.bench speedrun +model=void125m [--target 2.5 --bin 'train_*.bin' --sides adamw,recipe,torch]``
@@ -10,13 +10,13 @@ writes ``docs/perf/<kind>-<gpu>.json``.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
 import torch
 
-from tritonllm.runtime import exit_on_user_error
+from tritonllm.errors import ConfigError, TritonLLMError
+from tritonllm.runtime import ArgumentParser, exit_on_user_error
 
 #: benchmark modules, one per op family; each has OPS (names) and cases(size, dtype).
 FAMILIES = [
@@ -28,6 +28,10 @@ FAMILIES = [
     "tritonllm.bench.ops_moe",
     "tritonllm.bench.ops_fp8",
 ]
+#: the shape sets every family's cases() knows
+SIZES = ("default", "large")
+#: the modes of ``python -m tritonllm.bench``
+MODES = ("kernels", "train", "decode", "finetune", "speedrun")
 
 
 def _families(ops: set[str] | None):
@@ -38,24 +42,31 @@ def _families(ops: set[str] | None):
 
 
 def bench_kernels(argv: list[str]) -> None:
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import TIMING, copy_bandwidth_gbs, print_table, run_case, write_results
-    from tritonllm.bench.train import host_cpu_model
 
-    p = argparse.ArgumentParser(prog="python -m tritonllm.bench kernels")
+    p = ArgumentParser(prog="python -m tritonllm.bench kernels")
     p.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
     p.add_argument("--sizes", default="default,large", help="comma-separated: default (void125m shapes), large")
     p.add_argument("--out", default="docs/perf", help="folder for kernels-<gpu>.json")
     p.add_argument("--profile", action="store_true", help="also list each pass's kernels and their GPU time")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("python -m tritonllm.bench needs a CUDA GPU (timings under the interpreter mean nothing)")
     ops = set(args.ops.split(",")) if args.ops else None
+    known = {op for name in FAMILIES for op in importlib.import_module(name).OPS}
+    if ops is not None and ops - known:
+        p.error(f"--ops: unknown {sorted(ops - known)}; choose from {', '.join(sorted(known))}")
+    sizes = [s for s in args.sizes.split(",") if s]
+    if not sizes or set(sizes) - set(SIZES):
+        p.error(f"--sizes: comma-separated, of {', '.join(SIZES)}; got {args.sizes!r}")
+    if not torch.cuda.is_available():
+        raise TritonLLMError("python -m tritonllm.bench kernels needs a CUDA GPU (the arguments are valid; "
+                             "timings under the interpreter mean nothing)")
     copy = copy_bandwidth_gbs()
     cpu = host_cpu_model()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s (read + write); host {cpu}")
     rows = []
     for mod in _families(ops):
-        for size in args.sizes.split(","):
+        for size in sizes:
             for case in mod.cases(size, torch.bfloat16):
                 if ops is not None and case.op not in ops:
                     continue
@@ -76,8 +87,13 @@ def bench_kernels(argv: list[str]) -> None:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("kernels", "train", "decode", "speedrun", "finetune"):
+    if not argv:
         sys.exit(__doc__)
+    if argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    if argv[0] not in MODES:
+        raise ConfigError(f"python -m tritonllm.bench: unknown mode {argv[0]!r}; choose from {', '.join(MODES)}")
     if argv[0] == "kernels":
         bench_kernels(argv[1:])
     elif argv[0] == "speedrun":

@@ -39,9 +39,7 @@ gave the same tokens (greedy, bf16: they run the same kernels).
 
 from __future__ import annotations
 
-import argparse
 import gc
-import sys
 import time
 import typing
 from collections.abc import Iterable
@@ -52,6 +50,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tritonllm.bench.baseline_model import rope_tables
+from tritonllm.runtime import ArgumentParser
 from tritonllm.models.transformer import release_decoders
 
 
@@ -245,15 +244,15 @@ ALL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBacke
 
 
 def _parse(argv: list[str]):
-    p = argparse.ArgumentParser(prog="python -m tritonllm.bench decode",
-                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+    p = ArgumentParser(prog="python -m tritonllm.bench decode",
+                       description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
                    help=f"comma-separated, of: {', '.join(BASELINES)}")
     p.add_argument("--out", default="docs/perf", help="folder for decode-<gpu>.json")
-    args, overrides = p.parse_known_args(argv)
+    args, overrides = p.parse_with_overrides(argv)
     try:
         args.batch = [int(b) for b in args.batch.split(",") if b]
     except ValueError:
@@ -276,28 +275,21 @@ def _line(name: str, f: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import write_results
-    from tritonllm.bench.train import host_cpu_model
-    from tritonllm.errors import TritonLLMError
-    from tritonllm.models import ModelConfig, build_model
+    from tritonllm.errors import ConfigError, TritonLLMError
+    from tritonllm.models import build_model
     from tritonllm.runtime import compose_config
+    from tritonllm.train import model_config
 
     args, overrides = _parse(argv)
-    if not torch.cuda.is_available():
-        sys.exit("python -m tritonllm.bench decode needs a CUDA GPU")
-    try:
-        cfg = compose_config("train", overrides)
-    except TritonLLMError as e:
-        sys.exit(f"tritonllm: error: {e}")
-    if cfg.get("model") is None:
-        sys.exit("tritonllm: error: no model chosen: add +model=<name>")
-    try:
-        model_cfg = ModelConfig.from_dict(cfg.model)
-    except (TypeError, ValueError) as e:
-        sys.exit(f"tritonllm: error: model config: {e}")
+    cfg = compose_config("train", overrides)
+    model_cfg = model_config(cfg)
     if args.prompt_len + args.new_tokens > model_cfg.max_seq_len:
-        sys.exit(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds the model's "
-                 f"max_seq_len {model_cfg.max_seq_len}")
+        raise ConfigError(f"python -m tritonllm.bench decode: --prompt-len + --new-tokens = "
+                          f"{args.prompt_len + args.new_tokens} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    if not torch.cuda.is_available():
+        raise TritonLLMError("python -m tritonllm.bench decode needs a CUDA GPU (the arguments are valid)")
     host_cpu = host_cpu_model()
     print(f"{torch.cuda.get_device_name()}, host CPU: {host_cpu}, torch {torch.__version__}", flush=True)
     torch.manual_seed(cfg.seed)

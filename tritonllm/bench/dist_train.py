@@ -85,7 +85,7 @@ import time
 
 import torch
 
-from tritonllm.runtime import end_process_tree
+from tritonllm.runtime import ArgumentParser, end_process_tree
 
 #: --compile-mode -> torch.compile mode of the baseline's blocks (none: eager)
 COMPILE_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs", "none": None}
@@ -126,7 +126,7 @@ def _tritonllm_step(model_cfg, cfg, mode, env, dtype):
 def _baseline_step(model_cfg, cfg, mode, env, dtype, compile_mode):
     """The plain-PyTorch baseline's step on this rank (see the module docstring)."""
     from tritonllm.bench.baseline_model import BaselineTransformer, default_expert_impl
-    from tritonllm.bench.train import baseline_optimizer, baseline_update
+    from tritonllm.bench.common import baseline_optimizer, baseline_update
 
     experts = default_expert_impl(env.device) if model_cfg.n_experts else None
     with torch.device(env.device):
@@ -178,7 +178,7 @@ def run_worker(argv: list[str]) -> None:
 
     import torch.distributed as dist
 
-    from tritonllm.bench.train import kernel_times, wall_ms
+    from tritonllm.bench.common import kernel_times, wall_ms
     from tritonllm.runtime import compose_config
     from tritonllm.train import model_config
     from tritonllm.train.parallel import init_distributed, shutdown
@@ -294,8 +294,8 @@ def run_worker(argv: list[str]) -> None:
 # --- the launcher --------------------------------------------------------------------------------
 
 def _parse(argv: list[str]):
-    p = argparse.ArgumentParser(prog="python -m tritonllm.bench train --nproc N",
-                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+    p = ArgumentParser(prog="python -m tritonllm.bench train --nproc N",
+                       description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--nproc", required=True,
                    help="GPUs (processes) of the parallel runs, >= 2; comma-separated for several (2,4,8)")
     p.add_argument("--no-one-gpu", action="store_true",
@@ -316,7 +316,7 @@ def _parse(argv: list[str]):
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
     p.add_argument("--log", help="file the configurations' output is appended to (default: discarded after the run)")
-    args, overrides = p.parse_known_args(argv)
+    args, overrides = p.parse_with_overrides(argv)
     try:
         args.nproc = sorted({int(n) for n in args.nproc.split(",") if n.strip()})
     except ValueError:
@@ -488,15 +488,20 @@ def _rows(runs: dict, args, stamp: dict) -> list[dict]:
 def launch(argv: list[str]) -> list[dict]:
     """The ``--nproc`` benchmark (module docstring); returns the rows written. The rows are rewritten
     after every configuration, so that a run cut short keeps what it measured."""
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import git_commit
-    from tritonllm.bench.train import host_cpu_model
+    from tritonllm.errors import ConfigError, TritonLLMError
+    from tritonllm.runtime import compose_config
+    from tritonllm.train import model_config
 
     args, overrides = _parse(argv)
+    model_config(compose_config("train", overrides))  # a config error before any process starts
     if args.device == "auto" and not torch.cuda.is_available():
-        sys.exit("python -m tritonllm.bench train --nproc needs CUDA GPUs (--device cpu: a gloo smoke test)")
+        raise TritonLLMError("python -m tritonllm.bench train --nproc needs CUDA GPUs (the arguments are valid; "
+                             "--device cpu: a gloo smoke test)")
     if args.device == "auto" and args.nproc[-1] > torch.cuda.device_count():
-        sys.exit(f"python -m tritonllm.bench train: --nproc {args.nproc[-1]} asks for more GPUs than the "
-                 f"{torch.cuda.device_count()} this host has")
+        raise ConfigError(f"python -m tritonllm.bench train: --nproc {args.nproc[-1]} asks for more GPUs than the "
+                          f"{torch.cuda.device_count()} this host has")
     host_cpu = host_cpu_model()
     print(f"host CPU: {host_cpu}", flush=True)
     # the one-GPU references first (every scaling efficiency needs them), then per GPU count its rounds,

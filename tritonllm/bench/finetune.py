@@ -22,7 +22,7 @@ base frozen. The transformers sides step ``loss = model(input_ids, labels=labels
 ``torch.optim.AdamW(adapters, fused=True)``, ``zero_grad(set_to_none=True)``; tritonllm's step does
 the same with its kernels. Labels: random tokens, the first quarter of each row -100 (a prompt).
 
-Figures per side (the GPU timing of ``tritonllm.bench.train``, :func:`tritonllm.bench.train.measure`):
+Figures per side (the GPU timing of ``tritonllm.bench.train``, :func:`tritonllm.bench.common.measure`):
 ``step_ms`` (wall), ``tokens_per_s`` (B T / step), ``gpu_ms`` (profiler kernel sum), ``host_ms``,
 ``peak_mem_gb``, ``triton_share`` (GPU time in tritonllm's kernels), ``mfu`` with the FLOPs of a
 frozen-base LoRA step, ``4 N + 12 n_layers n_heads head_dim T`` per token (no weight gradients for
@@ -36,7 +36,6 @@ Without a GPU the sides run on the CPU (through Triton's interpreter; use ``--co
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -44,7 +43,8 @@ from typing import Any
 
 import torch
 
-from tritonllm.bench.train import free_gpu
+from tritonllm.bench.common import free_gpu
+from tritonllm.runtime import ArgumentParser, exit_on_user_error
 
 #: model shapes (transformers LlamaConfig fields); tinyllama: TinyLlama-1.1B's dimensions
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -63,7 +63,7 @@ PEAK_FLOPS = 989e12  # H100/H200 dense bf16, as trainer.peak_flops
 
 
 def _parse(argv: list[str]):
-    p = argparse.ArgumentParser(prog="python -m tritonllm.bench finetune", description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(prog="python -m tritonllm.bench finetune", description=__doc__.split("\n\n")[1])
     p.add_argument("--config", default="tinyllama", choices=sorted(CONFIGS), help="model shape")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -83,6 +83,11 @@ def _parse(argv: list[str]):
         p.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
     if args.warmup < (3 if torch.cuda.is_available() else 1) or args.steps < 1:
         p.error(f"--warmup must be >= 3 (>= 1 on the CPU) and --steps >= 1, got {args.warmup} and {args.steps}")
+    for name in ("batch", "seq_len", "rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.host_profile < 0:
+        p.error(f"--host-profile must be >= 0 (0: no profile), got {args.host_profile}")
     if args.seq_len > CONFIGS[args.config]["max_position_embeddings"]:
         p.error(f"--seq-len {args.seq_len} exceeds the {args.config} config's max_position_embeddings")
     return args
@@ -95,16 +100,14 @@ def lora_flops_per_token(hf_config, n_params: int, T: int) -> int:
     return 4 * n_params + 12 * hf_config.num_hidden_layers * hf_config.num_attention_heads * head_dim * T
 
 
-def _measure(step, args, tokens: int, flops_per_token: int, device: torch.device, cycles_per_ms: float | None):
-    """The side's figures: :func:`tritonllm.bench.train.measure` on CUDA; on the CPU wall time only."""
-    from tritonllm.bench.train import measure, wall_ms
+def _measure(step, args, tokens: int, flops_per_token: int, cycles_per_ms: float | None):
+    """The side's figures: :func:`tritonllm.bench.common.measure`, with the share of tritonllm's kernels on CUDA
+    (``cycles_per_ms`` None: on the CPU, wall time only)."""
+    from tritonllm.bench.common import measure
 
-    if device.type != "cuda" or cycles_per_ms is None:  # cycles_per_ms: measured on CUDA only
-        for _ in range(args.warmup):
-            step()
-        wall = wall_ms(step, args.steps, lambda: None)
-        return {"tokens_per_s": round(tokens / (wall / 1e3)), "step_ms": round(wall, 3)}
     figures, ours, others = measure(step, args, tokens, flops_per_token, PEAK_FLOPS, cycles_per_ms)
+    if cycles_per_ms is None:
+        return figures
     total = sum(ours.values()) + sum(others.values())
     figures["triton_share"] = round(sum(ours.values()) / total, 4) if total else None
     figures["top_other_kernels_ms"] = {k: round(v, 3) for k, v in sorted(others.items(), key=lambda kv: -kv[1])[:8]}
@@ -163,7 +166,7 @@ def time_hf(side: str, folder: str, x, labels, args, flops_per_token, cycles_per
     params = [p for p in model.parameters() if p.requires_grad]
     run = _hf_step(torch.compile(model) if side == "peft+compile" else model, params)
     try:
-        return _measure(lambda: run(x, labels), args, x.numel(), flops_per_token, x.device, cycles_per_ms)
+        return _measure(lambda: run(x, labels), args, x.numel(), flops_per_token, cycles_per_ms)
     finally:
         del run, model, params
         torch._dynamo.reset()
@@ -188,8 +191,7 @@ def time_tritonllm(folder: str, x, labels, args, flops_per_token, cycles_per_ms)
     figures, captured = {}, False
     for graph in ((False, True) if x.is_cuda else (False,)):
         step = TrainStep(model, optimizer, grad_clip=1.0, cuda_graph=graph)
-        figures[graph] = _measure(lambda: step([(x, y)], lr=LR), args, x.numel(), flops_per_token, x.device,
-                                  cycles_per_ms)
+        figures[graph] = _measure(lambda: step([(x, y)], lr=LR), args, x.numel(), flops_per_token, cycles_per_ms)
         captured = captured or step.graphed
         del step
         if x.is_cuda:
@@ -208,8 +210,8 @@ def _speedup(row: dict, side: dict) -> float | None:
 def main(argv: list[str]) -> dict:
     import transformers
 
+    from tritonllm.bench.common import host_cpu_model, spin_cycles_per_ms
     from tritonllm.bench.harness import liger_available, write_results
-    from tritonllm.bench.train import host_cpu_model, spin_cycles_per_ms
 
     args = _parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -284,4 +286,4 @@ def _device_named() -> bool:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_on_user_error(main)(sys.argv[1:])

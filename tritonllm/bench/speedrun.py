@@ -43,7 +43,6 @@ with ``"pass": "speedrun"``, rewritten after every side.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
@@ -52,6 +51,8 @@ import time
 from typing import Any, Callable
 
 import torch
+
+from tritonllm.runtime import ArgumentParser
 
 SIDES = ("adamw", "recipe", "torch")
 #: modded-nanogpt's architecture options on a tritonllm ModelConfig (d_ff and value_embeddings are
@@ -350,8 +351,8 @@ def corpus_block(args, cfg, corpus) -> dict:
 # --- command line ---------------------------------------------------------------------------------
 
 def parse(argv: list[str]):
-    p = argparse.ArgumentParser(prog="python -m tritonllm.bench speedrun",
-                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+    p = ArgumentParser(prog="python -m tritonllm.bench speedrun",
+                       description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--target", type=float, default=DEFAULT_TARGET, help="validation loss to reach")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of: {', '.join(SIDES)}")
     p.add_argument("--bin", default=None, help="llm.c / modded-nanogpt training shards (glob); default: data config")
@@ -366,7 +367,7 @@ def parse(argv: list[str]):
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
     p.add_argument("--allow-repeat", action="store_true",
                    help="run even when the step budget passes over the training tokens more than once")
-    args, overrides = p.parse_known_args(argv)
+    args, overrides = p.parse_with_overrides(argv)
     args.sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in args.sides if s not in SIDES]
     if unknown:
@@ -374,6 +375,8 @@ def parse(argv: list[str]):
     for name in ("max_steps", "eval_every", "eval_batches", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_seconds <= 0:
+        p.error(f"--max-seconds must be > 0, got {args.max_seconds}")
     return args, overrides
 
 
@@ -412,16 +415,19 @@ def configs(args, overrides: list[str]):
 
 
 def main(argv: list[str]) -> None:
+    from tritonllm.bench.common import host_cpu_model
     from tritonllm.bench.harness import write_results
-    from tritonllm.bench.train import host_cpu_model
     from tritonllm.errors import TritonLLMError
+    from tritonllm.train import model_config
 
     args, overrides = parse(argv)
     logging.basicConfig(format="%(message)s")  # tritonllm's INFO lines (the data's: files left out, a new epoch)
     logging.getLogger("tritonllm").setLevel(logging.INFO)
+    model_config(compose(args, overrides, False))  # config errors first, also on a machine without a GPU
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
-        sys.exit("python -m tritonllm.bench speedrun needs a CUDA GPU (tests/test_speedrun.py runs it on the CPU)")
+        raise TritonLLMError("python -m tritonllm.bench speedrun needs a CUDA GPU (the arguments are valid; "
+                             "tests/test_speedrun.py runs it on the CPU)")
     host = host_cpu_model()
     try:
         cfg, rcfg, plain, recipe, corpus = configs(args, overrides)

@@ -1,6 +1,8 @@
 """``python -m tritonllm.bench train +model=void125m [hydra overrides] [--steps 20 --warmup 5 --out docs/perf]``
 ``python -m tritonllm.bench train --nproc 2 +model=void1b [--parallel ddp,fsdp]``: DDP and FSDP2 on
 several GPUs against one, beside the baseline parallelised alike (:mod:`tritonllm.bench.dist_train`).
+``python -m tritonllm.bench train +model=void_tiny --device cpu``: a smoke run of the code path without a
+GPU (tritonllm's eager step in Triton's interpreter, fp32; its timing means nothing and nothing is written).
 
 Training throughput of tritonllm against a strong plain-PyTorch baseline, in one process run, on
 random tokens (the data does not change the speed). The config is composed like
@@ -71,23 +73,14 @@ rewritten after every side so that a run cut short keeps what it measured.
 
 from __future__ import annotations
 
-import argparse
-import gc
-import os
-import re
-import statistics
-import subprocess
-import sys
 import time
-from typing import Callable
 
 import torch
 
-#: Triton and Gluon kernels of tritonllm.kernels: a bare `..._kernel` identifier (`_matmul_kernel`,
-#: gemm_sm90's `ws_matmul_kernel`; a compiled name may carry a suffix), where CUDA libraries' kernels
-#: show a signature (`void at::native::..._kernel<...>(...)`) and torch.compile's are `triton_...`
-OUR_KERNEL = re.compile(r"^(?!triton_)\w*_kernel")
-EXCLUDED = ("Memcpy", "Memset", "memcpy", "memset")
+from tritonllm.bench.common import (baseline_optimizer, baseline_update, free_gpu, host_cpu_model, interleaved_ratio,
+                                    measure, spin_cycles_per_ms)
+from tritonllm.runtime import ArgumentParser
+
 #: --baselines name -> torch.compile mode
 #: (timed in this order: the slowest to compile last)
 BASELINE_MODES = {"compile": None, "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune-no-cudagraphs",
@@ -100,223 +93,8 @@ BASELINE_NAMES = {"compile": "torch.compile", "reduce-overhead": "reduce-overhea
 FLOAT8_RECIPES = {"torchao-rowwise": "rowwise", "torchao-tensorwise": "tensorwise"}
 #: --baselines by default: the bf16 modes (and with trainer.precision=fp8 the FP8 ones)
 DEFAULT_BASELINES = [b for b in BASELINE_MODES if b not in FLOAT8_RECIPES]
-PROFILED_STEPS = 3
 #: how many of tritonllm's kernels the row lists by GPU time a step (kernels_ms)
 TOP_KERNELS = 20
-
-
-# --- host CPU --------------------------------------------------------------------------------------
-
-def parse_cpu_model(lscpu: str | None, cpuinfo: str | None) -> str:
-    """The CPU model name from ``lscpu`` output ("Model name:" line), else from ``/proc/cpuinfo``
-    ("model name" line); "unknown" when neither has one."""
-    for text, pattern in ((lscpu, r"^\s*Model name:\s*(.+?)\s*$"), (cpuinfo, r"^\s*model name\s*:\s*(.+?)\s*$")):
-        match = re.search(pattern, text or "", re.MULTILINE)
-        if match and match.group(1) != "-":
-            return match.group(1)
-    return "unknown"
-
-
-def host_cpu_model() -> str:
-    """This machine's CPU model name and its logical CPU count, e.g. ``"AMD EPYC 9654 96-Core Processor (16 CPUs)"``."""
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                               env={**os.environ, "LC_ALL": "C"}).stdout
-    except (OSError, subprocess.SubprocessError):
-        lscpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpuinfo = f.read()
-    except OSError:
-        cpuinfo = None
-    return f"{parse_cpu_model(lscpu, cpuinfo)} ({os.cpu_count()} CPUs)"
-
-
-# --- timing ----------------------------------------------------------------------------------------
-
-def wall_ms(step: Callable[[], object], steps: int, sync: Callable[[], None],
-            clock: Callable[[], float] = time.perf_counter) -> float:
-    """Milliseconds per step of ``steps`` calls issued back to back, up to the ``sync()`` behind the last."""
-    sync()
-    t0 = clock()
-    for _ in range(steps):
-        step()
-    sync()
-    return (clock() - t0) / steps * 1e3
-
-
-def interleaved_ratio(step_a: Callable[[], object], step_b: Callable[[], object], rounds: int, steps: int,
-                      sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> dict:
-    """B's step time over A's, robust to a host whose speed drifts over seconds: ``rounds`` rounds,
-    each timing ``steps`` steps of A and of B back to back (:func:`wall_ms`; A first in even rounds,
-    B first in odd ones), so that both sides of a round see the same host, after one untimed step of
-    each. Returns the median and the range of the per-round ratios and the median ms per step of each side."""
-    step_a()
-    step_b()
-    ratios: list[float] = []
-    a_ms: list[float] = []
-    b_ms: list[float] = []
-    for r in range(rounds):
-        order = ((a_ms, step_a), (b_ms, step_b)) if r % 2 == 0 else ((b_ms, step_b), (a_ms, step_a))
-        for times, step in order:
-            times.append(wall_ms(step, steps, sync, clock))
-        ratios.append(b_ms[-1] / a_ms[-1])
-    return {"ratio": round(statistics.median(ratios), 4), "min": round(min(ratios), 4), "max": round(max(ratios), 4),
-            "a_ms": round(statistics.median(a_ms), 3), "b_ms": round(statistics.median(b_ms), 3), "rounds": rounds,
-            "steps": steps}
-
-
-def host_ms(step: Callable[[], object], steps: int, busy: Callable[[], Callable[[], bool]],
-            sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> tuple[float, int]:
-    """Mean host milliseconds of one ``step()`` call, and the number of calls that outlasted the busy work.
-
-    Per call: ``sync()``, then ``busy()`` enqueues GPU work meant to outlast the call and returns a
-    ``finished()`` query; the call alone is timed, and ``finished()`` right after it says whether
-    the GPU ran out of that work before the call returned. The final ``sync()`` is not timed."""
-    total, waited = 0.0, 0
-    for _ in range(steps):
-        sync()
-        finished = busy()
-        t0 = clock()
-        step()
-        total += clock() - t0
-        waited += bool(finished())
-    sync()
-    return total / steps * 1e3, waited
-
-
-def spin_cycles_per_ms() -> float:
-    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured with CUDA events (after a
-    first spin of the same length, so that the clock has ramped up)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 20_000_000
-    torch.cuda._sleep(cycles)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / start.elapsed_time(end)
-
-
-def gpu_spin(ms: float, cycles_per_ms: float) -> Callable[[], bool]:
-    """Enqueue a spin kernel of about ``ms`` milliseconds; returns whether it has finished (an event query)."""
-    torch.cuda._sleep(int(ms * cycles_per_ms))
-    done = torch.cuda.Event()
-    done.record()
-    return done.query
-
-
-def busy_ms(intervals: list[tuple[float, float]], steps: int) -> float:
-    """Milliseconds a step during which at least one of ``intervals`` ((start, end) in us) runs: the length of
-    their union over ``steps`` steps, so kernels that run side by side (another stream's, NCCL's) count once."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total / 1e3 / steps
-
-
-def kernel_times(step: Callable[[], object],
-                 steps: int = PROFILED_STEPS) -> tuple[dict[str, float], dict[str, float], float]:
-    """GPU ms per step of each kernel over ``steps`` profiled calls, memset/memcpy excluded: (ours, others,
-    busy), busy the ms a step during which any of them runs (:func:`busy_ms`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    # CUDA activity only: with CPU activity on, record_function ranges such as
-    # "Optimizer.step#AdamW.step" also appear on the GPU timeline and would count as kernels.
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    ours: dict[str, float] = {}
-    others: dict[str, float] = {}
-    for evt in prof.key_averages():
-        us = evt.self_device_time_total
-        if us <= 0 or evt.key.startswith(EXCLUDED) or evt.device_type.name != "CUDA":
-            continue
-        table = ours if OUR_KERNEL.match(evt.key) else others
-        table[evt.key] = table.get(evt.key, 0.0) + us / 1e3 / steps
-    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
-                 if e.device_type.name == "CUDA" and not e.name.startswith(EXCLUDED) and e.time_range.elapsed_us() > 0]
-    return ours, others, busy_ms(intervals, steps)
-
-
-def host_profile(step: Callable[[], object], steps: int, top: int = 12) -> dict:
-    """Where the host time of ``step`` goes: ``steps`` calls under cProfile. Returns the profiled host
-    ms per step, the share of each source area (tritonllm, triton, torch's dynamo, inductor, AOTAutograd,
-    autograd, the rest of torch, other) by self time, and the ``top`` functions by self time (ms and
-    calls per step). cProfile's own cost inflates the times (about 1 us per Python call), so compare
-    sides with one another, not with ``host_ms``."""
-    import cProfile
-    import pstats
-
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    areas: dict[str, float] = {}
-    rows = []
-    for (path, line, func), (_, calls, self_s, _, _) in stats.items():
-        area = next((name for name, part in HOST_AREAS if part in path), "other")
-        areas[area] = areas.get(area, 0.0) + self_s
-        rows.append((self_s, calls, f"{path.split('site-packages/')[-1]}:{line}({func})"))
-    total = sum(areas.values())
-    rows.sort(reverse=True)
-    return {"host_ms": round(total / steps * 1e3, 3),
-            "areas": {k: round(v / total, 3) for k, v in sorted(areas.items(), key=lambda kv: -kv[1])},
-            "top": [{"fn": fn, "ms": round(t / steps * 1e3, 3), "calls": round(n / steps, 1)} for t, n, fn in rows[:top]]}
-
-
-#: source areas of :func:`host_profile`, matched in order against a function's file path
-HOST_AREAS = (("tritonllm", "tritonllm"), ("tritonllm", "/kernels/"), ("triton", "/triton/"),
-              ("dynamo", "torch/_dynamo"), ("inductor", "torch/_inductor"), ("aot_autograd", "torch/_functorch"),
-              ("autograd", "torch/autograd"), ("torch", "torch/"), ("builtins", "~"))
-
-
-def measure(step: Callable[[], object], args, tokens: int, flops_per_token: int, peak_flops: float,
-            cycles_per_ms: float) -> tuple[dict, dict[str, float], dict[str, float]]:
-    """Warm up, then time ``step`` (see the module docstring). Returns the side's figures and its
-    kernel times per step (ours, others)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    first_s = time.perf_counter() - started
-    print(f"    first step (compilation, autotuning) {first_s:.1f} s", flush=True)
-    for _ in range(args.warmup - 1):
-        step()
-    wall = wall_ms(step, args.steps, torch.cuda.synchronize)
-    peak_mem = torch.cuda.max_memory_allocated() / 1e9
-    host, waited = host_ms(step, args.steps, lambda: gpu_spin(4 * wall + 5, cycles_per_ms), torch.cuda.synchronize)
-    ours, others, busy = kernel_times(step)
-    tokens_per_s = tokens / (wall / 1e3)
-    figures: dict = {"tokens_per_s": round(tokens_per_s), "mfu": round(flops_per_token * tokens_per_s / peak_flops, 4),
-                     "peak_mem_gb": round(peak_mem, 2), "step_ms": round(wall, 3),
-                     "gpu_ms": round(sum(ours.values()) + sum(others.values()), 3), "gpu_busy_ms": round(busy, 3),
-                     "host_ms": round(host, 3)}
-    figures["first_step_s"] = round(first_s, 1)
-    if args.host_profile:
-        hp = figures["host_profile"] = host_profile(step, args.host_profile)
-        print(f"    host profile: {hp['host_ms']:.2f} ms per step; "
-              + ", ".join(f"{k} {v:.0%}" for k, v in hp["areas"].items()), flush=True)
-        for row in hp["top"]:
-            print(f"      {row['ms']:8.3f} ms {row['calls']:8.1f} calls  {row['fn']}", flush=True)
-    if waited:
-        figures["host_waited"] = waited
-    return figures, ours, others
-
-
-def free_gpu() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 # --- the sides -------------------------------------------------------------------------------------
@@ -325,7 +103,8 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
     """tritonllm's eager and graphed steps, and with ``args.compiled`` the same two with the model under
     ``torch.compile(fullgraph=True)``. Returns (graphed figures, eager figures, graphed kernel times
     (ours, others), whether the graph was captured, flops per token, the initial weights on the CPU,
-    the compiled sides' figures by ``eager`` / ``graphed``)."""
+    the compiled sides' figures by ``eager`` / ``graphed``). On the CPU (``--device cpu``) the model is
+    fp32 and only the eager step runs, its figures standing for both."""
     from tritonllm.models import build_model
     from tritonllm.train import build_optimizer
     from tritonllm.train.step import TrainStep
@@ -333,19 +112,19 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
     from tritonllm.nn.fp8 import apply_precision
 
     torch.manual_seed(cfg.seed)
-    model = build_model(model_cfg, device=x.device, dtype=torch.bfloat16)
+    model = build_model(model_cfg, device=x.device, dtype=torch.bfloat16 if x.is_cuda else torch.float32)
     apply_precision(model, cfg.trainer.precision)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    optimizer = build_optimizer(model, cfg.optim, master_weights=True)
+    optimizer = build_optimizer(model, cfg.optim, master_weights=x.is_cuda)
     flops_per_token = model.flops_per_token(x.shape[1])
-    print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{x.shape[0]} x T{x.shape[1]} bf16 "
-          f"(linear layers {cfg.trainer.precision}), "
+    print(f"{model_cfg.name}: {model.num_params() / 1e6:.1f}M parameters, B{x.shape[0]} x T{x.shape[1]} "
+          f"{'bf16' if x.is_cuda else 'fp32'} (linear layers {cfg.trainer.precision}), "
           f"{flops_per_token * x.numel() / 1e12:.2f} TFLOP per step", flush=True)
     lr = float(cfg.optim.lr)
     sides, captured, compiled_sides = {}, {}, {}
     for compiled in (False, True) if args.compiled else (False,):
         runner = torch.compile(model, fullgraph=True) if compiled else model
-        for graph in (False, True):
+        for graph in (False, True) if x.is_cuda else (False,):
             train_step = TrainStep(runner, optimizer, grad_clip=cfg.trainer.grad_clip, grad_accum=1, cuda_graph=graph)
             try:
                 started = time.perf_counter()
@@ -374,32 +153,11 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
         torch._dynamo.reset()
     del model, optimizer
     free_gpu()
-    (graphed, ours, others), (eager, _, _) = sides[False, True], sides[False, False]
+    (graphed, ours, others), (eager, _, _) = sides.get((False, True), sides[False, False]), sides[False, False]
     for graph in (False, True):
         if (True, graph) in sides:
             compiled_sides["graphed" if graph else "eager"] = {**sides[True, graph][0], "cuda_graph": captured[True, graph]}
-    return graphed, eager, (ours, others), captured[False, True], flops_per_token, weights, compiled_sides
-
-
-def baseline_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
-    """The baseline's ``torch.optim.AdamW`` (fused on a GPU) with tritonllm's hyper-parameters and
-    groups: weight decay on matrices, none on vectors."""
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": float(cfg.optim.weight_decay)},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=float(cfg.optim.lr), betas=tuple(cfg.optim.betas),
-                             eps=float(cfg.optim.eps), fused=params[0].is_cuda)
-
-
-def baseline_update(loss: torch.Tensor, params: list, optimizer, clip: float | None) -> None:
-    """The rest of the baseline's step after its forward: ``loss.backward()``, the gradients clipped to
-    ``clip`` (``clip_grad_norm_(foreach=True)``; None: not clipped), the optimizer step, the gradients
-    set to None."""
-    loss.backward()
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_(params, float(clip), foreach=True)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    return graphed, eager, (ours, others), captured.get((False, True), False), flops_per_token, weights, compiled_sides
 
 
 def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args, flops_per_token, peak_flops,
@@ -440,8 +198,8 @@ def time_baseline(mode: str | None, model_cfg, cfg, weights, x, y, experts, args
 # --- command line ----------------------------------------------------------------------------------
 
 def _parse(argv: list[str]):
-    p = argparse.ArgumentParser(prog="python -m tritonllm.bench train",
-                                description="Hydra overrides as for python -m tritonllm.train, plus:")
+    p = ArgumentParser(prog="python -m tritonllm.bench train",
+                       description="Hydra overrides as for python -m tritonllm.train, plus:")
     p.add_argument("--steps", type=int, default=20, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=5,
                    help="untimed steps first (compilation, autotuning, tritonllm's graph capture); >= 3")
@@ -461,9 +219,15 @@ def _parse(argv: list[str]):
                    help="the MoE baseline's experts: torch._grouped_mm, a loop over experts, or auto (the default "
                         "of tritonllm.bench.baseline_model)")
     p.add_argument("--out", default="docs/perf", help="folder for train-<gpu>.json")
-    args, overrides = p.parse_known_args(argv)
-    if args.warmup < 3:
-        p.error(f"--warmup must be >= 3 (two eager warm-up steps, then the graph capture), got {args.warmup}")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                   help="cpu: a smoke run of the code path, tritonllm's eager step in Triton's interpreter (fp32, "
+                        "wall time only, no baselines, nothing written)")
+    args, overrides = p.parse_with_overrides(argv)
+    if args.device == "cpu" and (args.compiled or args.host_profile):
+        p.error("--compiled and --host-profile time a GPU: leave them out with --device cpu")
+    if args.warmup < (1 if args.device == "cpu" else 3):
+        p.error(f"--warmup must be >= 3 (two eager warm-up steps, then the graph capture; >= 1 with --device cpu), "
+                f"got {args.warmup}")
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.ab_rounds < 1:
@@ -513,22 +277,25 @@ def main(argv: list[str]) -> None:
         launch(argv)
         return
     args, overrides = _parse(argv)
-    if not torch.cuda.is_available():
-        sys.exit("python -m tritonllm.bench train needs a CUDA GPU")
-    try:
-        cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
-        model_cfg = model_config(cfg)
-    except TritonLLMError as e:
-        sys.exit(f"tritonllm: error: {e}")
+    cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
+    model_cfg = model_config(cfg)
+    if args.device == "auto" and not torch.cuda.is_available():
+        raise TritonLLMError("python -m tritonllm.bench train needs a CUDA GPU (the arguments are valid; "
+                             "--device cpu: a smoke run in Triton's interpreter)")
     B, T = cfg.trainer.batch_size, cfg.trainer.seq_len
     with open_dict(cfg):
         cfg.model.vocab_size = model_cfg.vocab_size
-    device = torch.device("cuda")
+    device = torch.device("cuda" if args.device == "auto" else "cpu")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens = torch.randint(0, model_cfg.vocab_size, (B, T + 1), device=device, generator=gen)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     peak_flops = float(cfg.trainer.peak_flops)
     host_cpu = host_cpu_model()
+    if device.type == "cpu":
+        _, eager, *_ = time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, None)
+        print(f"tritonllm (eager) on the CPU, in Triton's interpreter: {eager['step_ms']:.0f} ms per step; host CPU: "
+              f"{host_cpu}; nothing written (the interpreter's timings mean nothing)")
+        return
     cycles_per_ms = spin_cycles_per_ms()
     print(f"{torch.cuda.get_device_name()}, host CPU: {host_cpu}, torch {torch.__version__}", flush=True)
 

@@ -231,6 +231,9 @@ def tokenized_corpus(kind: str, files: list[str], vocab_size: int, tokenizer: st
     shard, model = os.path.join(entry, "tokens.bin"), os.path.join(entry, "tokenizer.model")
     if os.path.isfile(os.path.join(entry, "meta.json")):
         return shard, model, sha
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise DataError(f"the {len(files)} {kind} files of data.files are empty: {', '.join(files[:5])}"
+                        f"{' ...' if len(files) > 5 else ''}; point data.files at files that hold text")
     binary = not_text(files)
     if binary:
         raise DataError(f"{len(binary)} of the {len(files)} {kind} files are not text (over "

@@ -76,12 +76,22 @@ class Tokenizer:
         and write it to ``path``; ``what`` names the corpus in error messages."""
         import sentencepiece as spm
 
-        lines = (line for text in texts for line in text.split("\n") if line)
+        empty = True  # no line given to sentencepiece yet
+
+        def lines():
+            nonlocal empty
+            for text in texts:
+                for line in text.split("\n"):
+                    if line:
+                        empty = False
+                        yield line
         buf = io.BytesIO()
         try:
-            spm.SentencePieceTrainer.train(sentence_iterator=lines, model_writer=buf, vocab_size=int(vocab_size),
+            spm.SentencePieceTrainer.train(sentence_iterator=lines(), model_writer=buf, vocab_size=int(vocab_size),
                                            **SPM_OPTIONS)
         except RuntimeError as e:
+            if empty:
+                raise DataError(f"cannot train a tokenizer on {what}: they hold no text (only empty lines)") from None
             raise DataError(f"training a {vocab_size}-piece tokenizer on {what} failed: {e}") from None
         with open(path, "wb") as f:
             f.write(buf.getvalue())

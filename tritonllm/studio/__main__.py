@@ -8,25 +8,29 @@ Ctrl-C or SIGTERM closes the server (exit status 130 or 143); it starts no other
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 
-from tritonllm.runtime import exit_on_user_error
+from tritonllm.runtime import ArgumentParser, exit_on_user_error
 from tritonllm.studio.runs import RunIndex
 from tritonllm.studio.server import StudioServer
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tritonllm.studio", description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(prog="python -m tritonllm.studio", description=__doc__.split("\n\n")[1])
     p.add_argument("folders", nargs="*", help="folders searched for runs (default: outputs multirun)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8600, help="port (default 8600; 0 picks a free one)")
     p.add_argument("--stale-after", type=float, default=600.0,
                    help="seconds without a new record after which a run with no live trainer is 'stale'")
     p.add_argument("--verbose", action="store_true", help="log every request")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.port < 65536:
+        p.error(f"--port must be 0 (any free port) to 65535, got {args.port}")
+    if args.stale_after <= 0:
+        p.error(f"--stale-after must be > 0 seconds, got {args.stale_after}")
+    return args
 
 
 @exit_on_user_error

@@ -29,7 +29,6 @@ folder (``model.safetensors`` with the full weights, ``state.json``, ``config.ya
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 
@@ -294,8 +293,9 @@ def export(path: str, out_dir: str) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tritonllm.train.dist_checkpoint",
-                                     description="Sharded (torchrun) checkpoints.")
+    from tritonllm.runtime import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m tritonllm.train.dist_checkpoint", description="Sharded (torchrun) checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write a single-process checkpoint folder that tritonllm.generate loads")
     exp.add_argument("ckpt", help="a sharded checkpoint (step_* folder) or a folder of them (the newest)")
