@@ -32,13 +32,8 @@ from ._common import check_tensor, interpreting
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 #: (mantissa bits, exponent of the smallest normal) of each format: its grid, for :func:`fp8_round`
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
-#: rows and columns of a quantization tile of the two-pass kernel (GPU; 32 x 32 under the interpreter); a
-#: transposed input (unit stride along the rows) takes 16 rows, so that a program's slab (16 x N x 2 bytes:
-#: 256 KiB at N = 8192) stays in L2 for the second pass
-BLOCK_R, BLOCK_N, BLOCK_R_TRANSPOSED = 32, 256, 16
-#: the one-pass kernel holds BLOCK_R x next_pow2(N) values of a row-major input in registers (64 fp32 a thread
-#: over 8 warps): rows up to this long are read once instead of twice
-ONE_PASS_ELEMENTS = 16384
+#: rows and columns of a quantization tile (GPU; 32 x 32 under the interpreter)
+BLOCK_R, BLOCK_N = 32, 256
 
 
 @triton.jit
@@ -84,23 +79,12 @@ def _quantize_rows_kernel(
     EMULATE: tl.constexpr,  # q is fp32: round its values to the fp8 grid of (MANTISSA, MIN_EXP) (fp8_round)
     MANTISSA: tl.constexpr,
     MIN_EXP: tl.constexpr,
-    ONE_PASS: tl.constexpr,  # BLOCK_N >= N: the rows are read once, held in registers between amax and quantization
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < R
     cols0 = tl.arange(0, BLOCK_N)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qr
-    if ONE_PASS:
-        mask = mask_r[:, None] & (cols0 < N)[None, :]
-        x = tl.load(x_rows + cols0.to(tl.int64)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-        inv, scale = fp8_scales(tl.max(tl.abs(x), axis=1), fp8_max)
-        tl.store(scale_ptr + rows, scale, mask=mask_r)
-        q = fp8_saturate(x, inv[:, None], fp8_max)
-        if EMULATE:
-            q = fp8_round(q, MANTISSA, MIN_EXP)
-        tl.store(q_rows + cols0.to(tl.int64)[None, :] * stride_qn, q.to(q_ptr.dtype.element_ty), mask=mask)
-        return
     amax = tl.zeros((BLOCK_R,), tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
@@ -127,21 +111,11 @@ def quantize_rows_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp
     R, N = x.shape
     if R == 0:
         return
-    row = triton.next_power_of_2(max(N, 1))
-    if interpreting():  # both paths at small sizes: one pass up to 64 columns
-        one_pass = row <= 64
-        block_r, block_n, warps = 32, row if one_pass else 32, 4
-    else:
-        one_pass = x.stride(1) == 1 and row <= ONE_PASS_ELEMENTS
-        if one_pass:
-            block_r, block_n, warps = max(1, min(32, ONE_PASS_ELEMENTS // row)), row, 8
-        else:
-            block_r, block_n, warps = (BLOCK_R_TRANSPOSED if x.stride(0) == 1 else BLOCK_R), BLOCK_N, 4
+    block_r, block_n = (32, 32) if interpreting() else (BLOCK_R, BLOCK_N)
     mantissa, min_exp = FP8_GRID[emulate] if emulate is not None else (0, 0)
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
         x, x.stride(0), x.stride(1), q, q.stride(0), q.stride(1), scale, R, N, float(fp8_max),
-        BLOCK_R=block_r, BLOCK_N=block_n, EMULATE=emulate is not None, MANTISSA=mantissa, MIN_EXP=min_exp,
-        ONE_PASS=one_pass, num_warps=warps)
+        BLOCK_R=block_r, BLOCK_N=block_n, EMULATE=emulate is not None, MANTISSA=mantissa, MIN_EXP=min_exp)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
