@@ -21,7 +21,7 @@ Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linea
 ``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``, ``moe_router``,
 ``moe_sort``, ``moe_gather``, ``moe_combine``, ``grouped_linear``, ``grouped_linear_swiglu``) is also
 registered as ``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta)
-and autograd registrations (``kernels/library.py``); ``moe`` is built of them. While
+and autograd registrations (each op's module, with the machinery of ``kernels/custom_op.py``); ``moe`` is built of them. While
 ``torch.compiler.is_compiling()``, a call goes to
 those ops, which the graph keeps as single opaque nodes: a model built of these kernels compiles with
 ``torch.compile(model, fullgraph=True)`` (any backend) without graph breaks, and works inside FSDP2's
@@ -39,8 +39,8 @@ if __name__ != "tritonllm.kernels":
     # `import kernels` finds it, as transformers does when it probes for the Hugging Face `kernels` package.
     # A second copy of the modules would register the tritonllm:: custom ops again, which frees the first
     # copy's operator entries (torch.library allows the overwrite) and crashes dynamo later. The name
-    # stands for tritonllm.kernels instead (its loaded modules too, so that `import kernels.library` is
-    # tritonllm.kernels.library), and the relative imports below resolve to its modules.
+    # stands for tritonllm.kernels instead (its loaded modules too, so that `import kernels.custom_op` is
+    # tritonllm.kernels.custom_op), and the relative imports below resolve to its modules.
     import importlib as _importlib
     import sys as _sys
 
@@ -55,7 +55,6 @@ from ._interpreter import choose_interpreter as _choose_interpreter  # noqa: E40
 _choose_interpreter()
 
 from ._common import interpreting  # noqa: E402
-from . import library  # noqa: E402,F401  (registers the ops the functionals route to under torch.compile)
 # memory-bound ops
 from .rms_norm import rms_norm  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
@@ -78,6 +77,8 @@ from .moe_router import MoERouting, moe_router  # noqa: E402
 from .moe_permute import MoEPlan, moe_combine, moe_gather, moe_sort  # noqa: E402
 from .grouped_linear import grouped_linear, grouped_linear_swiglu  # noqa: E402
 from .moe import moe  # noqa: E402
+# modules of ops no functional above imports; imported for their custom-op registrations
+from . import kv_cache, lora  # noqa: E402,F401
 
 __all__ = [
     "interpreting",

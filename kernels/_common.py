@@ -337,26 +337,6 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
-#: public functional name -> its version over the ``torch.ops.tritonllm`` custom ops, filled by
-#: kernels/library.py (imported by the package) and called by :func:`compilable` under torch.compile
-COMPILED: dict = {}
-_is_compiling = torch.compiler.is_compiling
-
-
-def compilable(fn):
-    """Decorator of a public functional: while ``torch.compile`` (or ``torch.export``) traces it, a
-    call goes to ``COMPILED[fn.__name__]``, built on custom ops the graph keeps as single nodes;
-    otherwise ``fn`` runs unchanged (the check and the extra call: 0.15 to 0.3 us on an idle CPU)."""
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    def functional(*args, **kwargs):
-        if _is_compiling():
-            return COMPILED[name](*args, **kwargs)
-        return fn(*args, **kwargs)
-    return functional
-
-
 def rows_view(x: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, n]`` view whose last dimension is contiguous.
 

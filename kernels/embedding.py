@@ -22,13 +22,16 @@ memset, and the summation order is fixed, so results are bitwise reproducible.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, Launch, Plans, check_dot_dtype, check_same_device, check_tensor, compilable,
-                      interpreting, needs_grad)
+from ._common import (INDEX_DTYPES, Launch, Plans, check_dot_dtype, check_same_device, check_tensor, interpreting,
+                      needs_grad)
+from .custom_op import compilable, compiled, define, fake
 
 #: Forward tile (fixed config, no autotune: the autotuner's per-call key building cost host time on
 #: a ~10 us gather): BLOCK_N tokens x BLOCK_D columns per program.
@@ -236,6 +239,51 @@ class EmbeddingFunction(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         dw = _bwd(dy, ids, ctx.num_embeddings, ctx.pad) if ctx.needs_input_grad[1] else None
         return None, dw, None, None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::embedding_fwd", mutates_args=())
+def embedding_fwd_op(ids: Tensor, weight: Tensor, padding_idx: Optional[int], validate: bool) -> Tensor:
+    """:func:`kernels.embedding.embedding_fwd`, ``padding_idx`` checked as :func:`kernels.embedding.embedding`."""
+    padding_index(padding_idx, weight.shape[0])
+    return embedding_fwd(ids, weight, validate)
+
+
+@fake(embedding_fwd_op)
+def _(ids, weight, padding_idx, validate):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+@define("tritonllm::embedding_bwd", mutates_args=())
+def embedding_bwd_op(dy: Tensor, ids: Tensor, num_embeddings: int, padding_idx: Optional[int]) -> Tensor:
+    """:func:`kernels.embedding.embedding_bwd`: the weight gradient."""
+    return embedding_bwd(dy, ids, num_embeddings, padding_idx)
+
+
+@fake(embedding_bwd_op)
+def _(dy, ids, num_embeddings, padding_idx):
+    return dy.new_empty((num_embeddings, dy.shape[-1]))
+
+
+def _embedding_setup(ctx, inputs, output):
+    ids, weight, ctx.padding_idx, _ = inputs
+    ctx.num_embeddings = weight.shape[0]
+    ctx.save_for_backward(ids)
+
+
+def _embedding_backward(ctx, dy):
+    return None, embedding_bwd_op(dy, ctx.saved_tensors[0], ctx.num_embeddings, ctx.padding_idx), None, None
+
+
+embedding_fwd_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+@compiled("embedding")
+def _compiled_embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None, validate: bool = True) -> Tensor:
+    return embedding_fwd_op(ids, weight, padding_idx, validate)
 
 
 @compilable

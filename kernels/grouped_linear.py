@@ -27,14 +27,16 @@ tf32 for fp32 inputs on the GPU).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable,
-                      interpreting, next_pow2, num_sms, rows_view)
+from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting,
+                      next_pow2, num_sms, rows_view)
+from .custom_op import absent, compilable, compiled, define, fake, given
 from . import gemm
 from .gemm import GPU_CONFIGS, PLAIN, SWIGLU_FWD, prune_configs
-from .swiglu import swiglu_bwd
+from .swiglu import swiglu_bwd, swiglu_bwd_op
 
 
 @triton.jit
@@ -270,6 +272,89 @@ class GroupedLinearSwiGLUFunction(torch.autograd.Function):
         dgu = swiglu_bwd(dh, gu)
         dx, dw = grouped_linear_bwd(dgu, x, w13, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dx, dw, None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::grouped_linear_fwd", mutates_args=())
+def grouped_linear_fwd_op(x: Tensor, weight: Tensor, expert_offsets: Tensor) -> Tensor:
+    """:func:`kernels.grouped_linear.grouped_linear_fwd`."""
+    return grouped_linear_fwd(x, weight, expert_offsets)
+
+
+@fake(grouped_linear_fwd_op)
+def _(x, weight, expert_offsets):
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@define("tritonllm::grouped_linear_bwd", mutates_args=())
+def grouped_linear_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, expert_offsets: Tensor, need_dx: bool,
+                          need_dw: bool) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)`` of :func:`kernels.grouped_linear.grouped_linear_bwd`, absent where not needed."""
+    dx, dw = grouped_linear_bwd(dy, x, weight, expert_offsets, need_dx, need_dw)
+    return (dx if dx is not None else absent(x)), (dw if dw is not None else absent(x))
+
+
+@fake(grouped_linear_bwd_op)
+def _(dy, x, weight, expert_offsets, need_dx, need_dw):
+    return (dy.new_empty((dy.shape[0], weight.shape[2])) if need_dx else absent(x),
+            weight.new_empty(weight.shape) if need_dw else absent(x))
+
+
+def _grouped_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_grads(ctx, dy, x, weight, offsets):
+    """``(dx, dweight, None)`` from the gradient ``dy`` of the grouped GEMM's output."""
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = grouped_linear_bwd_op(dy, x, weight, offsets, need_dx, need_dw)
+    return given(dx, need_dx), given(dw, need_dw), None
+
+
+def _grouped_linear_backward(ctx, dy):
+    return _grouped_grads(ctx, dy, *ctx.saved_tensors)
+
+
+grouped_linear_fwd_op.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
+
+
+@compiled("grouped_linear")
+def _compiled_grouped_linear(x: Tensor, weight: Tensor, expert_offsets: Tensor) -> Tensor:
+    return grouped_linear_fwd_op(x, weight, expert_offsets)
+
+
+@define("tritonllm::grouped_linear_swiglu_fwd", mutates_args=())
+def grouped_linear_swiglu_fwd_op(x: Tensor, w13: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """``(h, gu)`` of :func:`kernels.grouped_linear.grouped_linear_swiglu_fwd` (the backward is the packed
+    swiglu_bwd op, then grouped_linear_bwd)."""
+    return grouped_linear_swiglu_fwd(x, w13, expert_offsets)
+
+
+@fake(grouped_linear_swiglu_fwd_op)
+def _(x, w13, expert_offsets):
+    M, two_f = x.shape[0], w13.shape[1]
+    return x.new_empty((M, two_f // 2)), x.new_empty((M, two_f))
+
+
+def _grouped_linear_swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _grouped_linear_swiglu_backward(ctx, dh, _dgu):
+    x, w13, offsets, gu = ctx.saved_tensors
+    dgu, _ = swiglu_bwd_op(dh, gu, None)
+    return _grouped_grads(ctx, dgu, x, w13, offsets)
+
+
+grouped_linear_swiglu_fwd_op.register_autograd(_grouped_linear_swiglu_backward, setup_context=_grouped_linear_swiglu_setup)
+
+
+@compiled("grouped_linear_swiglu")
+def _compiled_grouped_linear_swiglu(x: Tensor, w13: Tensor, expert_offsets: Tensor) -> Tensor:
+    return grouped_linear_swiglu_fwd_op(x, w13, expert_offsets)[0]
 
 
 @compilable

@@ -23,13 +23,16 @@ Square Layer Normalization" (2019); Liger-Kernel ``ops/rms_norm.py``.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      needs_grad, next_pow2, num_sms, rows_view)
+from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
+                      next_pow2, num_sms, rows_view)
+from .custom_op import absent, compilable, compiled, define, fake, n_rows
 
 #: Longest row chunk held in registers; longer rows take the two-pass loop over chunks.
 _MAX_BLOCK_N = 8192
@@ -444,6 +447,56 @@ class RMSNormFunction(torch.autograd.Function):
         dx, dw = _bwd(dy2, x2, weight, rstd, rows_view(dh, n) if dh is not None else None)
         dx = dx.view(ctx.shape)
         return dx, dw, None, (dx if ctx.has_residual else None)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd_op(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, h or absent, rstd)`` of :func:`kernels.rms_norm.rms_norm_fwd`."""
+    y, h, rstd = rms_norm_fwd(x, weight, eps, residual)
+    return y, (h if h is not None else absent(x)), rstd
+
+
+@fake(rms_norm_fwd_op)
+def _(x, weight, eps, residual):
+    h = x.new_empty(x.shape) if residual is not None else absent(x)
+    return x.new_empty(x.shape), h, x.new_empty(n_rows(x), dtype=torch.float32)
+
+
+@define("tritonllm::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)`` of :func:`kernels.rms_norm.rms_norm_bwd` (``x`` the normalized tensor)."""
+    return rms_norm_bwd(dy, x, weight, rstd, dh)
+
+
+@fake(rms_norm_bwd_op)
+def _(dy, x, weight, rstd, dh):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, residual = inputs
+    _, h, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(h if ctx.has_residual else x, weight, rstd)
+
+
+def _rms_norm_backward(ctx, dy, dh, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd_op(dy, x, weight, rstd, dh if ctx.has_residual else None)
+    return dx, dw, None, (dx if ctx.has_residual else None)
+
+
+rms_norm_fwd_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+@compiled("rms_norm")
+def _compiled_rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Tensor | None = None):
+    y, h, _ = rms_norm_fwd_op(x, weight, eps, residual)
+    return (y, h) if residual is not None else y
 
 
 @compilable

@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import compilable, needs_grad
+from ._common import needs_grad
+from .custom_op import compilable, compiled, define, fake
 from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
@@ -87,6 +89,43 @@ class SoftcapFunction(torch.autograd.Function):
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         return softcap_bwd(y, dy, ctx.cap), None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::softcap_fwd", mutates_args=())
+def softcap_fwd_op(x: Tensor, cap: float) -> Tensor:
+    """:func:`kernels.softcap.softcap_fwd`."""
+    return softcap_fwd(x, cap)
+
+
+@define("tritonllm::softcap_bwd", mutates_args=())
+def softcap_bwd_op(y: Tensor, dy: Tensor, cap: float) -> Tensor:
+    """:func:`kernels.softcap.softcap_bwd` (from the forward's output ``y``)."""
+    return softcap_bwd(y, dy, cap)
+
+
+for _op in (softcap_fwd_op, softcap_bwd_op):
+    fake(_op)(lambda x, *args: x.new_empty(x.shape))
+
+
+def _softcap_setup(ctx, inputs, output):
+    ctx.cap = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _softcap_backward(ctx, dy):
+    return softcap_bwd_op(ctx.saved_tensors[0], dy, ctx.cap), None
+
+
+softcap_fwd_op.register_autograd(_softcap_backward, setup_context=_softcap_setup)
+
+
+@compiled("softcap")
+def _compiled_softcap(x: Tensor, cap: float) -> Tensor:
+    return softcap_fwd_op(x, cap)
 
 
 @compilable

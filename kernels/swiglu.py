@@ -21,13 +21,16 @@ Transformer" (2020); Liger-Kernel ``ops/swiglu.py``.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      needs_grad, next_pow2, rows_view)
+from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
+                      next_pow2, rows_view)
+from .custom_op import absent, compilable, compiled, define, fake
 
 #: Elements per program (BLOCK_M * BLOCK_C) and warps on the GPU.
 _TILE = 4096
@@ -222,6 +225,53 @@ class SwiGLUFunction(torch.autograd.Function):
             return _bwd(dy2, g2, u2, packed=True).view(gate_shape), None
         dgate, dup = _bwd(dy2, g2, u2, packed=False)
         return dgate.view(gate_shape), dup.view(up_shape)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::swiglu_fwd", mutates_args=())
+def swiglu_fwd_op(gate: Tensor, up: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.swiglu.swiglu_fwd` (``up`` None: the packed ``[..., 2F]`` form)."""
+    return swiglu_fwd(gate, up)
+
+
+@fake(swiglu_fwd_op)
+def _(gate, up):
+    f = gate.shape[-1] // 2 if up is None else gate.shape[-1]
+    return gate.new_empty((*gate.shape[:-1], f))
+
+
+@define("tritonllm::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(dy: Tensor, gate: Tensor, up: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(dgate, dup)``, or ``(dgate_up, absent)`` in the packed form: :func:`kernels.swiglu.swiglu_bwd`."""
+    if up is None:
+        return swiglu_bwd(dy, gate), absent(gate)
+    return swiglu_bwd(dy, gate, up)
+
+
+@fake(swiglu_bwd_op)
+def _(dy, gate, up):
+    return gate.new_empty(gate.shape), (absent(gate) if up is None else gate.new_empty(gate.shape))
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dgate, dup = swiglu_bwd_op(dy, gate, up)
+    return dgate, (None if up is None else dup)
+
+
+swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+@compiled("swiglu")
+def _compiled_swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
+    return swiglu_fwd_op(gate, up)
 
 
 @compilable

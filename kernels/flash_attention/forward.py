@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import check_same_device, compilable, interpreting, next_pow2
+from .._common import check_same_device, interpreting, next_pow2
+from ..custom_op import compilable
 from .config import (COMBINE_ROWS, FWD_CONFIGS, INTERP_COMBINE_ROWS, KEYS, LN2, LOG2E, NEG_INF,
                       SPLIT_MAX_ROWS, auto_splits, block_configs, check_attention_inputs, check_documents,
                       docs_arg, group_programs, kernel_flags, last_dim_contiguous, split_count,
