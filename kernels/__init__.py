@@ -54,7 +54,7 @@ from ._interpreter import choose_interpreter as _choose_interpreter  # noqa: E40
 
 _choose_interpreter()
 
-from ._common import interpreting  # noqa: E402
+from ._interpreter import interpreting  # noqa: E402
 # memory-bound ops
 from .rms_norm import rms_norm  # noqa: E402
 from .swiglu import swiglu  # noqa: E402

@@ -46,7 +46,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, interpreting, next_pow2, upload
+from ._interpreter import interpreting
+from .checks import FLOAT_DTYPES, check_flag, check_lr, check_tensor
+from .launch import TL_DTYPE, cached, next_pow2, upload
 from .custom_op import compilable, compiled, define, eager, fake, present, split_lr, spread
 
 #: elements per program (a chunk: the granularity of the tables), processed BLOCK elements per

@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 
 
-from ._common import (INDEX_DTYPES, Launch, Plans, autotune, check_same_device, check_tensor, interpreting, needs_grad,
-                      next_pow2, rows_view)
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_same_device, check_tensor, needs_grad, rows_view
+from .launch import Launch, Plans, autotune, next_pow2
 from .custom_op import absent, compilable, compiled, define, fake, n_rows
 
 REDUCTIONS = ("mean", "sum", "none")

@@ -29,8 +29,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, Launch, Plans, check_dot_dtype, check_same_device, check_tensor, interpreting,
-                      needs_grad)
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_dot_dtype, check_same_device, check_tensor, needs_grad
+from .launch import Launch, Plans
 from .custom_op import compilable, compiled, define, fake
 
 #: Forward tile (fixed config, no autotune: the autotuner's per-call key building cost host time on

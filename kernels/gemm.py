@@ -27,7 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
+from ._interpreter import interpreting
+from .device import num_sms, smem_budget
+from .launch import Launch, Plans, next_pow2
+from .scratch import tile_counter, tma_scratch
 
 #: GEMM epilogues (the ``epilogue`` argument of :func:`gemm`).
 PLAIN, SWIGLU_FWD = 0, 1

@@ -31,8 +31,10 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting,
-                      next_pow2, num_sms, rows_view)
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, rows_view
+from .device import num_sms
+from .launch import next_pow2
 from .custom_op import absent, compilable, compiled, define, fake, given
 from . import gemm
 from .gemm import GPU_CONFIGS, PLAIN, SWIGLU_FWD, prune_configs

@@ -18,7 +18,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor
+from .launch import next_pow2
 from .custom_op import compilable, compiled, define, eager, fake
 
 

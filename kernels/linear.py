@@ -31,8 +31,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting, hopper,
-                      needs_grad, num_sms, side_stream)
+from ._interpreter import interpreting
+from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor, needs_grad
+from .device import hopper, num_sms, side_stream
 from .custom_op import absent, compilable, compiled, define, fake, given, n_rows
 from .gemm import SWIGLU_FWD, as_matrix, gemm
 from .swiglu import swiglu_bwd
@@ -143,7 +144,7 @@ def _input_weight_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
                        need_dw: bool = True, allow_tf32: bool = True):
     """(dx, dW) of a product y = x W^T from g = dL/dy [M, N] (rows of y): dx = g W (x's shape) and
     dW = g^T x (None where not needed); both needed and OVERLAP_DW's conditions met, dW runs on a second
-    stream (:func:`_common.side_stream`), launched first, beside dx on the current one."""
+    stream (:func:`device.side_stream`), launched first, beside dx on the current one."""
     N, K = weight.shape
     x2 = as_matrix(x, K)
     dx = dw = None

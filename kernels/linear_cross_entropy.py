@@ -52,8 +52,10 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, interpreting, needs_grad, next_pow2,
-                      num_sms)
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_same_device, check_tensor, needs_grad
+from .device import num_sms
+from .launch import Launch, Plans, next_pow2
 from .custom_op import absent, compilable, compiled, define, fake, given, n_rows
 from .fp8 import FP8_MAX, fp8_saturate, fp8_scales, quantize_rows_into
 from .gemm import as_matrix, gemm, split_fill, split_k_for

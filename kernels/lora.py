@@ -33,8 +33,10 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
-                      next_pow2, smem_budget)
+from ._interpreter import interpreting
+from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor, needs_grad
+from .device import smem_budget
+from .launch import next_pow2
 from .custom_op import absent, compilable, compiled, define, fake, given, n_rows
 from .gemm import SMEM_RESERVE, as_matrix, gemm
 from .linear import linear_bwd, linear_fwd

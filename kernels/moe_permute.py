@@ -29,7 +29,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, interpreting, next_pow2, rows_view
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_same_device, check_tensor, rows_view
+from .launch import next_pow2
 from .custom_op import absent, compilable, compiled, define, eager, fake, given
 
 

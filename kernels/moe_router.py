@@ -43,7 +43,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, interpreting, next_pow2, rows_view
+from ._interpreter import interpreting
+from .checks import check_tensor, rows_view
+from .launch import next_pow2
 from .custom_op import compilable, compiled, define, fake
 
 SCORES = ("softmax", "sigmoid")

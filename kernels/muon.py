@@ -55,7 +55,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, interpreting, next_pow2, upload
+from ._interpreter import interpreting
+from .checks import FLOAT_DTYPES, check_flag, check_lr, check_tensor
+from .launch import TL_DTYPE, cached, next_pow2, upload
 from .custom_op import compilable, compiled, define, eager, fake, present, split_lr, spread
 
 #: Newton-Schulz quintic of torch.optim.Muon / K. Jordan's Muon, used for every step

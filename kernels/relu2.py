@@ -12,7 +12,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import needs_grad
+from .checks import needs_grad
 from .custom_op import compilable, compiled, define, fake
 from ._elementwise import elementwise_bwd, elementwise_fwd
 

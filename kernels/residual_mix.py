@@ -26,7 +26,8 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad, rows_view
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
 from .custom_op import absent, compilable, compiled, define, fake, given
 
 #: tile of rows x columns per program on the GPU (memory-bound; not measured yet), and under the

@@ -30,8 +30,10 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
-                      next_pow2, num_sms, rows_view)
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
+from .device import num_sms
+from .launch import Launch, Plans, next_pow2
 from .custom_op import absent, compilable, compiled, define, fake, n_rows
 
 #: Longest row chunk held in registers; longer rows take the two-pass loop over chunks.

@@ -69,7 +69,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_tensor, interpreting, next_pow2
+from ._interpreter import interpreting
+from .checks import check_same_device, check_tensor
+from .launch import next_pow2
 from .custom_op import compilable, compiled, define, fake
 
 #: A rope program's tile holds _ROPE_TILE elements of each half (rows x heads x D/2), rotated by

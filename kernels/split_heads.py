@@ -20,7 +20,8 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import Launch, Plans, check_tensor, needs_grad, next_pow2
+from .checks import check_tensor, needs_grad
+from .launch import Launch, Plans, next_pow2
 from .custom_op import compilable, compiled, define, fake
 
 #: elements of one [rows, head, D] tile a program copies (16 KiB of bf16)

@@ -28,8 +28,9 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad,
-                      next_pow2, rows_view)
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
+from .launch import Launch, Plans, next_pow2
 from .custom_op import absent, compilable, compiled, define, fake
 
 #: Elements per program (BLOCK_M * BLOCK_C) and warps on the GPU.

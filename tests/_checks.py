@@ -1,6 +1,6 @@
 """Reference-comparison helpers used by every kernel test.
 
-Tolerance rule (DESIGN.md section 5, from flash-attention's tests): the kernel's error against a
+Tolerance rule (from flash-attention's tests): the kernel's error against a
 float64 reference may be at most twice PyTorch's own error in the same dtype, plus a small
 absolute term scaled by the reference's magnitude.
 """

@@ -2,7 +2,7 @@
 
 The patched model's logits, loss and every parameter gradient are checked against the same model
 in float64 (the reference) with the unpatched float32 model as the yardstick of the tolerance rule
-(DESIGN.md section 5). Sizes stay tiny (hidden 64, 2 layers, T 16): the interpreter is slow.
+(tests/_checks.py). Sizes stay tiny (hidden 64, 2 layers, T 16): the interpreter is slow.
 """
 
 import copy

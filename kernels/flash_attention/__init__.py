@@ -70,9 +70,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._common import check_tensor, needs_grad
+from ..checks import check_tensor, needs_grad
 from ..custom_op import compilable, compiled, define, eager, fake
-
 from ..rope import rope, rope_bwd, rope_fwd
 from ..split_heads import split_heads
 from .backward import flash_attention_bwd, flash_attention_bwd_packed

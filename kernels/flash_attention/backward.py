@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2
+from .._interpreter import interpreting
+from ..checks import check_same_device, check_same_dtype, check_tensor
+from ..launch import Launch, Plans, next_pow2
 from . import backward_sm90, config
 from .config import (DKDV_CONFIGS, DQ_CONFIGS, KEYS, LOG2E, NEG_INF, POS_INF, PREPROCESS_BLOCK_M,
                       block_configs, check_attention_inputs, check_documents, docs_arg, group_programs,

@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import check_same_device, interpreting, next_pow2
+from .._interpreter import interpreting
+from ..checks import check_same_device
+from ..launch import next_pow2
 from ..custom_op import compilable
 from .config import (COMBINE_ROWS, FWD_CONFIGS, INTERP_COMBINE_ROWS, KEYS, LN2, LOG2E, NEG_INF,
                       SPLIT_MAX_ROWS, auto_splits, block_configs, check_attention_inputs, check_documents,

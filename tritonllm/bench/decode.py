@@ -32,7 +32,7 @@ from the host clock with the device synchronised before and after. Decode time p
 tokens / time); ``prefill_ms = t(1)``. ``speedup`` = the fastest baseline's ``ms_per_token`` / the
 graphed side's. The GPU's name and the host CPU's model (``lscpu``) are printed and recorded, since
 a decode step of small kernels is host-bound when not graphed. Rows go to
-``docs/perf/decode-<gpu>.json`` (DESIGN.md section 6): ``pass: "decode"``, ``shape`` like
+``docs/perf/decode-<gpu>.json`` (the bench row format, docs/architecture.md): ``pass: "decode"``, ``shape`` like
 ``void125m B1 prompt128 new256``. ``graph_equals_eager``: the graphed and the eager generation
 gave the same tokens (greedy, bf16: they run the same kernels).
 """

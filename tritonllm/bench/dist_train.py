@@ -55,7 +55,7 @@ kernels, ms a step), ``cuda_graph``, and tritonllm's ``triton_share``. The profi
 timed ones, except for tritonllm's DDP step: its CUDA graph (NCCL inside) hung under the profiler, so
 3 eager steps after the first are profiled (extra warm-up steps, before the capture).
 
-Rows go to ``<out>/train-<gpu>.json`` (DESIGN.md section 6), one per tritonllm configuration on
+Rows go to ``<out>/train-<gpu>.json`` (the bench row format, docs/architecture.md), one per tritonllm configuration on
 several GPUs: ``nproc``, ``parallel``, the figures, ``scaling_efficiency`` = per-GPU tokens/s over the
 one-GPU run's (``one_gpu`` holds that run's figures), ``baselines`` (the baseline parallelised alike,
 with its own scaling efficiency) and ``speedup`` (the baseline's step_ms / ours). They replace rows

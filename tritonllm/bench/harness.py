@@ -4,7 +4,7 @@ A benchmark module (``tritonllm/bench/ops_*.py``) exposes ``cases(size, dtype)``
 :class:`Case` objects. Each case names the op, the problem shape, a factory for fresh inputs,
 our implementation and the baselines (torch eager, torch.compile, Liger-Kernel where importable),
 and the bytes or FLOPs of each pass. The harness derives GB/s or TFLOP/s and writes
-``docs/perf/kernels-<gpu>.json`` in the format of DESIGN.md section 6.
+``docs/perf/kernels-<gpu>.json`` (the row format every bench shares: :func:`run_case`, docs/architecture.md).
 
 The rows measure the GPU, not the host (:func:`graph_ms`): every pass of every implementation is
 captured in a CUDA graph after warm-up calls (torch.compile's compilation and our autotuning

@@ -65,7 +65,7 @@ in tritonllm's own Triton kernels, recognised by name (every ``@triton.jit`` ker
 ``tritonllm.kernels`` is ``_<name>_kernel``); the TOP_KERNELS of them that take the most GPU time a step
 are listed (``kernels_ms``, each kernel's launches summed) and every other kernel (``other_kernels_ms``).
 The host CPU's model (``lscpu``, else ``/proc/cpuinfo``) is printed and recorded, since the host
-figures depend on it. The row goes to ``docs/perf/train-<gpu>.json`` (DESIGN.md section 6),
+figures depend on it. The row goes to ``docs/perf/train-<gpu>.json`` (the bench row format, docs/architecture.md),
 rewritten after every side so that a run cut short keeps what it measured.
 """
 

@@ -2,7 +2,7 @@
 (:mod:`.step`, ``TrainStep``) and the ``python -m tritonllm.train`` entry point (``__main__``).
 
 Multi-GPU training (process groups, DDP / FSDP2 wrapping) goes beside these as its own module,
-applied to the model from outside (DESIGN.md section 9)."""
+applied to the model from outside: the model's code knows nothing of how it is distributed."""
 
 from tritonllm.train.loop import (NonFiniteGuard, available_models, build_optimizer, evaluate, model_config,
                                   resume_candidates, train)

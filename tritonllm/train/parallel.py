@@ -1,5 +1,6 @@
 """Training on several GPUs (or CPU processes) with PyTorch's own engine, applied to the
-single-device model from outside (DESIGN.md section 9, in the manner of torchtitan's ``parallelize``).
+single-device model from outside (its code knows nothing of distribution), in the manner of torchtitan's
+``parallelize``.
 
 ``torchrun --nproc_per_node=N -m tritonllm.train +model=... trainer.parallel=auto|ddp|fsdp|none``:
 every process runs the same loop on its own device (``cuda:<LOCAL_RANK>``; the CPU with gloo when
