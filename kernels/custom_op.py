@@ -5,7 +5,9 @@ Function, when it is imported; this module imports no op module.
 An op family registers an opaque forward op and backward op (``torch.ops.tritonllm.<op>_fwd`` /
 ``<op>_bwd``, :func:`define`) built on the module's own launchers, a fake (meta) implementation giving
 the outputs' shapes, dtypes and strides without launching anything (:func:`fake`), and an autograd
-formula (``register_autograd``) whose backward calls the backward op. Under ``torch.compile`` the ops
+formula whose backward calls the backward op. Where the module's eager autograd Function computes the
+same thing, the formula is that Function's own setup/backward pair with the backward op in place of the
+launcher (:func:`register_formula`), so the backward is written once. Under ``torch.compile`` the ops
 stay in the graph as single nodes (no graph break, no tracing into Triton), so the launchers keep their
 cached :class:`~kernels.launch.Launch` path and their autotuning at run time.
 
@@ -198,6 +200,15 @@ def fake(op):
             return fn(*args, **kwargs)
         return op.register_fake(with_fallbacks)
     return register
+
+
+def register_formula(fwd_op, setup_context, backward, **ops) -> None:
+    """Register ``fwd_op``'s autograd formula: ``setup_context(ctx, inputs, output)`` and
+    ``backward(ctx, *grads, **launchers)``, the pair the op module's eager autograd Function calls with
+    its launchers (the keyword defaults of ``backward``), here with those launchers replaced by the
+    backward ``ops`` (same arguments, an absent output where the launcher gives None). One pair serves
+    both paths, so a change to an op's backward is made once."""
+    fwd_op.register_autograd(functools.partial(backward, **ops), setup_context=setup_context)
 
 
 def absent(like: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ from ._interpreter import interpreting
 from .checks import INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, rows_view
 from .device import num_sms
 from .launch import next_pow2
-from .custom_op import absent, compilable, compiled, define, fake, given
+from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
 from . import gemm
 from .gemm import GPU_CONFIGS, PLAIN, SWIGLU_FWD, prune_configs
 from .swiglu import swiglu_bwd, swiglu_bwd_op
@@ -247,18 +247,36 @@ def grouped_linear_swiglu_fwd(x, w13, expert_offsets):
                        swiglu=True, up_off=(F2 // 2) * w13.stride(1))
 
 
+def _grouped_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_grads(ctx, dy, x, weight, offsets, bwd):
+    """``(dx, dweight, None)`` by ``bwd`` (the launcher or the backward op) from the gradient ``dy`` of
+    the grouped GEMM's output."""
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = bwd(dy, x, weight, offsets, need_dx, need_dw)
+    return given(dx, need_dx), given(dw, need_dw), None
+
+
+def _grouped_linear_backward(ctx, dy, *, bwd=grouped_linear_bwd):
+    """The gradients by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
+    return _grouped_grads(ctx, dy, *ctx.saved_tensors, bwd)
+
+
 class GroupedLinearFunction(torch.autograd.Function):
+    """The launchers with :func:`_grouped_linear_setup` and :func:`_grouped_linear_backward`, the custom
+    op's formula too."""
+
     @staticmethod
-    def forward(ctx, x, weight, expert_offsets):
-        y = grouped_linear_fwd(x, weight, expert_offsets)
-        ctx.save_for_backward(x, weight, expert_offsets)
+    def forward(ctx, *inputs):
+        y = grouped_linear_fwd(*inputs)
+        _grouped_linear_setup(ctx, inputs, y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, offsets = ctx.saved_tensors
-        dx, dw = grouped_linear_bwd(dy, x, weight, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, None
+        return _grouped_linear_backward(ctx, dy)
 
 
 class GroupedLinearSwiGLUFunction(torch.autograd.Function):
@@ -305,22 +323,7 @@ def _(dy, x, weight, expert_offsets, need_dx, need_dw):
             weight.new_empty(weight.shape) if need_dw else absent(x))
 
 
-def _grouped_linear_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _grouped_grads(ctx, dy, x, weight, offsets):
-    """``(dx, dweight, None)`` from the gradient ``dy`` of the grouped GEMM's output."""
-    need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = grouped_linear_bwd_op(dy, x, weight, offsets, need_dx, need_dw)
-    return given(dx, need_dx), given(dw, need_dw), None
-
-
-def _grouped_linear_backward(ctx, dy):
-    return _grouped_grads(ctx, dy, *ctx.saved_tensors)
-
-
-grouped_linear_fwd_op.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
+register_formula(grouped_linear_fwd_op, _grouped_linear_setup, _grouped_linear_backward, bwd=grouped_linear_bwd_op)
 
 
 @compiled("grouped_linear")
@@ -348,7 +351,7 @@ def _grouped_linear_swiglu_setup(ctx, inputs, output):
 def _grouped_linear_swiglu_backward(ctx, dh, _dgu):
     x, w13, offsets, gu = ctx.saved_tensors
     dgu, _ = swiglu_bwd_op(dh, gu, None)
-    return _grouped_grads(ctx, dgu, x, w13, offsets)
+    return _grouped_grads(ctx, dgu, x, w13, offsets, grouped_linear_bwd_op)
 
 
 grouped_linear_swiglu_fwd_op.register_autograd(_grouped_linear_swiglu_backward, setup_context=_grouped_linear_swiglu_setup)

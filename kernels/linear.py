@@ -34,7 +34,7 @@ import triton.language as tl
 from ._interpreter import interpreting
 from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor, needs_grad
 from .device import hopper, num_sms, side_stream
-from .custom_op import absent, compilable, compiled, define, fake, given, n_rows
+from .custom_op import absent, compilable, compiled, define, fake, given, n_rows, register_formula
 from .gemm import SWIGLU_FWD, as_matrix, gemm
 from .swiglu import swiglu_bwd
 
@@ -173,20 +173,33 @@ def linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx:
     return dx, dw, sum_rows(dy2, weight.dtype) if need_db else None
 
 
+def _linear_setup(ctx, inputs, output):
+    x, weight, _, _, allow_tf32 = inputs
+    ctx.allow_tf32 = allow_tf32
+    ctx.save_for_backward(x, weight)
+
+
+def _linear_backward(ctx, dy, *, bwd=linear_bwd):
+    """``(dx, dweight, dbias, dresidual, None)`` by ``bwd``: the launcher eagerly, the backward op under
+    torch.compile (``dresidual`` is ``dy`` itself)."""
+    x, weight = ctx.saved_tensors
+    need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
+    dx, dw, db = bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.allow_tf32)
+    return given(dx, need_dx), given(dw, need_dw), given(db, need_db), (dy if need_dr else None), None
+
+
 class LinearFunction(torch.autograd.Function):
+    """The launchers with :func:`_linear_setup` and :func:`_linear_backward`, the custom op's formula too."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, allow_tf32):
-        y = linear_fwd(x, weight, bias, residual, allow_tf32)
-        ctx.save_for_backward(x, weight)
-        ctx.allow_tf32 = allow_tf32
+    def forward(ctx, *inputs):
+        y = linear_fwd(*inputs)
+        _linear_setup(ctx, inputs, y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
-        dx, dw, db = linear_bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.allow_tf32)
-        return dx, dw, db, dy if need_dr else None, None
+        return _linear_backward(ctx, dy)
 
 
 @compilable
@@ -227,19 +240,34 @@ def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: 
     return _input_weight_grads(dgu, x, w13, need_dx, need_dw, allow_tf32)
 
 
+def _linear_swiglu_setup(ctx, inputs, output):
+    x, w13, allow_tf32 = inputs
+    ctx.allow_tf32 = allow_tf32
+    ctx.save_for_backward(x, w13, output[1])
+
+
+def _linear_swiglu_backward(ctx, dh, _dgu=None, *, bwd=linear_swiglu_bwd):
+    """``(dx, dw13, None)`` by ``bwd`` from the stored pre-activations ``gu``: the launcher eagerly, the
+    backward op under torch.compile."""
+    x, w13, gu = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = bwd(dh, x, w13, gu, need_dx, need_dw, ctx.allow_tf32)
+    return given(dx, need_dx), given(dw, need_dw), None
+
+
 class LinearSwiGLUFunction(torch.autograd.Function):
+    """The launcher with :func:`_linear_swiglu_setup` and :func:`_linear_swiglu_backward`, the custom op's
+    formula too; returns ``h`` (the op returns ``(h, gu)``)."""
+
     @staticmethod
     def forward(ctx, x, w13, allow_tf32):
         h, gu = linear_swiglu_fwd(x, w13, allow_tf32, store_gu=True)
-        ctx.save_for_backward(x, w13, gu)
-        ctx.allow_tf32 = allow_tf32
+        _linear_swiglu_setup(ctx, (x, w13, allow_tf32), (h, gu))
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w13, gu = ctx.saved_tensors
-        dx, dw = linear_swiglu_bwd(dh, x, w13, gu, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.allow_tf32)
-        return dx, dw, None
+        return _linear_swiglu_backward(ctx, dh)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -273,20 +301,7 @@ def _(dy, x, weight, need_dx, need_dw, need_db, allow_tf32):
             weight.new_empty(weight.shape[0]) if need_db else absent(x))
 
 
-def _linear_setup(ctx, inputs, output):
-    x, weight, _, _, allow_tf32 = inputs
-    ctx.allow_tf32 = allow_tf32
-    ctx.save_for_backward(x, weight)
-
-
-def _linear_backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
-    dx, dw, db = linear_bwd_op(dy, x, weight, need_dx, need_dw, need_db, ctx.allow_tf32)
-    return given(dx, need_dx), given(dw, need_dw), given(db, need_db), (dy if need_dr else None), None
-
-
-linear_fwd_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+register_formula(linear_fwd_op, _linear_setup, _linear_backward, bwd=linear_bwd_op)
 
 
 @compiled("linear")
@@ -320,20 +335,7 @@ def _(dh, x, w13, gu, need_dx, need_dw, allow_tf32):
     return x.new_empty(x.shape) if need_dx else absent(x), w13.new_empty(w13.shape) if need_dw else absent(x)
 
 
-def _linear_swiglu_setup(ctx, inputs, output):
-    x, w13, allow_tf32 = inputs
-    ctx.allow_tf32 = allow_tf32
-    ctx.save_for_backward(x, w13, output[1])
-
-
-def _linear_swiglu_backward(ctx, dh, _dgu):
-    x, w13, gu = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = linear_swiglu_bwd_op(dh, x, w13, gu, need_dx, need_dw, ctx.allow_tf32)
-    return given(dx, need_dx), given(dw, need_dw), None
-
-
-linear_swiglu_fwd_op.register_autograd(_linear_swiglu_backward, setup_context=_linear_swiglu_setup)
+register_formula(linear_swiglu_fwd_op, _linear_swiglu_setup, _linear_swiglu_backward, bwd=linear_swiglu_bwd_op)
 
 
 @compiled("linear_swiglu")

@@ -32,7 +32,7 @@ import triton.language as tl
 from ._interpreter import interpreting
 from .checks import INDEX_DTYPES, check_same_device, check_tensor, rows_view
 from .launch import next_pow2
-from .custom_op import absent, compilable, compiled, define, eager, fake, given
+from .custom_op import absent, compilable, compiled, define, eager, fake, given, register_formula
 
 
 @triton.jit
@@ -292,30 +292,58 @@ def moe_combine_bwd(dy, expert_out, weights, slots, need_dw: bool):
     return d_out, dw.view(T, k) if dw is not None else None
 
 
+def _moe_gather_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _moe_gather_backward(ctx, d_sorted, *, bwd=moe_gather_bwd):
+    """``(dx, None, None, None)`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
+    return bwd(d_sorted, ctx.saved_tensors[0]), None, None, None
+
+
 class MoEGatherFunction(torch.autograd.Function):
+    """The launchers with :func:`_moe_gather_setup` and :func:`_moe_gather_backward`, the custom op's
+    formula too."""
+
     @staticmethod
     def forward(ctx, x, expert_offsets, positions, slots):
-        ctx.save_for_backward(positions)
-        return moe_gather_fwd(x, MoEPlan(expert_offsets, positions, slots))
+        out = moe_gather_fwd(x, MoEPlan(expert_offsets, positions, slots))
+        _moe_gather_setup(ctx, (x, expert_offsets, positions, slots), out)
+        return out
 
     @staticmethod
     def backward(ctx, d_sorted):
-        (positions,) = ctx.saved_tensors
-        return moe_gather_bwd(d_sorted, positions), None, None, None
+        return _moe_gather_backward(ctx, d_sorted)
+
+
+def _moe_combine_setup(ctx, inputs, output):
+    expert_out, weights, _, _, slots = inputs
+    ctx.save_for_backward(expert_out, weights, slots)
+
+
+def _moe_combine_backward(ctx, dy, *, bwd=moe_combine_bwd):
+    """``(d_expert_out, d_weights, None, None, None)`` by ``bwd``: the launcher eagerly, the backward op
+    under torch.compile."""
+    expert_out, weights, slots = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[1]
+    d_out, dw = bwd(dy, expert_out, weights.contiguous(), slots, need_dw)
+    return d_out, given(dw, need_dw), None, None, None
 
 
 class MoECombineFunction(torch.autograd.Function):
+    """The launchers with :func:`_moe_combine_setup` and :func:`_moe_combine_backward`, the custom op's
+    formula too."""
+
     @staticmethod
-    def forward(ctx, expert_out, weights, expert_offsets, positions, slots):
-        y = moe_combine_fwd(expert_out, weights, MoEPlan(expert_offsets, positions, slots))
-        ctx.save_for_backward(expert_out, weights, slots)
+    def forward(ctx, *inputs):
+        expert_out, weights, *plan = inputs
+        y = moe_combine_fwd(expert_out, weights, MoEPlan(*plan))
+        _moe_combine_setup(ctx, inputs, y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        expert_out, weights, slots = ctx.saved_tensors
-        d_out, dw = moe_combine_bwd(dy, expert_out, weights.contiguous(), slots, ctx.needs_input_grad[1])
-        return d_out, dw, None, None, None
+        return _moe_combine_backward(ctx, dy)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -362,15 +390,7 @@ def _(d_sorted, positions):
     return d_sorted.new_empty((positions.shape[0], d_sorted.shape[1]))
 
 
-def _moe_gather_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2])
-
-
-def _moe_gather_backward(ctx, d_sorted):
-    return moe_gather_bwd_op(d_sorted, ctx.saved_tensors[0]), None, None, None
-
-
-moe_gather_fwd_op.register_autograd(_moe_gather_backward, setup_context=_moe_gather_setup)
+register_formula(moe_gather_fwd_op, _moe_gather_setup, _moe_gather_backward, bwd=moe_gather_bwd_op)
 
 
 @compiled("moe_gather")
@@ -404,18 +424,7 @@ def _(dy, expert_out, weights, slots, need_dw):
     return dy.new_empty((slots.shape[0], dy.shape[1])), (weights.new_empty(weights.shape) if need_dw else absent(dy))
 
 
-def _moe_combine_setup(ctx, inputs, output):
-    expert_out, weights, _, _, slots = inputs
-    ctx.save_for_backward(expert_out, weights, slots)
-
-
-def _moe_combine_backward(ctx, dy):
-    need_dw = ctx.needs_input_grad[1]
-    d_out, dw = moe_combine_bwd_op(dy, *ctx.saved_tensors, need_dw)
-    return d_out, given(dw, need_dw), None, None, None
-
-
-moe_combine_fwd_op.register_autograd(_moe_combine_backward, setup_context=_moe_combine_setup)
+register_formula(moe_combine_fwd_op, _moe_combine_setup, _moe_combine_backward, bwd=moe_combine_bwd_op)
 
 
 @compiled("moe_combine")

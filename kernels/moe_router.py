@@ -46,7 +46,7 @@ import triton.language as tl
 from ._interpreter import interpreting
 from .checks import check_tensor, rows_view
 from .launch import next_pow2
-from .custom_op import compilable, compiled, define, fake
+from .custom_op import compilable, compiled, define, fake, register_formula
 
 SCORES = ("softmax", "sigmoid")
 
@@ -289,23 +289,37 @@ def moe_router_bwd(logits, indices, counts, d_weights, d_aux, d_z, score: str = 
     return dl.view(logits.shape)
 
 
+def _moe_router_setup(ctx, inputs, output):
+    """``output`` in the op's order: ``(weights, aux, z, max_load, indices, counts)``."""
+    logits, _, ctx.score, ctx.normalize = inputs
+    _, _, _, max_load, indices, counts = output
+    ctx.save_for_backward(logits, indices, counts)
+    ctx.mark_non_differentiable(indices, counts, max_load)
+    ctx.set_materialize_grads(False)
+
+
+def _moe_router_backward(ctx, d_weights, d_aux, d_z, _d_max_load, _d_indices, _d_counts, *, bwd=moe_router_bwd):
+    """``(dlogits, None, None, None)`` by ``bwd`` (the launcher eagerly, the backward op under
+    torch.compile), the gradients in the op's output order; None when no float output got one."""
+    if d_weights is None and d_aux is None and d_z is None:
+        return None, None, None, None
+    logits, indices, counts = ctx.saved_tensors
+    return bwd(logits, indices, counts, d_weights, d_aux, d_z, ctx.score, ctx.normalize), None, None, None
+
+
 class MoERouterFunction(torch.autograd.Function):
+    """The launchers with :func:`_moe_router_setup` and :func:`_moe_router_backward`, the custom op's
+    formula too; returns the outputs in the launcher's order (indices first)."""
+
     @staticmethod
     def forward(ctx, logits, top_k, score, normalize):
         indices, weights, aux, z, counts, max_load = moe_router_fwd(logits, top_k, score, normalize)
-        ctx.save_for_backward(logits, indices, counts)
-        ctx.score, ctx.normalize = score, normalize
-        ctx.mark_non_differentiable(indices, counts, max_load)
-        ctx.set_materialize_grads(False)
+        _moe_router_setup(ctx, (logits, top_k, score, normalize), (weights, aux, z, max_load, indices, counts))
         return indices, weights, aux, z, counts, max_load
 
     @staticmethod
-    def backward(ctx, _d_indices, d_weights, d_aux, d_z, _d_counts, _d_max_load):
-        logits, indices, counts = ctx.saved_tensors
-        if d_weights is None and d_aux is None and d_z is None:
-            return None, None, None, None
-        dl = moe_router_bwd(logits, indices, counts, d_weights, d_aux, d_z, ctx.score, ctx.normalize)
-        return dl, None, None, None
+    def backward(ctx, d_indices, d_weights, d_aux, d_z, d_counts, d_max_load):
+        return _moe_router_backward(ctx, d_weights, d_aux, d_z, d_max_load, d_indices, d_counts)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -342,22 +356,7 @@ def _(logits, indices, counts, d_weights, d_aux, d_z, score, normalize):
     return logits.new_empty(logits.shape)
 
 
-def _moe_router_setup(ctx, inputs, output):
-    logits, _, ctx.score, ctx.normalize = inputs
-    _, _, _, max_load, indices, counts = output
-    ctx.save_for_backward(logits, indices, counts)
-    ctx.mark_non_differentiable(indices, counts, max_load)
-    ctx.set_materialize_grads(False)
-
-
-def _moe_router_backward(ctx, d_weights, d_aux, d_z, _d_max_load, _d_indices, _d_counts):
-    if d_weights is None and d_aux is None and d_z is None:
-        return None, None, None, None
-    logits, indices, counts = ctx.saved_tensors
-    return moe_router_bwd_op(logits, indices, counts, d_weights, d_aux, d_z, ctx.score, ctx.normalize), None, None, None
-
-
-moe_router_fwd_op.register_autograd(_moe_router_backward, setup_context=_moe_router_setup)
+register_formula(moe_router_fwd_op, _moe_router_setup, _moe_router_backward, bwd=moe_router_bwd_op)
 
 
 @compiled("moe_router")

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .checks import needs_grad
-from .custom_op import compilable, compiled, define, fake
+from .custom_op import compilable, compiled, define, fake, register_formula
 from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
@@ -55,16 +55,27 @@ def relu2_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return elementwise_bwd(_relu2_bwd_kernel, x, "x", dy)
 
 
+def _relu2_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _relu2_backward(ctx, dy, *, bwd=relu2_bwd):
+    """``dx`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
+    return bwd(ctx.saved_tensors[0], dy)
+
+
 class Relu2Function(torch.autograd.Function):
+    """The launchers with :func:`_relu2_setup` and :func:`_relu2_backward`, the custom op's formula too."""
+
     @staticmethod
     def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return relu2_fwd(x)
+        y = relu2_fwd(x)
+        _relu2_setup(ctx, (x,), y)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        return relu2_bwd(x, dy)
+        return _relu2_backward(ctx, dy)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -87,15 +98,7 @@ for _op in (relu2_fwd_op, relu2_bwd_op):
     fake(_op)(lambda x, *args: x.new_empty(x.shape))
 
 
-def _relu2_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-
-
-def _relu2_backward(ctx, dy):
-    return relu2_bwd_op(ctx.saved_tensors[0], dy)
-
-
-relu2_fwd_op.register_autograd(_relu2_backward, setup_context=_relu2_setup)
+register_formula(relu2_fwd_op, _relu2_setup, _relu2_backward, bwd=relu2_bwd_op)
 
 
 @compiled("relu2")

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ._interpreter import interpreting
 from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
-from .custom_op import absent, compilable, compiled, define, fake, given
+from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
 
 #: tile of rows x columns per program on the GPU (memory-bound; not measured yet), and under the
 #: interpreter (cost per program: large tiles)
@@ -181,16 +181,34 @@ def weighted_add_bwd(dout, x, y, weight, need_dx=True, need_dy=True, need_dw=Tru
     return dx, dy, dw
 
 
+def _weighted_add_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _weighted_add_backward(ctx, dout, *, bwd=weighted_add_bwd):
+    """``(dx, dy, dweight)`` by ``bwd``: the launcher eagerly, the backward op under torch.compile (which
+    gives no dx for a one-weight sum: it is ``dout`` itself)."""
+    x, y, weight = ctx.saved_tensors
+    need_dx, need_dy, need_dw = ctx.needs_input_grad
+    dx, dy, dw = bwd(dout, x, y, weight, need_dx, need_dy, need_dw)
+    if need_dx and weight.numel() == 1:
+        dx = dout
+    return given(dx, need_dx), given(dy, need_dy), given(dw, need_dw)
+
+
 class WeightedAddFunction(torch.autograd.Function):
+    """The launchers with :func:`_weighted_add_setup` and :func:`_weighted_add_backward`, the custom op's
+    formula too."""
+
     @staticmethod
-    def forward(ctx, x, y, weight):
-        ctx.save_for_backward(x, y, weight)
-        return weighted_add_fwd(x, y, weight)
+    def forward(ctx, *inputs):
+        out = weighted_add_fwd(*inputs)
+        _weighted_add_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, y, weight = ctx.saved_tensors
-        return weighted_add_bwd(dout, x, y, weight, *ctx.needs_input_grad)
+        return _weighted_add_backward(ctx, dout)
 
 
 @compilable
@@ -275,20 +293,7 @@ def _(dout, x, y, weight, need_dx, need_dy, need_dw):
             y.new_empty(y.shape) if need_dy else absent(x), weight.new_empty(weight.shape) if need_dw else absent(x))
 
 
-def _weighted_add_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _weighted_add_backward(ctx, dout):
-    x, y, weight = ctx.saved_tensors
-    need_dx, need_dy, need_dw = ctx.needs_input_grad
-    dx, dy, dw = weighted_add_bwd_op(dout, x, y, weight, need_dx, need_dy, need_dw)
-    if need_dx and weight.numel() == 1:
-        dx = dout
-    return given(dx, need_dx), given(dy, need_dy), given(dw, need_dw)
-
-
-weighted_add_fwd_op.register_autograd(_weighted_add_backward, setup_context=_weighted_add_setup)
+register_formula(weighted_add_fwd_op, _weighted_add_setup, _weighted_add_backward, bwd=weighted_add_bwd_op)
 
 
 @compiled("weighted_add")

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .checks import needs_grad
-from .custom_op import compilable, compiled, define, fake
+from .custom_op import compilable, compiled, define, fake, register_formula
 from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
@@ -77,18 +77,29 @@ def softcap_bwd(y: torch.Tensor, dy: torch.Tensor, cap: float) -> torch.Tensor:
     return elementwise_bwd(_softcap_bwd_kernel, y, "y", dy, check_cap(cap))
 
 
+def _softcap_setup(ctx, inputs, output):
+    ctx.cap = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _softcap_backward(ctx, dy, *, bwd=softcap_bwd):
+    """``(dx, None)`` by ``bwd`` from the saved output: the launcher eagerly, the backward op under
+    torch.compile."""
+    return bwd(ctx.saved_tensors[0], dy, ctx.cap), None
+
+
 class SoftcapFunction(torch.autograd.Function):
+    """The launchers with :func:`_softcap_setup` and :func:`_softcap_backward`, the custom op's formula too."""
+
     @staticmethod
     def forward(ctx, x, cap):
         y = softcap_fwd(x, cap)
-        ctx.save_for_backward(y)
-        ctx.cap = cap
+        _softcap_setup(ctx, (x, cap), y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return softcap_bwd(y, dy, ctx.cap), None
+        return _softcap_backward(ctx, dy)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -111,16 +122,7 @@ for _op in (softcap_fwd_op, softcap_bwd_op):
     fake(_op)(lambda x, *args: x.new_empty(x.shape))
 
 
-def _softcap_setup(ctx, inputs, output):
-    ctx.cap = inputs[1]
-    ctx.save_for_backward(output)
-
-
-def _softcap_backward(ctx, dy):
-    return softcap_bwd_op(ctx.saved_tensors[0], dy, ctx.cap), None
-
-
-softcap_fwd_op.register_autograd(_softcap_backward, setup_context=_softcap_setup)
+register_formula(softcap_fwd_op, _softcap_setup, _softcap_backward, bwd=softcap_bwd_op)
 
 
 @compiled("softcap")
