@@ -17,7 +17,7 @@ imported, it changes nothing. ``interpreting()`` tells which mode is on, and a C
 a kernel while the interpreter is off is refused with an error naming the argument and the variable.
 
 Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
-``swiglu``, ``relu2``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``rope_flash_attention``, ``split_heads``,
+``swiglu``, ``relu2``, ``gelu_tanh``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``rope_flash_attention``, ``split_heads``,
 ``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``, ``moe_router``,
 ``moe_sort``, ``moe_gather``, ``moe_combine``, ``grouped_linear``, ``grouped_linear_swiglu``) is also
 registered as ``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta)
@@ -59,6 +59,7 @@ from ._interpreter import interpreting  # noqa: E402
 from .rms_norm import rms_norm  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
 from .relu2 import relu2  # noqa: E402
+from .gelu import gelu_tanh  # noqa: E402
 from .softcap import softcap  # noqa: E402
 from .residual_mix import add_fork, fork, weighted_add  # noqa: E402
 from .rope import rope, rope_cos_sin  # noqa: E402
@@ -82,7 +83,7 @@ from . import kv_cache, lora  # noqa: E402,F401
 
 __all__ = [
     "interpreting",
-    "rms_norm", "swiglu", "relu2", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
+    "rms_norm", "swiglu", "relu2", "gelu_tanh", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
     "clip_grads_", "weighted_add", "fork", "add_fork",
     "muon_step_", "orthogonalize",
     "linear", "linear_swiglu", "linear_cross_entropy",

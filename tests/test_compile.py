@@ -543,6 +543,8 @@ def _op_cases():
         "swiglu_bwd_packed": (OPS.swiglu_bwd, (randn(5, 12), packed.detach(), None)),
         "relu2_fwd": (OPS.relu2_fwd, (x,)),
         "relu2_bwd": (OPS.relu2_bwd, (x.detach(), dy)),
+        "gelu_tanh_fwd": (OPS.gelu_tanh_fwd, (x,)),
+        "gelu_tanh_bwd": (OPS.gelu_tanh_bwd, (x.detach(), dy)),
         "softcap_fwd": (OPS.softcap_fwd, (x, 2.0)),
         "softcap_bwd": (OPS.softcap_bwd, (y.detach(), dy, 30.0)),
         "rope_fwd": (OPS.rope_fwd, (q, cos, sin, 2, None)),
