@@ -32,7 +32,7 @@ import triton.language as tl
 from ._interpreter import interpreting
 from .checks import INDEX_DTYPES, check_dot_dtype, check_same_device, check_tensor, needs_grad
 from .launch import Launch, Plans
-from .custom_op import compilable, compiled, define, fake
+from .custom_op import compilable, compiled, define, fake, register_formula
 
 #: Forward tile (fixed config, no autotune: the autotuner's per-call key building cost host time on
 #: a ~10 us gather): BLOCK_N tokens x BLOCK_D columns per program.
@@ -219,27 +219,44 @@ def embedding_bwd(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
     check_same_device(dy=dy, ids=ids)
     if tuple(dy.shape) != (*ids.shape, dy.shape[-1]):
         raise ValueError(f"dy must have shape ids.shape + [D] = {tuple(ids.shape)} + [D], got {tuple(dy.shape)}")
-    pad = padding_index(padding_idx, num_embeddings)
-    return _bwd(dy, ids, num_embeddings, pad)
+    return _bwd_padded(dy, ids, num_embeddings, padding_idx)
+
+
+def _bwd_padded(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int, padding_idx: int | None) -> torch.Tensor:
+    """Unchecked :func:`embedding_bwd` (``padding_idx`` still checked: it costs nothing on the device)."""
+    return _bwd(dy, ids, num_embeddings, padding_index(padding_idx, num_embeddings))
+
+
+def _embedding_setup(ctx, inputs, output):
+    ids, weight, ctx.padding_idx, _ = inputs
+    ctx.num_embeddings = weight.shape[0]
+    ctx.save_for_backward(ids)
+
+
+def _embedding_backward(ctx, dy, *, bwd=_bwd_padded):
+    """``(None, dweight, None, None)`` by ``bwd``: the unchecked launcher eagerly (the forward checked the
+    inputs), the backward op under torch.compile."""
+    dw = bwd(dy, ctx.saved_tensors[0], ctx.num_embeddings, ctx.padding_idx) if ctx.needs_input_grad[1] else None
+    return None, dw, None, None
 
 
 class EmbeddingFunction(torch.autograd.Function):
     """Autograd wrapper of the forward / backward launchers (gradient for ``weight`` only). The
-    forward checks the inputs; the backward launches unchecked."""
+    forward checks the inputs; :func:`_embedding_setup` and :func:`_embedding_backward` (the custom
+    op's formula too) save the ids and launch the backward unchecked."""
 
     @staticmethod
-    def forward(ctx, ids, weight, padding_idx, validate):
+    def forward(ctx, *inputs):
+        ids, weight, padding_idx, validate = inputs
         _check_fwd(ids, weight, validate)
-        ctx.pad = padding_index(padding_idx, weight.shape[0])
-        ctx.num_embeddings = weight.shape[0]
-        ctx.save_for_backward(ids)
-        return _fwd(ids, weight)
+        padding_index(padding_idx, weight.shape[0])
+        out = _fwd(ids, weight)
+        _embedding_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        (ids,) = ctx.saved_tensors
-        dw = _bwd(dy, ids, ctx.num_embeddings, ctx.pad) if ctx.needs_input_grad[1] else None
-        return None, dw, None, None
+        return _embedding_backward(ctx, dy)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -269,17 +286,7 @@ def _(dy, ids, num_embeddings, padding_idx):
     return dy.new_empty((num_embeddings, dy.shape[-1]))
 
 
-def _embedding_setup(ctx, inputs, output):
-    ids, weight, ctx.padding_idx, _ = inputs
-    ctx.num_embeddings = weight.shape[0]
-    ctx.save_for_backward(ids)
-
-
-def _embedding_backward(ctx, dy):
-    return None, embedding_bwd_op(dy, ctx.saved_tensors[0], ctx.num_embeddings, ctx.padding_idx), None, None
-
-
-embedding_fwd_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+register_formula(embedding_fwd_op, _embedding_setup, _embedding_backward, bwd=embedding_bwd_op)
 
 
 @compiled("embedding")
