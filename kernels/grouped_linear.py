@@ -38,7 +38,7 @@ from .launch import next_pow2
 from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
 from . import gemm
 from .gemm import GPU_CONFIGS, PLAIN, SWIGLU_FWD, prune_configs
-from .swiglu import swiglu_bwd, swiglu_bwd_op
+from .swiglu import swiglu_bwd_op, swiglu_bwd_pair
 
 
 @triton.jit
@@ -279,19 +279,31 @@ class GroupedLinearFunction(torch.autograd.Function):
         return _grouped_linear_backward(ctx, dy)
 
 
+def _grouped_linear_swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _grouped_linear_swiglu_backward(ctx, dh, _dgu=None, *, swiglu_bwd=swiglu_bwd_pair, bwd=grouped_linear_bwd):
+    """The gradients through the stored pre-activations ``gu``: the packed SwiGLU backward, then the grouped
+    GEMM's, by the unchecked launchers eagerly and the backward ops under torch.compile."""
+    x, w13, offsets, gu = ctx.saved_tensors
+    dgu, _ = swiglu_bwd(dh, gu, None)
+    return _grouped_grads(ctx, dgu, x, w13, offsets, bwd)
+
+
 class GroupedLinearSwiGLUFunction(torch.autograd.Function):
+    """The launchers with :func:`_grouped_linear_swiglu_setup` and :func:`_grouped_linear_swiglu_backward`,
+    the custom op's formula too; returns ``h`` (the op returns ``(h, gu)``)."""
+
     @staticmethod
-    def forward(ctx, x, w13, expert_offsets):
-        h, gu = grouped_linear_swiglu_fwd(x, w13, expert_offsets)
-        ctx.save_for_backward(x, w13, expert_offsets, gu)
+    def forward(ctx, *inputs):
+        h, gu = grouped_linear_swiglu_fwd(*inputs)
+        _grouped_linear_swiglu_setup(ctx, inputs, (h, gu))
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w13, offsets, gu = ctx.saved_tensors
-        dgu = swiglu_bwd(dh, gu)
-        dx, dw = grouped_linear_bwd(dgu, x, w13, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, None
+        return _grouped_linear_swiglu_backward(ctx, dh)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -344,17 +356,8 @@ def _(x, w13, expert_offsets):
     return x.new_empty((M, two_f // 2)), x.new_empty((M, two_f))
 
 
-def _grouped_linear_swiglu_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs, output[1])
-
-
-def _grouped_linear_swiglu_backward(ctx, dh, _dgu):
-    x, w13, offsets, gu = ctx.saved_tensors
-    dgu, _ = swiglu_bwd_op(dh, gu, None)
-    return _grouped_grads(ctx, dgu, x, w13, offsets, grouped_linear_bwd_op)
-
-
-grouped_linear_swiglu_fwd_op.register_autograd(_grouped_linear_swiglu_backward, setup_context=_grouped_linear_swiglu_setup)
+register_formula(grouped_linear_swiglu_fwd_op, _grouped_linear_swiglu_setup, _grouped_linear_swiglu_backward,
+                 swiglu_bwd=swiglu_bwd_op, bwd=grouped_linear_bwd_op)
 
 
 @compiled("grouped_linear_swiglu")

@@ -198,11 +198,11 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None = N
     out_shape = (*gate.shape[:-1], f)
     if tuple(dy.shape) != out_shape:
         raise ValueError(f"dy must have shape {out_shape}, got {tuple(dy.shape)}")
-    dgate, dup = _bwd_pair(dy, gate, up)
+    dgate, dup = swiglu_bwd_pair(dy, gate, up)
     return dgate if up is None else (dgate, dup)
 
 
-def _bwd_pair(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None):
+def swiglu_bwd_pair(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None):
     """Unchecked :func:`swiglu_bwd` as a pair: ``(dgate, dup)``, or ``(dgate_up, None)`` in the packed form."""
     f = gate.shape[-1] if up is not None else gate.shape[-1] // 2
     g2, u2 = _halves(gate, up, f)
@@ -216,7 +216,7 @@ def _swiglu_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _swiglu_backward(ctx, dy, *, bwd=_bwd_pair):
+def _swiglu_backward(ctx, dy, *, bwd=swiglu_bwd_pair):
     """``(dgate, dup)``, or ``(dgate_up, None)`` packed, by ``bwd``: the unchecked launcher eagerly (the
     forward checked the inputs), the backward op under torch.compile."""
     gate, up = ctx.saved_tensors
