@@ -32,11 +32,11 @@ on its settings, so a change takes effect at the next call. Training runs set th
 from the config (``trainer.gemm_grid``, ``trainer.gemm_sm_margin``).
 
 Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linear``, ``linear_swiglu``,
-``swiglu``, ``relu2``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``rope_flash_attention``, ``split_heads``,
+``swiglu``, ``relu2``, ``gelu_tanh``, ``softcap``, ``rope``, ``rope_cos_sin``, ``embedding``, ``flash_attention``, ``rope_flash_attention``, ``split_heads``,
 ``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``, ``moe_router``,
 ``moe_sort``, ``moe_gather``, ``moe_combine``, ``grouped_linear``, ``grouped_linear_swiglu``) is also
 registered as ``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta)
-and autograd registrations (``kernels/library.py``); ``moe`` is built of them. While
+and autograd registrations (each op's module, with the machinery of ``kernels/custom_op.py``); ``moe`` is built of them. While
 ``torch.compiler.is_compiling()``, a call goes to
 those ops, which the graph keeps as single opaque nodes: a model built of these kernels compiles with
 ``torch.compile(model, fullgraph=True)`` (any backend) without graph breaks, and works inside FSDP2's
@@ -54,8 +54,8 @@ if __name__ != "tritonllm.kernels":
     # `import kernels` finds it, as transformers does when it probes for the Hugging Face `kernels` package.
     # A second copy of the modules would register the tritonllm:: custom ops again, which frees the first
     # copy's operator entries (torch.library allows the overwrite) and crashes dynamo later. The name
-    # stands for tritonllm.kernels instead (its loaded modules too, so that `import kernels.library` is
-    # tritonllm.kernels.library), and the relative imports below resolve to its modules.
+    # stands for tritonllm.kernels instead (its loaded modules too, so that `import kernels.custom_op` is
+    # tritonllm.kernels.custom_op), and the relative imports below resolve to its modules.
     import importlib as _importlib
     import sys as _sys
 
@@ -69,13 +69,13 @@ from ._interpreter import choose_interpreter as _choose_interpreter  # noqa: E40
 
 _choose_interpreter()
 
-from ._common import interpreting  # noqa: E402
+from ._interpreter import interpreting  # noqa: E402
 from .gemm_settings import GemmSettings, configure_gemm, gemm_settings  # noqa: E402
-from . import library  # noqa: E402,F401  (registers the ops the functionals route to under torch.compile)
 # memory-bound ops
 from .rms_norm import rms_norm  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
 from .relu2 import relu2  # noqa: E402
+from .gelu import gelu_tanh  # noqa: E402
 from .softcap import softcap  # noqa: E402
 from .residual_mix import add_fork, fork, weighted_add  # noqa: E402
 from .rope import rope, rope_cos_sin  # noqa: E402
@@ -95,10 +95,12 @@ from .moe_router import MoERouting, moe_router  # noqa: E402
 from .moe_permute import MoEPlan, moe_combine, moe_gather, moe_sort  # noqa: E402
 from .grouped_linear import grouped_linear, grouped_linear_swiglu  # noqa: E402
 from .moe import moe  # noqa: E402
+# modules of ops no functional above imports; imported for their custom-op registrations
+from . import kv_cache, lora  # noqa: E402,F401
 
 __all__ = [
     "interpreting", "GemmSettings", "configure_gemm", "gemm_settings",
-    "rms_norm", "swiglu", "relu2", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
+    "rms_norm", "swiglu", "relu2", "gelu_tanh", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
     "clip_grads_", "weighted_add", "fork", "add_fork",
     "muon_step_", "orthogonalize",
     "linear", "linear_swiglu", "linear_cross_entropy",

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor
 
 #: elements per program and warps on the GPU (memory-bound; not measured yet)
 BLOCK, NUM_WARPS = 4096, 8

@@ -27,3 +27,9 @@ def choose_interpreter() -> bool:
     _log.info("no CUDA device: tritonllm's kernels run through Triton's CPU interpreter (TRITON_INTERPRET=1 set "
               "for this process; set TRITON_INTERPRET before importing tritonllm to choose yourself)")
     return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET``, read by Triton
+    when it was imported; see ``tritonllm.kernels``): the kernels then take CPU tensors."""
+    return env_flag(os.environ.get("TRITON_INTERPRET", "0"))

@@ -39,13 +39,17 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, compilable, interpreting,
-                      next_pow2, upload)
+from ._interpreter import interpreting
+from .checks import FLOAT_DTYPES, check_flag, check_lr, check_tensor
+from .launch import TL_DTYPE, cached, next_pow2, upload
+from .custom_op import compilable, compiled, define, eager, fake, present, split_lr, spread
 
 #: elements per program (a chunk: the granularity of the tables), processed BLOCK elements per
 #: loop step by NUM_WARPS warps. Large chunks amortise each program's table look-ups (two
@@ -513,3 +517,85 @@ def clip_grads_by_sq_norm_(grads, sq_norm: torch.Tensor, max_norm: float, eps: f
     sizes = _sizes()
     launches = list(_launches(("grads",), (FLOAT_DTYPES,), (grads,), sizes["CHUNK"]))
     return _clip_by_partials(sizes, launches, sq_norm.reshape(1), 1, max_norm, eps, found_inf, check)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::adamw_step", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "masters", "steps"))
+def adamw_step_op(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                  masters: list[Tensor], has_master: list[bool], steps: list[Tensor], lr: float,
+                  lr_tensor: Optional[Tensor], beta1: float, beta2: float, eps: float, weight_decay: float,
+                  found_inf: Optional[Tensor]) -> None:
+    """:func:`kernels.adamw.adamw_step_` (``lr_tensor``, when given, is the learning rate)."""
+    eager(adamw_step_)(params, grads, exp_avgs, exp_avg_sqs, spread(masters, has_master), steps=steps,
+                       lr=lr if lr_tensor is None else lr_tensor, betas=(beta1, beta2), eps=eps,
+                       weight_decay=weight_decay, found_inf=found_inf)
+
+
+@fake(adamw_step_op)
+def _(*args):
+    return None
+
+
+@compiled("adamw_step_")
+def _compiled_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, masters=None, *, steps, lr, betas=(0.9, 0.999),
+                          eps: float = 1e-8, weight_decay: float = 0.0, found_inf: Tensor | None = None) -> None:
+    params = list(params)
+    given_masters, has_master = present(masters, len(params))
+    adamw_step_op(params, list(grads), list(exp_avgs), list(exp_avg_sqs), given_masters, has_master, list(steps), *split_lr(lr),
+                  float(betas[0]), float(betas[1]), float(eps), float(weight_decay), found_inf)
+
+
+@define("tritonllm::clip_grads", mutates_args=("grads", "found_inf"))
+def clip_grads_op(grads: list[Tensor], max_norm: float, eps: float, found_inf: Optional[Tensor],
+                  check: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.adamw.clip_grads_` without ``reduce``: the norm before clipping."""
+    return eager(clip_grads_)(grads, max_norm, eps, found_inf=found_inf, check=check)
+
+
+@fake(clip_grads_op)
+def _(grads, max_norm, eps, found_inf, check):
+    return grads[0].new_empty((), dtype=torch.float32)
+
+
+@define("tritonllm::grad_sq_norm", mutates_args=())
+def grad_sq_norm_op(grads: list[Tensor]) -> Tensor:
+    """:func:`kernels.adamw.grad_sq_norm`: the 0-d fp32 sum of squares, the first stage of a reduced clip."""
+    return grad_sq_norm(grads)
+
+
+@fake(grad_sq_norm_op)
+def _(grads):
+    return grads[0].new_empty((), dtype=torch.float32)
+
+
+@define("tritonllm::clip_grads_by_sq_norm", mutates_args=("grads", "found_inf"))
+def clip_grads_by_sq_norm_op(grads: list[Tensor], sq_norm: Tensor, max_norm: float, eps: float,
+                             found_inf: Optional[Tensor], check: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.adamw.clip_grads_by_sq_norm_`: the second stage, from the reduced sum of squares."""
+    return clip_grads_by_sq_norm_(grads, sq_norm, max_norm, eps, found_inf=found_inf, check=check)
+
+
+@fake(clip_grads_by_sq_norm_op)
+def _(grads, sq_norm, max_norm, eps, found_inf, check):
+    return sq_norm.new_empty(())
+
+
+@compiled("clip_grads_")
+def _compiled_clip_grads_(grads, max_norm: float, eps: float = 1e-6, *, found_inf: Tensor | None = None,
+                          check: Tensor | None = None, reduce=None) -> Tensor:
+    """With ``reduce`` (e.g. FSDP2's all-reduce of the sum of squares), three steps the graph keeps: the
+    sum-of-squares op, ``reduce`` traced as Python (a collective becomes a functional collective), and the
+    scaling op; without, one op."""
+    grads = list(grads)
+    if reduce is not None:
+        if not grads:
+            raise ValueError("grads is empty: with reduce, every holder must pass its (possibly empty) tensors")
+        total = grad_sq_norm_op(grads)
+        reduce(total)
+        return clip_grads_by_sq_norm_op(grads, total, float(max_norm), float(eps), found_inf, check)
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return clip_grads_op(grads, float(max_norm), float(eps), found_inf, check)

@@ -23,14 +23,18 @@ Offsets are int64, so ``N * V`` may exceed 2^31.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
 
-from ._common import (INDEX_DTYPES, Launch, Plans, autotune, check_same_device, check_tensor, compilable, interpreting,
-                      needs_grad, next_pow2, rows_view)
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_same_device, check_tensor, needs_grad, rows_view
+from .launch import Launch, Plans, autotune, next_pow2
+from .custom_op import absent, compilable, compiled, define, fake, n_rows
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -299,6 +303,66 @@ class CrossEntropyFunction(torch.autograd.Function):
         ignore_index, label_smoothing, z_loss, inplace = ctx.args
         dx = cross_entropy_bwd(dloss, x, t, lse, count, ignore_index, label_smoothing, z_loss, inplace)
         return dx.reshape(ctx.logits_shape), None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd_op(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
+                         reduction: str, return_z_loss: bool, validate: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z or absent, lse, count or absent)`` of :func:`kernels.cross_entropy.cross_entropy_fwd`."""
+    loss, z, lse, count, _, _ = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss,
+                                                  reduction, return_z_loss, validate)
+    return loss, (z if z is not None else absent(lse)), lse, (count if count is not None else absent(lse))
+
+
+@fake(cross_entropy_fwd_op)
+def _(logits, target, ignore_index, label_smoothing, z_loss, reduction, return_z_loss, validate):
+    f32 = dict(dtype=torch.float32)
+    shape = target.shape if reduction == "none" else ()
+    return (logits.new_empty(shape, **f32), logits.new_empty(shape if return_z_loss else 0, **f32),
+            logits.new_empty(n_rows(logits), **f32), logits.new_empty(() if reduction == "mean" else 0, **f32))
+
+
+@define("tritonllm::cross_entropy_bwd", mutates_args=())
+def cross_entropy_bwd_op(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Optional[Tensor],
+                         ignore_index: int, label_smoothing: float, z_loss: float) -> Tensor:
+    """dlogits (logits' shape) of :func:`kernels.cross_entropy.cross_entropy_bwd`."""
+    V = logits.shape[-1]
+    dx = cross_entropy_bwd(dloss, rows_view(logits, V), target.reshape(-1).contiguous(), lse, count,
+                           ignore_index, label_smoothing, z_loss)
+    return dx.view(logits.shape)
+
+
+@fake(cross_entropy_bwd_op)
+def _(dloss, logits, target, lse, count, ignore_index, label_smoothing, z_loss):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, z_loss, reduction, _, _ = inputs
+    ctx.args, ctx.mean = (ignore_index, label_smoothing, z_loss), reduction == "mean"
+    ctx.save_for_backward(logits, target, output[2], output[3])
+
+
+def _cross_entropy_backward(ctx, dloss, _dz, _dlse, _dcount):
+    logits, target, lse, count = ctx.saved_tensors
+    dx = cross_entropy_bwd_op(dloss, logits, target, lse, count if ctx.mean else None, *ctx.args)
+    return dx, None, None, None, None, None, None, None
+
+
+cross_entropy_fwd_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+
+@compiled("cross_entropy")
+def _compiled_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+                            z_loss: float = 0.0, reduction: str = "mean", return_z_loss: bool = False,
+                            inplace_backward: bool = False, validate: bool = True):
+    loss, z, _, _ = cross_entropy_fwd_op(logits, target, ignore_index, float(label_smoothing), float(z_loss), reduction,
+                                         return_z_loss, validate)
+    return (loss, z.detach()) if return_z_loss else loss
 
 
 @compilable

@@ -22,13 +22,17 @@ memset, and the summation order is fixed, so results are bitwise reproducible.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, Launch, Plans, check_dot_dtype, check_same_device, check_tensor, compilable,
-                      interpreting, needs_grad)
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_dot_dtype, check_same_device, check_tensor, needs_grad
+from .launch import Launch, Plans
+from .custom_op import compilable, compiled, define, fake, register_formula
 
 #: Forward tile (fixed config, no autotune: the autotuner's per-call key building cost host time on
 #: a ~10 us gather): BLOCK_N tokens x BLOCK_D columns per program.
@@ -215,27 +219,79 @@ def embedding_bwd(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
     check_same_device(dy=dy, ids=ids)
     if tuple(dy.shape) != (*ids.shape, dy.shape[-1]):
         raise ValueError(f"dy must have shape ids.shape + [D] = {tuple(ids.shape)} + [D], got {tuple(dy.shape)}")
-    pad = padding_index(padding_idx, num_embeddings)
-    return _bwd(dy, ids, num_embeddings, pad)
+    return _bwd_padded(dy, ids, num_embeddings, padding_idx)
+
+
+def _bwd_padded(dy: torch.Tensor, ids: torch.Tensor, num_embeddings: int, padding_idx: int | None) -> torch.Tensor:
+    """Unchecked :func:`embedding_bwd` (``padding_idx`` still checked: it costs nothing on the device)."""
+    return _bwd(dy, ids, num_embeddings, padding_index(padding_idx, num_embeddings))
+
+
+def _embedding_setup(ctx, inputs, output):
+    ids, weight, ctx.padding_idx, _ = inputs
+    ctx.num_embeddings = weight.shape[0]
+    ctx.save_for_backward(ids)
+
+
+def _embedding_backward(ctx, dy, *, bwd=_bwd_padded):
+    """``(None, dweight, None, None)`` by ``bwd``: the unchecked launcher eagerly (the forward checked the
+    inputs), the backward op under torch.compile."""
+    dw = bwd(dy, ctx.saved_tensors[0], ctx.num_embeddings, ctx.padding_idx) if ctx.needs_input_grad[1] else None
+    return None, dw, None, None
 
 
 class EmbeddingFunction(torch.autograd.Function):
     """Autograd wrapper of the forward / backward launchers (gradient for ``weight`` only). The
-    forward checks the inputs; the backward launches unchecked."""
+    forward checks the inputs; :func:`_embedding_setup` and :func:`_embedding_backward` (the custom
+    op's formula too) save the ids and launch the backward unchecked."""
 
     @staticmethod
-    def forward(ctx, ids, weight, padding_idx, validate):
+    def forward(ctx, *inputs):
+        ids, weight, padding_idx, validate = inputs
         _check_fwd(ids, weight, validate)
-        ctx.pad = padding_index(padding_idx, weight.shape[0])
-        ctx.num_embeddings = weight.shape[0]
-        ctx.save_for_backward(ids)
-        return _fwd(ids, weight)
+        padding_index(padding_idx, weight.shape[0])
+        out = _fwd(ids, weight)
+        _embedding_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        (ids,) = ctx.saved_tensors
-        dw = _bwd(dy, ids, ctx.num_embeddings, ctx.pad) if ctx.needs_input_grad[1] else None
-        return None, dw, None, None
+        return _embedding_backward(ctx, dy)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::embedding_fwd", mutates_args=())
+def embedding_fwd_op(ids: Tensor, weight: Tensor, padding_idx: Optional[int], validate: bool) -> Tensor:
+    """:func:`kernels.embedding.embedding_fwd`, ``padding_idx`` checked as :func:`kernels.embedding.embedding`."""
+    padding_index(padding_idx, weight.shape[0])
+    return embedding_fwd(ids, weight, validate)
+
+
+@fake(embedding_fwd_op)
+def _(ids, weight, padding_idx, validate):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+@define("tritonllm::embedding_bwd", mutates_args=())
+def embedding_bwd_op(dy: Tensor, ids: Tensor, num_embeddings: int, padding_idx: Optional[int]) -> Tensor:
+    """:func:`kernels.embedding.embedding_bwd`: the weight gradient."""
+    return embedding_bwd(dy, ids, num_embeddings, padding_idx)
+
+
+@fake(embedding_bwd_op)
+def _(dy, ids, num_embeddings, padding_idx):
+    return dy.new_empty((num_embeddings, dy.shape[-1]))
+
+
+register_formula(embedding_fwd_op, _embedding_setup, _embedding_backward, bwd=embedding_bwd_op)
+
+
+@compiled("embedding")
+def _compiled_embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None, validate: bool = True) -> Tensor:
+    return embedding_fwd_op(ids, weight, padding_idx, validate)
 
 
 @compilable

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, interpreting
+from ._interpreter import interpreting
+from .checks import check_tensor
 
 #: the largest finite value of each fp8 format the kernels use
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}

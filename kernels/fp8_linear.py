@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_same_device, check_same_dtype, check_tensor, interpreting, needs_grad
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad
 from .fp8 import FP8_MAX, quantize_rows
 from .gemm import as_matrix, gemm
 from .linear import check_linear_inputs, sum_rows

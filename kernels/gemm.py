@@ -28,9 +28,12 @@ import triton
 import triton.language as tl
 
 from . import gemm_sm90
-from ._common import Launch, Plans, interpreting, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
+from ._interpreter import interpreting
+from .device import num_sms, smem_budget
 from .gemm_settings import GemmSettings, gemm_settings
 from .gemm_tiles import PLAIN, SWIGLU_FWD, tile_coords
+from .launch import Launch, Plans, next_pow2
+from .scratch import tile_counter, tma_scratch
 
 # The switches a run chooses (flatten, TMA stores, the grid, ...) are gemm_settings.GemmSettings; the
 # constants below are measured tuning facts.

@@ -66,7 +66,7 @@ class GemmSettings(Settings):
     sm90_ws_gated: bool = True
     #: gemm_sm90's kernel on a persistent grid (min(#SMs, tiles) programs, whatever ``persistent`` says,
     #: which then sets the other kernels' grid) whose programs take their tiles from a global counter as they
-    #: get to them (``_common.tile_counter``) instead of every P-th tile: a program that starts late, behind
+    #: get to them (``scratch.tile_counter``) instead of every P-th tile: a program that starts late, behind
     #: another stream's kernels on its SM (NCCL's under FSDP2), takes fewer tiles instead of holding back a
     #: share, and each program still overlaps a tile's epilogue with the next tile's loads. Each tile is one
     #: program's whole K loop either way: the same bits. ``trainer.gemm_grid`` sets it for DDP and FSDP2 on

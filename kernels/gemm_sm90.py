@@ -18,7 +18,7 @@ dY W and dY^T x without copies); the same tile order (grouped M, :func:`gemm_til
 (min(#SMs, tiles) programs, or one per tile with ``GemmSettings.persistent`` off). The producer picks each
 of the program's tiles and hands its index to the consumers through shared memory: every P-th tile, or
 with ``GemmSettings.dynamic`` (a persistent grid) the next one no program has taken, from a global counter
-(:func:`_common.tile_counter`) that the last program to finish sets back to zero. fp32 accumulation.
+(:func:`scratch.tile_counter`) that the last program to finish sets back to zero. fp32 accumulation.
 """
 
 from __future__ import annotations

@@ -27,14 +27,18 @@ tf32 for fp32 inputs on the GPU).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable,
-                      interpreting, next_pow2, num_sms, rows_view)
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, rows_view
+from .device import num_sms
+from .launch import next_pow2
+from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
 from .gemm_settings import gemm_settings
 from .gemm import GPU_CONFIGS, PLAIN, SWIGLU_FWD, prune_configs
-from .swiglu import swiglu_bwd
+from .swiglu import swiglu_bwd_op, swiglu_bwd_pair
 
 
 @triton.jit
@@ -243,33 +247,122 @@ def grouped_linear_swiglu_fwd(x, w13, expert_offsets):
                        swiglu=True, up_off=(F2 // 2) * w13.stride(1))
 
 
+def _grouped_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_grads(ctx, dy, x, weight, offsets, bwd):
+    """``(dx, dweight, None)`` by ``bwd`` (the launcher or the backward op) from the gradient ``dy`` of
+    the grouped GEMM's output."""
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = bwd(dy, x, weight, offsets, need_dx, need_dw)
+    return given(dx, need_dx), given(dw, need_dw), None
+
+
+def _grouped_linear_backward(ctx, dy, *, bwd=grouped_linear_bwd):
+    """The gradients by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
+    return _grouped_grads(ctx, dy, *ctx.saved_tensors, bwd)
+
+
 class GroupedLinearFunction(torch.autograd.Function):
+    """The launchers with :func:`_grouped_linear_setup` and :func:`_grouped_linear_backward`, the custom
+    op's formula too."""
+
     @staticmethod
-    def forward(ctx, x, weight, expert_offsets):
-        y = grouped_linear_fwd(x, weight, expert_offsets)
-        ctx.save_for_backward(x, weight, expert_offsets)
+    def forward(ctx, *inputs):
+        y = grouped_linear_fwd(*inputs)
+        _grouped_linear_setup(ctx, inputs, y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, offsets = ctx.saved_tensors
-        dx, dw = grouped_linear_bwd(dy, x, weight, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, None
+        return _grouped_linear_backward(ctx, dy)
+
+
+def _grouped_linear_swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _grouped_linear_swiglu_backward(ctx, dh, _dgu=None, *, swiglu_bwd=swiglu_bwd_pair, bwd=grouped_linear_bwd):
+    """The gradients through the stored pre-activations ``gu``: the packed SwiGLU backward, then the grouped
+    GEMM's, by the unchecked launchers eagerly and the backward ops under torch.compile."""
+    x, w13, offsets, gu = ctx.saved_tensors
+    dgu, _ = swiglu_bwd(dh, gu, None)
+    return _grouped_grads(ctx, dgu, x, w13, offsets, bwd)
 
 
 class GroupedLinearSwiGLUFunction(torch.autograd.Function):
+    """The launchers with :func:`_grouped_linear_swiglu_setup` and :func:`_grouped_linear_swiglu_backward`,
+    the custom op's formula too; returns ``h`` (the op returns ``(h, gu)``)."""
+
     @staticmethod
-    def forward(ctx, x, w13, expert_offsets):
-        h, gu = grouped_linear_swiglu_fwd(x, w13, expert_offsets)
-        ctx.save_for_backward(x, w13, expert_offsets, gu)
+    def forward(ctx, *inputs):
+        h, gu = grouped_linear_swiglu_fwd(*inputs)
+        _grouped_linear_swiglu_setup(ctx, inputs, (h, gu))
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w13, offsets, gu = ctx.saved_tensors
-        dgu = swiglu_bwd(dh, gu)
-        dx, dw = grouped_linear_bwd(dgu, x, w13, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, None
+        return _grouped_linear_swiglu_backward(ctx, dh)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::grouped_linear_fwd", mutates_args=())
+def grouped_linear_fwd_op(x: Tensor, weight: Tensor, expert_offsets: Tensor) -> Tensor:
+    """:func:`kernels.grouped_linear.grouped_linear_fwd`."""
+    return grouped_linear_fwd(x, weight, expert_offsets)
+
+
+@fake(grouped_linear_fwd_op)
+def _(x, weight, expert_offsets):
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@define("tritonllm::grouped_linear_bwd", mutates_args=())
+def grouped_linear_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, expert_offsets: Tensor, need_dx: bool,
+                          need_dw: bool) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)`` of :func:`kernels.grouped_linear.grouped_linear_bwd`, absent where not needed."""
+    dx, dw = grouped_linear_bwd(dy, x, weight, expert_offsets, need_dx, need_dw)
+    return (dx if dx is not None else absent(x)), (dw if dw is not None else absent(x))
+
+
+@fake(grouped_linear_bwd_op)
+def _(dy, x, weight, expert_offsets, need_dx, need_dw):
+    return (dy.new_empty((dy.shape[0], weight.shape[2])) if need_dx else absent(x),
+            weight.new_empty(weight.shape) if need_dw else absent(x))
+
+
+register_formula(grouped_linear_fwd_op, _grouped_linear_setup, _grouped_linear_backward, bwd=grouped_linear_bwd_op)
+
+
+@compiled("grouped_linear")
+def _compiled_grouped_linear(x: Tensor, weight: Tensor, expert_offsets: Tensor) -> Tensor:
+    return grouped_linear_fwd_op(x, weight, expert_offsets)
+
+
+@define("tritonllm::grouped_linear_swiglu_fwd", mutates_args=())
+def grouped_linear_swiglu_fwd_op(x: Tensor, w13: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """``(h, gu)`` of :func:`kernels.grouped_linear.grouped_linear_swiglu_fwd` (the backward is the packed
+    swiglu_bwd op, then grouped_linear_bwd)."""
+    return grouped_linear_swiglu_fwd(x, w13, expert_offsets)
+
+
+@fake(grouped_linear_swiglu_fwd_op)
+def _(x, w13, expert_offsets):
+    M, two_f = x.shape[0], w13.shape[1]
+    return x.new_empty((M, two_f // 2)), x.new_empty((M, two_f))
+
+
+register_formula(grouped_linear_swiglu_fwd_op, _grouped_linear_swiglu_setup, _grouped_linear_swiglu_backward,
+                 swiglu_bwd=swiglu_bwd_op, bwd=grouped_linear_bwd_op)
+
+
+@compiled("grouped_linear_swiglu")
+def _compiled_grouped_linear_swiglu(x: Tensor, w13: Tensor, expert_offsets: Tensor) -> Tensor:
+    return grouped_linear_swiglu_fwd_op(x, w13, expert_offsets)[0]
 
 
 @compilable

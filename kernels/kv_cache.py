@@ -14,10 +14,14 @@ captured in a CUDA graph and replayed while ``pos`` advances.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, compilable, interpreting, next_pow2
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor
+from .launch import next_pow2
+from .custom_op import compilable, compiled, define, eager, fake
 
 
 @triton.jit
@@ -82,3 +86,23 @@ def kv_cache_write_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         v.stride(0), v.stride(1), v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=D, BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D), num_warps=1 if interpreting() else 4)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+def kv_cache_write_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> None:
+    """:func:`kernels.kv_cache.kv_cache_write_`."""
+    eager(kv_cache_write_)(k, v, k_cache, v_cache, pos)
+
+
+@fake(kv_cache_write_op)
+def _(k, v, k_cache, v_cache, pos):
+    return None
+
+
+@compiled("kv_cache_write_")
+def _compiled_kv_cache_write_(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> None:
+    kv_cache_write_op(k, v, k_cache, v_cache, pos)

@@ -24,12 +24,17 @@ per-program partial sums over row groups, then a fixed-order sum of the partials
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      hopper, needs_grad, num_sms, side_stream)
+from ._interpreter import interpreting
+from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor, needs_grad
+from .device import hopper, num_sms, side_stream
+from .custom_op import absent, compilable, compiled, define, fake, given, n_rows, register_formula
 from .gemm import SWIGLU_FWD, as_matrix, gemm
 from .gemm_settings import gemm_settings
 from .swiglu import swiglu_bwd
@@ -129,7 +134,7 @@ def _input_weight_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
                        need_dw: bool = True, allow_tf32: bool = True):
     """(dx, dW) of a product y = x W^T from g = dL/dy [M, N] (rows of y): dx = g W (x's shape) and
     dW = g^T x (None where not needed); both needed and ``GemmSettings.overlap_dw``'s conditions met, dW runs on a second
-    stream (:func:`_common.side_stream`), launched first, beside dx on the current one."""
+    stream (:func:`device.side_stream`), launched first, beside dx on the current one."""
     N, K = weight.shape
     x2 = as_matrix(x, K)
     dx = dw = None
@@ -158,20 +163,33 @@ def linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx:
     return dx, dw, sum_rows(dy2, weight.dtype) if need_db else None
 
 
+def _linear_setup(ctx, inputs, output):
+    x, weight, _, _, allow_tf32 = inputs
+    ctx.allow_tf32 = allow_tf32
+    ctx.save_for_backward(x, weight)
+
+
+def _linear_backward(ctx, dy, *, bwd=linear_bwd):
+    """``(dx, dweight, dbias, dresidual, None)`` by ``bwd``: the launcher eagerly, the backward op under
+    torch.compile (``dresidual`` is ``dy`` itself)."""
+    x, weight = ctx.saved_tensors
+    need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
+    dx, dw, db = bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.allow_tf32)
+    return given(dx, need_dx), given(dw, need_dw), given(db, need_db), (dy if need_dr else None), None
+
+
 class LinearFunction(torch.autograd.Function):
+    """The launchers with :func:`_linear_setup` and :func:`_linear_backward`, the custom op's formula too."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, allow_tf32):
-        y = linear_fwd(x, weight, bias, residual, allow_tf32)
-        ctx.save_for_backward(x, weight)
-        ctx.allow_tf32 = allow_tf32
+    def forward(ctx, *inputs):
+        y = linear_fwd(*inputs)
+        _linear_setup(ctx, inputs, y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
-        dx, dw, db = linear_bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.allow_tf32)
-        return dx, dw, db, dy if need_dr else None, None
+        return _linear_backward(ctx, dy)
 
 
 @compilable
@@ -212,19 +230,107 @@ def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: 
     return _input_weight_grads(dgu, x, w13, need_dx, need_dw, allow_tf32)
 
 
+def _linear_swiglu_setup(ctx, inputs, output):
+    x, w13, allow_tf32 = inputs
+    ctx.allow_tf32 = allow_tf32
+    ctx.save_for_backward(x, w13, output[1])
+
+
+def _linear_swiglu_backward(ctx, dh, _dgu=None, *, bwd=linear_swiglu_bwd):
+    """``(dx, dw13, None)`` by ``bwd`` from the stored pre-activations ``gu``: the launcher eagerly, the
+    backward op under torch.compile."""
+    x, w13, gu = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = bwd(dh, x, w13, gu, need_dx, need_dw, ctx.allow_tf32)
+    return given(dx, need_dx), given(dw, need_dw), None
+
+
 class LinearSwiGLUFunction(torch.autograd.Function):
+    """The launcher with :func:`_linear_swiglu_setup` and :func:`_linear_swiglu_backward`, the custom op's
+    formula too; returns ``h`` (the op returns ``(h, gu)``)."""
+
     @staticmethod
     def forward(ctx, x, w13, allow_tf32):
         h, gu = linear_swiglu_fwd(x, w13, allow_tf32, store_gu=True)
-        ctx.save_for_backward(x, w13, gu)
-        ctx.allow_tf32 = allow_tf32
+        _linear_swiglu_setup(ctx, (x, w13, allow_tf32), (h, gu))
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w13, gu = ctx.saved_tensors
-        dx, dw = linear_swiglu_bwd(dh, x, w13, gu, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.allow_tf32)
-        return dx, dw, None
+        return _linear_swiglu_backward(ctx, dh)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::linear_fwd", mutates_args=())
+def linear_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+                  allow_tf32: bool) -> Tensor:
+    """``x @ weight.T (+ bias) (+ residual)``: :func:`kernels.linear.linear_fwd`."""
+    return linear_fwd(x, weight, bias, residual, allow_tf32)
+
+
+@fake(linear_fwd_op)
+def _(x, weight, bias, residual, allow_tf32):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@define("tritonllm::linear_bwd", mutates_args=())
+def linear_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool, need_db: bool,
+                  allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias)`` of :func:`kernels.linear.linear_bwd`, absent where not needed."""
+    grads = linear_bwd(dy, x, weight, need_dx, need_dw, need_db, allow_tf32)
+    dx, dw, db = (g if g is not None else absent(x) for g in grads)
+    return dx, dw, db
+
+
+@fake(linear_bwd_op)
+def _(dy, x, weight, need_dx, need_dw, need_db, allow_tf32):
+    return (x.new_empty(x.shape) if need_dx else absent(x), weight.new_empty(weight.shape) if need_dw else absent(x),
+            weight.new_empty(weight.shape[0]) if need_db else absent(x))
+
+
+register_formula(linear_fwd_op, _linear_setup, _linear_backward, bwd=linear_bwd_op)
+
+
+@compiled("linear")
+def _compiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, *,
+                     allow_tf32: bool = True) -> Tensor:
+    return linear_fwd_op(x, weight, bias, residual, allow_tf32)
+
+
+@define("tritonllm::linear_swiglu_fwd", mutates_args=())
+def linear_swiglu_fwd_op(x: Tensor, w13: Tensor, allow_tf32: bool) -> tuple[Tensor, Tensor]:
+    """``(h, gu)``: :func:`kernels.linear.linear_swiglu_fwd` with the pre-activations stored."""
+    return linear_swiglu_fwd(x, w13, allow_tf32, store_gu=True)
+
+
+@fake(linear_swiglu_fwd_op)
+def _(x, w13, allow_tf32):
+    two_f = w13.shape[0]
+    return x.new_empty((*x.shape[:-1], two_f // 2)), x.new_empty((n_rows(x), two_f))
+
+
+@define("tritonllm::linear_swiglu_bwd", mutates_args=())
+def linear_swiglu_bwd_op(dh: Tensor, x: Tensor, w13: Tensor, gu: Tensor, need_dx: bool, need_dw: bool,
+                         allow_tf32: bool) -> tuple[Tensor, Tensor]:
+    """``(dx, dw13)`` of :func:`kernels.linear.linear_swiglu_bwd`, absent where not needed."""
+    dx, dw = linear_swiglu_bwd(dh, x, w13, gu, need_dx, need_dw, allow_tf32)
+    return (dx if dx is not None else absent(x)), (dw if dw is not None else absent(x))
+
+
+@fake(linear_swiglu_bwd_op)
+def _(dh, x, w13, gu, need_dx, need_dw, allow_tf32):
+    return x.new_empty(x.shape) if need_dx else absent(x), w13.new_empty(w13.shape) if need_dw else absent(x)
+
+
+register_formula(linear_swiglu_fwd_op, _linear_swiglu_setup, _linear_swiglu_backward, bwd=linear_swiglu_bwd_op)
+
+
+@compiled("linear_swiglu")
+def _compiled_linear_swiglu(x: Tensor, w13: Tensor, *, allow_tf32: bool = True) -> Tensor:
+    return linear_swiglu_fwd_op(x, w13, allow_tf32)[0]
 
 
 @compilable

@@ -45,13 +45,18 @@ buffer and partials within Liger-Kernel's logits chunk (next_pow2(T / ceil(V / H
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (INDEX_DTYPES, Launch, Plans, check_same_device, check_tensor, compilable, interpreting,
-                      needs_grad, next_pow2, num_sms)
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_same_device, check_tensor, needs_grad
+from .device import num_sms
+from .launch import Launch, Plans, next_pow2
+from .custom_op import absent, compilable, compiled, define, fake, given, n_rows
 from .fp8 import FP8_MAX, fp8_saturate, fp8_scales, quantize_rows_into
 from .gemm import as_matrix, gemm, split_fill, split_k_for
 from .linear import check_linear_inputs
@@ -499,6 +504,105 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dx, dw, ctx.applied = scale_stored_grads(dloss, dx, dw, scale, ctx.weight_dtype, ctx.in_place, ctx.applied)
             dx = None if dx is None else dx.view(ctx.x_shape)
         return dx, dw, None, None, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd_op(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+                                z_loss: float, reduction: str, chunk_size: Optional[int], need_dx: bool, need_dw: bool,
+                                allow_tf32: bool, softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, z, dx, dw, scale)`` of :func:`kernels.linear_cross_entropy.linear_cross_entropy_fwd`, absent
+    where it gives None (the gradients and the scale for ``reduction="none"``)."""
+    out = linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
+                                   chunk_size, need_dx, need_dw, allow_tf32, softcap)
+    loss, z, dx, dw, scale = (t if t is not None else absent(x) for t in out)
+    return loss, z, dx, dw, scale
+
+
+@fake(linear_cross_entropy_fwd_op)
+def _(x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size, need_dx, need_dw,
+      allow_tf32, softcap):
+    f32 = dict(dtype=torch.float32)
+    if reduction == "none":
+        return (x.new_empty(target.shape, **f32), x.new_empty(target.shape, **f32), absent(x), absent(x),
+                absent(x))
+    dw_dtype = torch.float32 if DW_FP32 else weight.dtype
+    return (x.new_empty((), **f32), x.new_empty((), **f32),
+            x.new_empty((n_rows(x), x.shape[-1])) if need_dx else absent(x),
+            weight.new_empty(weight.shape, dtype=dw_dtype) if need_dw else absent(x), x.new_empty(1, **f32))
+
+
+@define("tritonllm::linear_cross_entropy_scale", mutates_args=())
+def linear_cross_entropy_scale_op(dloss: Tensor, dx: Optional[Tensor], dw: Optional[Tensor], scale: Tensor,
+                                  weight_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)`` of a ``mean``/``sum`` loss: the forward's gradients times ``dloss * scale`` into new
+    tensors (:func:`kernels.linear_cross_entropy.scale_stored_grads`), absent where not given."""
+    dx, dw, _ = scale_stored_grads(dloss, dx, dw, scale, weight_dtype, in_place=False)
+    return (dx if dx is not None else absent(scale)), (dw if dw is not None else absent(scale))
+
+
+@fake(linear_cross_entropy_scale_op)
+def _(dloss, dx, dw, scale, weight_dtype):
+    return (absent(scale) if dx is None else dx.new_empty(dx.shape),
+            absent(scale) if dw is None else dw.new_empty(dw.shape, dtype=weight_dtype))
+
+
+@define("tritonllm::linear_cross_entropy_bwd", mutates_args=())
+def linear_cross_entropy_bwd_op(dloss: Tensor, x: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+                                label_smoothing: float, z_loss: float, chunk_size: Optional[int], need_dx: bool,
+                                need_dw: bool, allow_tf32: bool, softcap: Optional[float]) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)`` of a ``none`` loss: :func:`kernels.linear_cross_entropy.linear_cross_entropy_bwd`."""
+    dx, dw = linear_cross_entropy_bwd(dloss, x, weight, target, ignore_index, label_smoothing, z_loss,
+                                      chunk_size, need_dx, need_dw, allow_tf32, softcap)
+    return (dx if dx is not None else absent(x)), (dw if dw is not None else absent(x))
+
+
+@fake(linear_cross_entropy_bwd_op)
+def _(dloss, x, weight, target, ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32,
+      softcap):
+    return x.new_empty(x.shape) if need_dx else absent(x), weight.new_empty(weight.shape) if need_dw else absent(x)
+
+
+def _linear_cross_entropy_setup(ctx, inputs, output):
+    x, weight, target, *args = inputs
+    ctx.none, ctx.x_shape, ctx.weight_dtype = args[3] == "none", x.shape, weight.dtype
+    ctx.need_dx, ctx.need_dw = args[5], args[6]
+    ctx.args = (*args[:3], *args[4:])  # the options but the reduction, as linear_cross_entropy_bwd_op takes them
+    if ctx.none:
+        ctx.save_for_backward(x, weight, target)
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _linear_cross_entropy_backward(ctx, dloss, _dz, _ddx, _ddw, _dscale):
+    if ctx.none:
+        dx, dw = linear_cross_entropy_bwd_op(dloss, *ctx.saved_tensors, *ctx.args)
+    else:
+        dx, dw, scale = ctx.saved_tensors
+        dx, dw = linear_cross_entropy_scale_op(dloss, given(dx, ctx.need_dx), given(dw, ctx.need_dw), scale,
+                                               ctx.weight_dtype)
+        if ctx.need_dx:
+            dx = dx.view(ctx.x_shape)
+    return (given(dx, ctx.need_dx), given(dw, ctx.need_dw)) + (None,) * 10
+
+
+linear_cross_entropy_fwd_op.register_autograd(_linear_cross_entropy_backward, setup_context=_linear_cross_entropy_setup)
+
+
+@compiled("linear_cross_entropy")
+def _compiled_linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
+                                   label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
+                                   chunk_size: int | None = None, return_z_loss: bool = False, *, allow_tf32: bool = True,
+                                   softcap: float | None = None):
+    grad = torch.is_grad_enabled()
+    loss, z, *_ = linear_cross_entropy_fwd_op(x, weight, target, ignore_index, float(label_smoothing), float(z_loss),
+                                              reduction, chunk_size, grad and x.requires_grad,
+                                              grad and weight.requires_grad, allow_tf32,
+                                              None if softcap is None else float(softcap))
+    return (loss, z.detach()) if return_z_loss else loss
 
 
 @compilable

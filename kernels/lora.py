@@ -26,12 +26,18 @@ the backward regenerates the same mask from the same seed.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (check_dot_dtype, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      needs_grad, next_pow2, smem_budget)
+from ._interpreter import interpreting
+from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor, needs_grad
+from .device import smem_budget
+from .launch import next_pow2
+from .custom_op import absent, compilable, compiled, define, fake, given, n_rows
 from .gemm import SMEM_RESERVE, as_matrix, gemm
 from .linear import linear_bwd, linear_fwd
 
@@ -253,6 +259,88 @@ class LoRALinearFunction(torch.autograd.Function):
                                           p, allow_tf32, (need_x, need_w, need_bias, need_a, need_b))
         dx = None if dx is None else dx.view(x_shape)
         return dx, dw, dbias, (dy if need_res else None), da, db, None, None, None, None, None
+
+
+def _segment_pairs(segments: list[int]) -> tuple[tuple[int, int], ...]:
+    """``(start, width)`` pairs from their flattened list (an op's schema holds ``int[]``)."""
+    return tuple(zip(segments[::2], segments[1::2]))
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::lora_linear_fwd", mutates_args=())
+def lora_linear_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], lora_a: Tensor,
+                       lora_b: Tensor, segments: list[int], scale: float, dropout_p: float, seed: Optional[Tensor],
+                       allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, xd, u)`` of :func:`kernels.lora.lora_linear`'s forward: the output, the dropped-out input
+    ``[M, K]`` (absent without dropout) and the scaled down projection ``[M, S r]`` the backward reads;
+    ``segments`` is the flattened list of ``(start, width)`` pairs."""
+    x2 = as_matrix(x, weight.shape[1])
+    y, xd, u = lora_forward(x2, weight, bias, residual, lora_a, lora_b, _segment_pairs(segments), scale, dropout_p,
+                            seed, allow_tf32)
+    return y.view(*x.shape[:-1], weight.shape[0]), (xd if dropout_p > 0 else absent(x)), u
+
+
+@fake(lora_linear_fwd_op)
+def _(x, weight, bias, residual, lora_a, lora_b, segments, scale, dropout_p, seed, allow_tf32):
+    (S, r, K), M = lora_a.shape, n_rows(x)
+    return (x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((M, K)) if dropout_p > 0 else absent(x),
+            x.new_empty((M, S * r)))
+
+
+@define("tritonllm::lora_linear_bwd", mutates_args=())
+def lora_linear_bwd_op(dy: Tensor, x: Tensor, xd: Optional[Tensor], weight: Tensor, lora_a: Tensor, lora_b: Tensor,
+                       u: Tensor, seed: Optional[Tensor], segments: list[int], scale: float, dropout_p: float,
+                       allow_tf32: bool, need_x: bool, need_w: bool, need_bias: bool, need_a: bool,
+                       need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias, dlora_a, dlora_b)`` of :func:`kernels.lora.lora_linear`, absent where not needed."""
+    x2 = as_matrix(x, weight.shape[1])
+    dx, *rest = lora_backward(dy, x2, x2 if xd is None else xd, weight, lora_a, lora_b, u, seed,
+                              _segment_pairs(segments), scale, dropout_p, allow_tf32,
+                              (need_x, need_w, need_bias, need_a, need_b))
+    grads = (None if dx is None else dx.view(x.shape), *rest)
+    dx, dw, db, da, dlb = (g if g is not None else absent(x) for g in grads)
+    return dx, dw, db, da, dlb
+
+
+@fake(lora_linear_bwd_op)
+def _(dy, x, xd, weight, lora_a, lora_b, u, seed, segments, scale, dropout_p, allow_tf32, need_x, need_w, need_bias,
+      need_a, need_b):
+    like = ((x, x.shape, need_x), (weight, weight.shape, need_w), (weight, weight.shape[:1], need_bias),
+            (lora_a, lora_a.shape, need_a), (lora_b, lora_b.shape, need_b))
+    return tuple(t.new_empty(shape) if needed else absent(x) for t, shape, needed in like)
+
+
+def _lora_setup(ctx, inputs, output):
+    x, weight, _, _, a, b, segments, scale, p, seed, allow_tf32 = inputs
+    ctx.options = (segments, scale, p, allow_tf32)
+    _, xd, u = output
+    ctx.save_for_backward(x, xd if p > 0 else None, weight, a, b, u, seed if p > 0 else None)
+
+
+def _lora_backward(ctx, dy, _dxd, _du):
+    x, xd, weight, a, b, u, seed = ctx.saved_tensors
+    segments, scale, p, allow_tf32 = ctx.options
+    need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
+    dx, dw, dbias, da, db = lora_linear_bwd_op(dy, x, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, need_x,
+                                               need_w, need_bias, need_a, need_b)
+    return (given(dx, need_x), given(dw, need_w), given(dbias, need_bias), (dy if need_res else None),
+            given(da, need_a), given(db, need_b), None, None, None, None, None)
+
+
+lora_linear_fwd_op.register_autograd(_lora_backward, setup_context=_lora_setup)
+
+
+@compiled("lora_linear")
+def _compiled_lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, segments,
+                          scale: float, *, dropout_p: float = 0.0, seed: Tensor | None = None, residual: Tensor | None = None,
+                          allow_tf32: bool = True) -> Tensor:
+    pairs = tuple((int(s), int(n)) for s, n in segments)
+    check_lora_args(x, weight, bias, lora_a, lora_b, pairs, scale, float(dropout_p), seed, residual)
+    return lora_linear_fwd_op(x, weight, bias, residual, lora_a, lora_b, [v for pair in pairs for v in pair],
+                              float(scale), float(dropout_p), seed, allow_tf32)[0]
 
 
 @compilable

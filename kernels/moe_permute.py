@@ -25,10 +25,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DTYPES, check_same_device, check_tensor, compilable, interpreting, next_pow2, rows_view
+from ._interpreter import interpreting
+from .checks import INDEX_DTYPES, check_same_device, check_tensor, rows_view
+from .launch import next_pow2
+from .custom_op import absent, compilable, compiled, define, eager, fake, given, register_formula
 
 
 @triton.jit
@@ -288,30 +292,145 @@ def moe_combine_bwd(dy, expert_out, weights, slots, need_dw: bool):
     return d_out, dw.view(T, k) if dw is not None else None
 
 
+def _moe_gather_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _moe_gather_backward(ctx, d_sorted, *, bwd=moe_gather_bwd):
+    """``(dx, None, None, None)`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
+    return bwd(d_sorted, ctx.saved_tensors[0]), None, None, None
+
+
 class MoEGatherFunction(torch.autograd.Function):
+    """The launchers with :func:`_moe_gather_setup` and :func:`_moe_gather_backward`, the custom op's
+    formula too."""
+
     @staticmethod
     def forward(ctx, x, expert_offsets, positions, slots):
-        ctx.save_for_backward(positions)
-        return moe_gather_fwd(x, MoEPlan(expert_offsets, positions, slots))
+        out = moe_gather_fwd(x, MoEPlan(expert_offsets, positions, slots))
+        _moe_gather_setup(ctx, (x, expert_offsets, positions, slots), out)
+        return out
 
     @staticmethod
     def backward(ctx, d_sorted):
-        (positions,) = ctx.saved_tensors
-        return moe_gather_bwd(d_sorted, positions), None, None, None
+        return _moe_gather_backward(ctx, d_sorted)
+
+
+def _moe_combine_setup(ctx, inputs, output):
+    expert_out, weights, _, _, slots = inputs
+    ctx.save_for_backward(expert_out, weights, slots)
+
+
+def _moe_combine_backward(ctx, dy, *, bwd=moe_combine_bwd):
+    """``(d_expert_out, d_weights, None, None, None)`` by ``bwd``: the launcher eagerly, the backward op
+    under torch.compile."""
+    expert_out, weights, slots = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[1]
+    d_out, dw = bwd(dy, expert_out, weights.contiguous(), slots, need_dw)
+    return d_out, given(dw, need_dw), None, None, None
 
 
 class MoECombineFunction(torch.autograd.Function):
+    """The launchers with :func:`_moe_combine_setup` and :func:`_moe_combine_backward`, the custom op's
+    formula too."""
+
     @staticmethod
-    def forward(ctx, expert_out, weights, expert_offsets, positions, slots):
-        y = moe_combine_fwd(expert_out, weights, MoEPlan(expert_offsets, positions, slots))
-        ctx.save_for_backward(expert_out, weights, slots)
+    def forward(ctx, *inputs):
+        expert_out, weights, *plan = inputs
+        y = moe_combine_fwd(expert_out, weights, MoEPlan(*plan))
+        _moe_combine_setup(ctx, inputs, y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        expert_out, weights, slots = ctx.saved_tensors
-        d_out, dw = moe_combine_bwd(dy, expert_out, weights.contiguous(), slots, ctx.needs_input_grad[1])
-        return d_out, dw, None, None, None
+        return _moe_combine_backward(ctx, dy)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::moe_sort_fwd", mutates_args=())
+def moe_sort_fwd_op(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(expert_offsets, positions, slots)`` of :func:`kernels.moe_permute.moe_sort` (integers: no gradient)."""
+    return tuple(eager(moe_sort)(indices, num_experts))
+
+
+@fake(moe_sort_fwd_op)
+def _(indices, num_experts):
+    T, k = indices.shape
+    i32 = dict(dtype=torch.int32)
+    return indices.new_empty(num_experts + 1, **i32), indices.new_empty((T, k), **i32), indices.new_empty(T * k, **i32)
+
+
+@compiled("moe_sort")
+def _compiled_moe_sort(indices: Tensor, num_experts: int) -> MoEPlan:
+    return MoEPlan(*moe_sort_fwd_op(indices, num_experts))
+
+
+@define("tritonllm::moe_gather_fwd", mutates_args=())
+def moe_gather_fwd_op(x: Tensor, expert_offsets: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+    """:func:`kernels.moe_permute.moe_gather_fwd` of the plan ``(expert_offsets, positions, slots)``."""
+    return moe_gather_fwd(x, MoEPlan(expert_offsets, positions, slots))
+
+
+@fake(moe_gather_fwd_op)
+def _(x, expert_offsets, positions, slots):
+    return x.new_empty((slots.shape[0], x.shape[1]))
+
+
+@define("tritonllm::moe_gather_bwd", mutates_args=())
+def moe_gather_bwd_op(d_sorted: Tensor, positions: Tensor) -> Tensor:
+    """:func:`kernels.moe_permute.moe_gather_bwd`: each token's k row gradients summed."""
+    return moe_gather_bwd(d_sorted, positions)
+
+
+@fake(moe_gather_bwd_op)
+def _(d_sorted, positions):
+    return d_sorted.new_empty((positions.shape[0], d_sorted.shape[1]))
+
+
+register_formula(moe_gather_fwd_op, _moe_gather_setup, _moe_gather_backward, bwd=moe_gather_bwd_op)
+
+
+@compiled("moe_gather")
+def _compiled_moe_gather(x: Tensor, plan: MoEPlan) -> Tensor:
+    check_plan(plan)
+    return moe_gather_fwd_op(x, *plan)
+
+
+@define("tritonllm::moe_combine_fwd", mutates_args=())
+def moe_combine_fwd_op(expert_out: Tensor, weights: Tensor, expert_offsets: Tensor, positions: Tensor,
+                       slots: Tensor) -> Tensor:
+    """:func:`kernels.moe_permute.moe_combine_fwd` of the plan ``(expert_offsets, positions, slots)``."""
+    return moe_combine_fwd(expert_out, weights, MoEPlan(expert_offsets, positions, slots))
+
+
+@fake(moe_combine_fwd_op)
+def _(expert_out, weights, expert_offsets, positions, slots):
+    return expert_out.new_empty((positions.shape[0], expert_out.shape[1]))
+
+
+@define("tritonllm::moe_combine_bwd", mutates_args=())
+def moe_combine_bwd_op(dy: Tensor, expert_out: Tensor, weights: Tensor, slots: Tensor,
+                       need_dw: bool) -> tuple[Tensor, Tensor]:
+    """``(d_expert_out, d_weights or absent)`` of :func:`kernels.moe_permute.moe_combine_bwd`."""
+    d_out, dw = moe_combine_bwd(dy, expert_out, weights.contiguous(), slots, need_dw)
+    return d_out, (dw if dw is not None else absent(dy))
+
+
+@fake(moe_combine_bwd_op)
+def _(dy, expert_out, weights, slots, need_dw):
+    return dy.new_empty((slots.shape[0], dy.shape[1])), (weights.new_empty(weights.shape) if need_dw else absent(dy))
+
+
+register_formula(moe_combine_fwd_op, _moe_combine_setup, _moe_combine_backward, bwd=moe_combine_bwd_op)
+
+
+@compiled("moe_combine")
+def _compiled_moe_combine(expert_out: Tensor, weights: Tensor, plan: MoEPlan) -> Tensor:
+    check_plan(plan)
+    return moe_combine_fwd_op(expert_out, weights, *plan)
 
 
 @compilable

@@ -36,13 +36,17 @@ per-program partials reduced by one program in a fixed order: deterministic.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, compilable, interpreting, next_pow2, rows_view
+from ._interpreter import interpreting
+from .checks import check_tensor, rows_view
+from .launch import next_pow2
+from .custom_op import compilable, compiled, define, fake, register_formula
 
 SCORES = ("softmax", "sigmoid")
 
@@ -285,23 +289,80 @@ def moe_router_bwd(logits, indices, counts, d_weights, d_aux, d_z, score: str = 
     return dl.view(logits.shape)
 
 
+def _moe_router_setup(ctx, inputs, output):
+    """``output`` in the op's order: ``(weights, aux, z, max_load, indices, counts)``."""
+    logits, _, ctx.score, ctx.normalize = inputs
+    _, _, _, max_load, indices, counts = output
+    ctx.save_for_backward(logits, indices, counts)
+    ctx.mark_non_differentiable(indices, counts, max_load)
+    ctx.set_materialize_grads(False)
+
+
+def _moe_router_backward(ctx, d_weights, d_aux, d_z, _d_max_load, _d_indices, _d_counts, *, bwd=moe_router_bwd):
+    """``(dlogits, None, None, None)`` by ``bwd`` (the launcher eagerly, the backward op under
+    torch.compile), the gradients in the op's output order; None when no float output got one."""
+    if d_weights is None and d_aux is None and d_z is None:
+        return None, None, None, None
+    logits, indices, counts = ctx.saved_tensors
+    return bwd(logits, indices, counts, d_weights, d_aux, d_z, ctx.score, ctx.normalize), None, None, None
+
+
 class MoERouterFunction(torch.autograd.Function):
+    """The launchers with :func:`_moe_router_setup` and :func:`_moe_router_backward`, the custom op's
+    formula too; returns the outputs in the launcher's order (indices first)."""
+
     @staticmethod
     def forward(ctx, logits, top_k, score, normalize):
         indices, weights, aux, z, counts, max_load = moe_router_fwd(logits, top_k, score, normalize)
-        ctx.save_for_backward(logits, indices, counts)
-        ctx.score, ctx.normalize = score, normalize
-        ctx.mark_non_differentiable(indices, counts, max_load)
-        ctx.set_materialize_grads(False)
+        _moe_router_setup(ctx, (logits, top_k, score, normalize), (weights, aux, z, max_load, indices, counts))
         return indices, weights, aux, z, counts, max_load
 
     @staticmethod
-    def backward(ctx, _d_indices, d_weights, d_aux, d_z, _d_counts, _d_max_load):
-        logits, indices, counts = ctx.saved_tensors
-        if d_weights is None and d_aux is None and d_z is None:
-            return None, None, None, None
-        dl = moe_router_bwd(logits, indices, counts, d_weights, d_aux, d_z, ctx.score, ctx.normalize)
-        return dl, None, None, None
+    def backward(ctx, d_indices, d_weights, d_aux, d_z, d_counts, d_max_load):
+        return _moe_router_backward(ctx, d_weights, d_aux, d_z, d_max_load, d_indices, d_counts)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::moe_router_fwd", mutates_args=())
+def moe_router_fwd_op(logits: Tensor, top_k: int, score: str,
+                      normalize: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(weights, aux_loss, z_loss, max_load, indices, counts)`` of :func:`kernels.moe_router.moe_router_fwd`:
+    the float outputs first (opcheck's AOT check sums the outputs into the first one's dtype)."""
+    indices, weights, aux, z, counts, max_load = moe_router_fwd(logits, top_k, score, normalize)
+    return weights, aux, z, max_load, indices, counts
+
+
+@fake(moe_router_fwd_op)
+def _(logits, top_k, score, normalize):
+    check_router_args(logits, top_k, score)
+    T, E = logits.shape
+    i32, f32 = dict(dtype=torch.int32), dict(dtype=torch.float32)
+    return (logits.new_empty((T, top_k), **f32), logits.new_empty((), **f32), logits.new_empty((), **f32),
+            logits.new_empty((), **f32), logits.new_empty((T, top_k), **i32), logits.new_empty(E, **i32))
+
+
+@define("tritonllm::moe_router_bwd", mutates_args=())
+def moe_router_bwd_op(logits: Tensor, indices: Tensor, counts: Tensor, d_weights: Optional[Tensor],
+                      d_aux: Optional[Tensor], d_z: Optional[Tensor], score: str, normalize: bool) -> Tensor:
+    """The logits' gradient of :func:`kernels.moe_router.moe_router_bwd` (each given gradient may be None)."""
+    return moe_router_bwd(logits, indices, counts, d_weights, d_aux, d_z, score, normalize)
+
+
+@fake(moe_router_bwd_op)
+def _(logits, indices, counts, d_weights, d_aux, d_z, score, normalize):
+    return logits.new_empty(logits.shape)
+
+
+register_formula(moe_router_fwd_op, _moe_router_setup, _moe_router_backward, bwd=moe_router_bwd_op)
+
+
+@compiled("moe_router")
+def _compiled_moe_router(logits: Tensor, top_k: int, score: str = "softmax", normalize: bool = True) -> MoERouting:
+    weights, aux, z, max_load, indices, counts = moe_router_fwd_op(logits, top_k, score, normalize)
+    return MoERouting(indices, weights, aux, z, counts, max_load)
 
 
 @compilable

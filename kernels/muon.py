@@ -48,13 +48,17 @@ moments untouched: nothing reads the device, so a CUDA graph can capture the who
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, TL_DTYPE, cached, check_flag, check_lr, check_tensor, compilable, interpreting,
-                      next_pow2, upload)
+from ._interpreter import interpreting
+from .checks import FLOAT_DTYPES, check_flag, check_lr, check_tensor
+from .launch import TL_DTYPE, cached, next_pow2, upload
+from .custom_op import compilable, compiled, define, eager, fake, present, split_lr, spread
 
 #: Newton-Schulz quintic of torch.optim.Muon / K. Jordan's Muon, used for every step
 NEWTON_SCHULZ_COEFFS = ((3.4445, -4.7750, 2.0315),)
@@ -561,3 +565,63 @@ def muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, 
             float(weight_decay), P_DTYPE=TL_DTYPE[p_dtype], HAS_MASTER=has_master, NORMUON=normuon,
             LR_ON_DEVICE=lr_on_device, TALL=m >= n, HAS_SKIP=has_skip, BLOCK=ew,
             PBLOCK=min(next_pow2(n_stats), 1024), num_warps=4)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::muon_step", mutates_args=("params", "momentum_bufs", "masters", "second_moments"))
+def muon_step_op(params: list[Tensor], grads: list[Tensor], momentum_bufs: list[Tensor], masters: list[Tensor],
+                 has_master: list[bool], second_moments: list[Tensor], normuon: bool, lr: float,
+                 lr_tensor: Optional[Tensor], lr_scale: float, momentum: float, nesterov: bool, weight_decay: float,
+                 coefficients: str, steps: int, eps: float, adjust_lr: str, beta2: float, found_inf: Optional[Tensor],
+                 work_dtype: Optional[torch.dtype]) -> None:
+    """:func:`kernels.muon.muon_step_` (``second_moments`` used when ``normuon``; ``lr_tensor``, when
+    given, is the learning rate)."""
+    eager(muon_step_)(params, grads, momentum_bufs, spread(masters, has_master),
+                      second_moments if normuon else None, lr=lr if lr_tensor is None else lr_tensor,
+                      lr_scale=lr_scale, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                      coefficients=coefficients, steps=steps, eps=eps, adjust_lr=adjust_lr, beta2=beta2,
+                      found_inf=found_inf, work_dtype=work_dtype)
+
+
+@fake(muon_step_op)
+def _(*args):
+    return None
+
+
+@compiled("muon_step_")
+def _compiled_muon_step_(params, grads, momentum_bufs, masters=None, second_moments=None, *, lr, lr_scale: float = 1.0,
+                         momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
+                         coefficients: str = "polar_express", steps: int = 5, eps: float = 1e-7, adjust_lr: str = "original",
+                         beta2: float = 0.95, found_inf: Tensor | None = None, work_dtype: torch.dtype | None = None) -> None:
+    params = list(params)
+    given_masters, has_master = present(masters, len(params))
+    muon_step_op(params, list(grads), list(momentum_bufs), given_masters, has_master, list(second_moments or []),
+                 second_moments is not None, *split_lr(lr), float(lr_scale), float(momentum), bool(nesterov),
+                 float(weight_decay), coefficients, int(steps), float(eps), adjust_lr, float(beta2), found_inf,
+                 work_dtype)
+
+
+@define("tritonllm::orthogonalize_fwd", mutates_args=())
+def orthogonalize_fwd_op(x: Tensor, coefficients: str, steps: int, eps: float,
+                         work_dtype: Optional[torch.dtype]) -> Tensor:
+    """:func:`kernels.muon.orthogonalize` (no gradient)."""
+    return eager(orthogonalize)(x, coefficients=coefficients, steps=steps, eps=eps, work_dtype=work_dtype)
+
+
+@fake(orthogonalize_fwd_op)
+def _(x, coefficients, steps, eps, work_dtype):
+    work = muon_work_dtype(work_dtype)
+    m, n = x.shape[-2:]
+    if x.numel() == 0:
+        return x.new_empty(x.shape, dtype=work)
+    out = x.new_empty((*x.shape[:-2], min(m, n), max(m, n)), dtype=work)
+    return out.transpose(-1, -2) if m >= n else out
+
+
+@compiled("orthogonalize")
+def _compiled_orthogonalize(x: Tensor, *, coefficients: str = "polar_express", steps: int = 5, eps: float = 1e-7,
+                            work_dtype: torch.dtype | None = None) -> Tensor:
+    return orthogonalize_fwd_op(x, coefficients, int(steps), float(eps), work_dtype)

@@ -8,10 +8,12 @@ The kernels see the operand as one flat contiguous run of elements; ``BLOCK`` pe
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import compilable, needs_grad
+from .checks import needs_grad
+from .custom_op import compilable, compiled, define, fake, register_formula
 from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
@@ -53,16 +55,55 @@ def relu2_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return elementwise_bwd(_relu2_bwd_kernel, x, "x", dy)
 
 
+def _relu2_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _relu2_backward(ctx, dy, *, bwd=relu2_bwd):
+    """``dx`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
+    return bwd(ctx.saved_tensors[0], dy)
+
+
 class Relu2Function(torch.autograd.Function):
+    """The launchers with :func:`_relu2_setup` and :func:`_relu2_backward`, the custom op's formula too."""
+
     @staticmethod
     def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return relu2_fwd(x)
+        y = relu2_fwd(x)
+        _relu2_setup(ctx, (x,), y)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        return relu2_bwd(x, dy)
+        return _relu2_backward(ctx, dy)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::relu2_fwd", mutates_args=())
+def relu2_fwd_op(x: Tensor) -> Tensor:
+    """:func:`kernels.relu2.relu2_fwd`."""
+    return relu2_fwd(x)
+
+
+@define("tritonllm::relu2_bwd", mutates_args=())
+def relu2_bwd_op(x: Tensor, dy: Tensor) -> Tensor:
+    """:func:`kernels.relu2.relu2_bwd`."""
+    return relu2_bwd(x, dy)
+
+
+for _op in (relu2_fwd_op, relu2_bwd_op):
+    fake(_op)(lambda x, *args: x.new_empty(x.shape))
+
+
+register_formula(relu2_fwd_op, _relu2_setup, _relu2_backward, bwd=relu2_bwd_op)
+
+
+@compiled("relu2")
+def _compiled_relu2(x: Tensor) -> Tensor:
+    return relu2_fwd_op(x)
 
 
 @compilable

@@ -19,11 +19,16 @@ terms through and materialises their sum for a second consumer (a U-net skip); b
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_same_dtype, check_tensor, compilable, interpreting, needs_grad, rows_view
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
+from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
 
 #: tile of rows x columns per program on the GPU (memory-bound; not measured yet), and under the
 #: interpreter (cost per program: large tiles)
@@ -176,16 +181,34 @@ def weighted_add_bwd(dout, x, y, weight, need_dx=True, need_dy=True, need_dw=Tru
     return dx, dy, dw
 
 
+def _weighted_add_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _weighted_add_backward(ctx, dout, *, bwd=weighted_add_bwd):
+    """``(dx, dy, dweight)`` by ``bwd``: the launcher eagerly, the backward op under torch.compile (which
+    gives no dx for a one-weight sum: it is ``dout`` itself)."""
+    x, y, weight = ctx.saved_tensors
+    need_dx, need_dy, need_dw = ctx.needs_input_grad
+    dx, dy, dw = bwd(dout, x, y, weight, need_dx, need_dy, need_dw)
+    if need_dx and weight.numel() == 1:
+        dx = dout
+    return given(dx, need_dx), given(dy, need_dy), given(dw, need_dw)
+
+
 class WeightedAddFunction(torch.autograd.Function):
+    """The launchers with :func:`_weighted_add_setup` and :func:`_weighted_add_backward`, the custom op's
+    formula too."""
+
     @staticmethod
-    def forward(ctx, x, y, weight):
-        ctx.save_for_backward(x, y, weight)
-        return weighted_add_fwd(x, y, weight)
+    def forward(ctx, *inputs):
+        out = weighted_add_fwd(*inputs)
+        _weighted_add_setup(ctx, inputs, out)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, y, weight = ctx.saved_tensors
-        return weighted_add_bwd(dout, x, y, weight, *ctx.needs_input_grad)
+        return _weighted_add_backward(ctx, dout)
 
 
 @compilable
@@ -202,7 +225,7 @@ def weighted_add(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torc
 
 
 def sum_grads(a: torch.Tensor | None, b: torch.Tensor | None, add=weighted_add_fwd) -> torch.Tensor | None:
-    """a + b in one launch (``add(a, b, None)``: kernels/library.py passes its op); the other when one is
+    """a + b in one launch (``add(a, b, None)``: the compiled fork passes its op); the other when one is
     None (autograd's None: no gradient flowed)."""
     if a is None or b is None:
         return b if a is None else a
@@ -237,6 +260,75 @@ class AddForkFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gx, gy, gs):
         return sum_grads(gx, gs), sum_grads(gy, gs)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::weighted_add_fwd", mutates_args=())
+def weighted_add_fwd_op(x: Tensor, y: Tensor, weight: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.residual_mix.weighted_add_fwd`."""
+    return weighted_add_fwd(x, y, weight)
+
+
+@fake(weighted_add_fwd_op)
+def _(x, y, weight):
+    return x.new_empty(x.shape)
+
+
+@define("tritonllm::weighted_add_bwd", mutates_args=())
+def weighted_add_bwd_op(dout: Tensor, x: Tensor, y: Tensor, weight: Tensor, need_dx: bool, need_dy: bool,
+                        need_dw: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dy, dweight)`` of :func:`kernels.residual_mix.weighted_add_bwd`, absent where not needed;
+    dx is absent for a one-weight sum too (it is ``dout`` itself, which an op may not return)."""
+    dx, dy, dw = weighted_add_bwd(dout, x, y, weight, need_dx and weight.numel() == 2, need_dy, need_dw)
+    dx, dy, dw = (g if g is not None else absent(x) for g in (dx, dy, dw))
+    return dx, dy, dw
+
+
+@fake(weighted_add_bwd_op)
+def _(dout, x, y, weight, need_dx, need_dy, need_dw):
+    return (x.new_empty(x.shape) if need_dx and weight.numel() == 2 else absent(x),
+            y.new_empty(y.shape) if need_dy else absent(x), weight.new_empty(weight.shape) if need_dw else absent(x))
+
+
+register_formula(weighted_add_fwd_op, _weighted_add_setup, _weighted_add_backward, bwd=weighted_add_bwd_op)
+
+
+@compiled("weighted_add")
+def _compiled_weighted_add(x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
+    return weighted_add_fwd_op(x, y, weight)
+
+
+class _Fork(ForkFunction):
+    """ForkFunction (aliases forward, traced as views) with its gradients summed by the weighted_add op."""
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        return sum_grads(g1, g2, weighted_add_fwd_op)
+
+
+class _AddFork(AddForkFunction):
+    """AddForkFunction with its sum and its gradients' sums by the weighted_add op."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return x.view_as(x), y.view_as(y), weighted_add_fwd_op(x, y, None)
+
+    @staticmethod
+    def backward(ctx, gx, gy, gs):
+        return sum_grads(gx, gs, weighted_add_fwd_op), sum_grads(gy, gs, weighted_add_fwd_op)
+
+
+@compiled("fork")
+def _compiled_fork(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _Fork.apply(x)
+
+
+@compiled("add_fork")
+def _compiled_add_fork(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _AddFork.apply(x, y)
 
 
 @compilable

@@ -23,13 +23,19 @@ Square Layer Normalization" (2019); Liger-Kernel ``ops/rms_norm.py``.
 from __future__ import annotations
 
 import functools
+import math
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      needs_grad, next_pow2, num_sms, rows_view)
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
+from .device import num_sms
+from .launch import Launch, Plans, next_pow2
+from .custom_op import absent, compilable, compiled, define, fake, n_rows, register_formula
 
 #: Longest row chunk held in registers; longer rows take the two-pass loop over chunks.
 _MAX_BLOCK_N = 8192
@@ -398,12 +404,19 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     for name, grad in (("dy", dy), ("dh", dh)):
         if grad is not None and grad.shape != x.shape:
             raise ValueError(f"{name} must have the shape of x {tuple(x.shape)}, got {tuple(grad.shape)}")
-    x2 = rows_view(x, n)
-    m = x2.shape[0]
+    m = math.prod(x.shape[:-1])
     if weight.shape != (n,) or rstd.shape != (m,):
         raise ValueError(f"weight and rstd must have shapes ({n},) and ({m},), "
                          f"got {tuple(weight.shape)} and {tuple(rstd.shape)}")
-    dx, dw = _bwd(rows_view(dy, n), x2, weight.contiguous(), rstd, rows_view(dh, n) if dh is not None else None)
+    return _bwd_shaped(dy, x, weight, rstd, dh)
+
+
+def _bwd_shaped(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                dh: torch.Tensor | None):
+    """Unchecked :func:`rms_norm_bwd`: ``(dx shaped like x, dweight)``."""
+    n = x.shape[-1]
+    dx, dw = _bwd(rows_view(dy, n), rows_view(x, n), weight.contiguous(), rstd,
+                  rows_view(dh, n) if dh is not None else None)
     return dx.view(x.shape), dw
 
 
@@ -421,29 +434,75 @@ def _forward(x, weight, eps, residual, need_rstd=True):
     return y, h, saved, weight, rstd
 
 
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, residual = inputs
+    _, h, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(h if ctx.has_residual else x, weight, rstd)
+
+
+def _rms_norm_backward(ctx, dy, dh=None, _drstd=None, *, bwd=_bwd_shaped):
+    """``(dx, dweight, None, dresidual)`` by ``bwd``: the unchecked launcher eagerly (the forward checked
+    the inputs), the backward op under torch.compile. ``dresidual`` is ``dx``; an output no loss reached
+    has no gradient eagerly (``dy`` None: zeros)."""
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = bwd(dy if dy is not None else torch.zeros_like(x), x, weight, rstd, dh if ctx.has_residual else None)
+    return dx, dw, None, (dx if ctx.has_residual else None)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """Autograd wrapper: ``apply(x, weight, eps, residual)`` returns ``y``, or ``(y, h)`` with a residual.
 
-    The forward checks the inputs and saves the ``[M, N]`` row views; the backward launches
-    without re-checking."""
+    The forward checks the inputs; :func:`_rms_norm_setup` and :func:`_rms_norm_backward` (the custom op's
+    formula too) save the normalized tensor and launch the backward without re-checking."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, residual):
-        y, h, saved, weight, rstd = _forward(x, weight, eps, residual)
-        ctx.shape = x.shape
-        ctx.has_residual = h is not None
-        ctx.save_for_backward(saved, weight, rstd)
+        y, h, _, _, rstd = _forward(x, weight, eps, residual)
+        _rms_norm_setup(ctx, (x, weight, eps, residual), (y, h, rstd))
         ctx.set_materialize_grads(False)
         return (y, h) if h is not None else y
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        x2, weight, rstd = ctx.saved_tensors
-        n = x2.shape[1]
-        dy2 = rows_view(dy, n) if dy is not None else torch.zeros_like(x2)
-        dx, dw = _bwd(dy2, x2, weight, rstd, rows_view(dh, n) if dh is not None else None)
-        dx = dx.view(ctx.shape)
-        return dx, dw, None, (dx if ctx.has_residual else None)
+        return _rms_norm_backward(ctx, dy, dh)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd_op(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, h or absent, rstd)`` of :func:`kernels.rms_norm.rms_norm_fwd`."""
+    y, h, rstd = rms_norm_fwd(x, weight, eps, residual)
+    return y, (h if h is not None else absent(x)), rstd
+
+
+@fake(rms_norm_fwd_op)
+def _(x, weight, eps, residual):
+    h = x.new_empty(x.shape) if residual is not None else absent(x)
+    return x.new_empty(x.shape), h, x.new_empty(n_rows(x), dtype=torch.float32)
+
+
+@define("tritonllm::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dh: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)`` of :func:`kernels.rms_norm.rms_norm_bwd` (``x`` the normalized tensor)."""
+    return rms_norm_bwd(dy, x, weight, rstd, dh)
+
+
+@fake(rms_norm_bwd_op)
+def _(dy, x, weight, rstd, dh):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+register_formula(rms_norm_fwd_op, _rms_norm_setup, _rms_norm_backward, bwd=rms_norm_bwd_op)
+
+
+@compiled("rms_norm")
+def _compiled_rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Tensor | None = None):
+    y, h, _ = rms_norm_fwd_op(x, weight, eps, residual)
+    return (y, h) if residual is not None else y
 
 
 @compilable

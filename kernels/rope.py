@@ -62,12 +62,17 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import check_same_device, check_tensor, compilable, interpreting, next_pow2
+from ._interpreter import interpreting
+from .checks import check_same_device, check_tensor
+from .launch import next_pow2
+from .custom_op import compilable, compiled, define, fake
 
 #: A rope program's tile holds _ROPE_TILE elements of each half (rows x heads x D/2), rotated by
 #: _ROPE_NUM_WARPS warps (fixed config: the autotuner's per-call key building cost host time on a
@@ -266,6 +271,67 @@ class RopeFunction(torch.autograd.Function):
         in_place = ctx.in_place_backward and dy.stride(-1) == 1 and 0 not in dy.stride()
         dx = _rope_launch(_unit_last(dy), cos, sin, ctx.position_offset, inverse=True, in_place=in_place)
         return dx, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::rope_fwd", mutates_args=())
+def rope_fwd_op(x: Tensor, cos: Tensor, sin: Tensor, position_offset: int, offset: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.rope.rope_fwd` at ``offset`` (a 0-d int tensor read on the device) or else
+    ``position_offset``."""
+    return rope_fwd(x, cos, sin, offset if offset is not None else position_offset)
+
+
+@define("tritonllm::rope_bwd", mutates_args=())
+def rope_bwd_op(dy: Tensor, cos: Tensor, sin: Tensor, position_offset: int, offset: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.rope.rope_bwd`, offsets as :func:`rope_fwd_op`."""
+    return rope_bwd(dy, cos, sin, offset if offset is not None else position_offset)
+
+
+for _op in (rope_fwd_op, rope_bwd_op):
+    fake(_op)(lambda x, cos, sin, position_offset, offset: x.new_empty(x.shape))
+
+
+def _rope_setup(ctx, inputs, output):
+    _, cos, sin, ctx.position_offset, offset = inputs
+    ctx.save_for_backward(cos, sin, offset)
+
+
+def _rope_backward(ctx, dy):
+    cos, sin, offset = ctx.saved_tensors
+    return rope_bwd_op(dy, cos, sin, ctx.position_offset, offset), None, None, None, None
+
+
+rope_fwd_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+@compiled("rope")
+def _compiled_rope(x: Tensor, cos: Tensor, sin: Tensor, *, position_offset: int | Tensor = 0,
+                   in_place_backward: bool = False) -> Tensor:
+    # in_place_backward is not honoured: an op may not overwrite the gradient the graph hands it
+    if isinstance(position_offset, Tensor):
+        return rope_fwd_op(x, cos, sin, 0, position_offset)
+    return rope_fwd_op(x, cos, sin, position_offset, None)
+
+
+@define("tritonllm::rope_cos_sin_fwd", mutates_args=())
+def rope_cos_sin_fwd_op(turns: Tensor, seq_len: int, mscale: float) -> tuple[Tensor, Tensor]:
+    """:func:`kernels.rope.rope_cos_sin_fwd`: the tables from the frequencies (no gradient)."""
+    return rope_cos_sin_fwd(turns, seq_len, mscale)
+
+
+@fake(rope_cos_sin_fwd_op)
+def _(turns, seq_len, mscale):
+    return tuple(turns.new_empty((seq_len, turns.shape[0]), dtype=torch.float32) for _ in range(2))
+
+
+@compiled("rope_cos_sin")
+def _compiled_rope_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0, scaling: dict | None = None,
+                           device=None) -> tuple[Tensor, Tensor]:
+    turns, mscale = rope_turns(seq_len, head_dim, theta, scaling, device)
+    return rope_cos_sin_fwd_op(turns, seq_len, mscale)
 
 
 @compilable

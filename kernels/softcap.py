@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import compilable, needs_grad
+from .checks import needs_grad
+from .custom_op import compilable, compiled, define, fake, register_formula
 from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
@@ -75,18 +77,57 @@ def softcap_bwd(y: torch.Tensor, dy: torch.Tensor, cap: float) -> torch.Tensor:
     return elementwise_bwd(_softcap_bwd_kernel, y, "y", dy, check_cap(cap))
 
 
+def _softcap_setup(ctx, inputs, output):
+    ctx.cap = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _softcap_backward(ctx, dy, *, bwd=softcap_bwd):
+    """``(dx, None)`` by ``bwd`` from the saved output: the launcher eagerly, the backward op under
+    torch.compile."""
+    return bwd(ctx.saved_tensors[0], dy, ctx.cap), None
+
+
 class SoftcapFunction(torch.autograd.Function):
+    """The launchers with :func:`_softcap_setup` and :func:`_softcap_backward`, the custom op's formula too."""
+
     @staticmethod
     def forward(ctx, x, cap):
         y = softcap_fwd(x, cap)
-        ctx.save_for_backward(y)
-        ctx.cap = cap
+        _softcap_setup(ctx, (x, cap), y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return softcap_bwd(y, dy, ctx.cap), None
+        return _softcap_backward(ctx, dy)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::softcap_fwd", mutates_args=())
+def softcap_fwd_op(x: Tensor, cap: float) -> Tensor:
+    """:func:`kernels.softcap.softcap_fwd`."""
+    return softcap_fwd(x, cap)
+
+
+@define("tritonllm::softcap_bwd", mutates_args=())
+def softcap_bwd_op(y: Tensor, dy: Tensor, cap: float) -> Tensor:
+    """:func:`kernels.softcap.softcap_bwd` (from the forward's output ``y``)."""
+    return softcap_bwd(y, dy, cap)
+
+
+for _op in (softcap_fwd_op, softcap_bwd_op):
+    fake(_op)(lambda x, *args: x.new_empty(x.shape))
+
+
+register_formula(softcap_fwd_op, _softcap_setup, _softcap_backward, bwd=softcap_bwd_op)
+
+
+@compiled("softcap")
+def _compiled_softcap(x: Tensor, cap: float) -> Tensor:
+    return softcap_fwd_op(x, cap)
 
 
 @compilable

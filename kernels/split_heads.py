@@ -13,11 +13,16 @@ of that buffer: no kernel, no copy.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import Launch, Plans, check_tensor, compilable, needs_grad, next_pow2
+from .checks import check_tensor, needs_grad
+from .launch import Launch, Plans, next_pow2
+from .custom_op import compilable, compiled, define, fake
 
 #: elements of one [rows, head, D] tile a program copies (16 KiB of bf16)
 _TILE = 8192
@@ -109,6 +114,40 @@ class SplitHeadsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return pack_heads(list(grads), ctx.sizes, ctx.shape, ctx.dtype, ctx.device), None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::pack_heads", mutates_args=())
+def pack_heads_op(grads: list[Optional[Tensor]], sizes: list[int], like: Tensor) -> Tensor:
+    """:func:`kernels.split_heads.pack_heads` into a tensor of ``like``'s shape, dtype and device."""
+    return pack_heads(grads, sizes, like.shape, like.dtype, like.device)
+
+
+@fake(pack_heads_op)
+def _(grads, sizes, like):
+    return like.new_empty(like.shape)
+
+
+class _SplitHeads(torch.autograd.Function):
+    """Views forward (traced as views), the pack op backward."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.sizes = sizes
+        ctx.save_for_backward(x)
+        return tuple(x.split(sizes, dim=2))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return pack_heads_op(list(grads), list(ctx.sizes), ctx.saved_tensors[0]), None
+
+
+@compiled("split_heads")
+def _compiled_split_heads(x: Tensor, sizes) -> tuple[Tensor, ...]:
+    return _SplitHeads.apply(x, tuple(int(s) for s in sizes))
 
 
 @compilable

@@ -21,13 +21,17 @@ Transformer" (2020); Liger-Kernel ``ops/swiglu.py``.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch import Tensor
 import triton
 import triton.language as tl
 
-from ._common import (Launch, Plans, check_same_device, check_same_dtype, check_tensor, compilable, interpreting,
-                      needs_grad, next_pow2, rows_view)
+from ._interpreter import interpreting
+from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
+from .launch import Launch, Plans, next_pow2
+from .custom_op import absent, compilable, compiled, define, fake, register_formula
 
 #: Elements per program (BLOCK_M * BLOCK_C) and warps on the GPU.
 _TILE = 4096
@@ -194,34 +198,84 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None = N
     out_shape = (*gate.shape[:-1], f)
     if tuple(dy.shape) != out_shape:
         raise ValueError(f"dy must have shape {out_shape}, got {tuple(dy.shape)}")
+    dgate, dup = swiglu_bwd_pair(dy, gate, up)
+    return dgate if up is None else (dgate, dup)
+
+
+def swiglu_bwd_pair(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None):
+    """Unchecked :func:`swiglu_bwd` as a pair: ``(dgate, dup)``, or ``(dgate_up, None)`` in the packed form."""
+    f = gate.shape[-1] if up is not None else gate.shape[-1] // 2
     g2, u2 = _halves(gate, up, f)
     if up is None:
-        return _bwd(rows_view(dy, f), g2, u2, packed=True).view(gate.shape)
+        return _bwd(rows_view(dy, f), g2, u2, packed=True).view(gate.shape), None
     dgate, dup = _bwd(rows_view(dy, f), g2, u2, packed=False)
     return dgate.view(gate.shape), dup.view(gate.shape)
 
 
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dy, *, bwd=swiglu_bwd_pair):
+    """``(dgate, dup)``, or ``(dgate_up, None)`` packed, by ``bwd``: the unchecked launcher eagerly (the
+    forward checked the inputs), the backward op under torch.compile."""
+    gate, up = ctx.saved_tensors
+    dgate, dup = bwd(dy, gate, up)
+    return dgate, (None if up is None else dup)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """Autograd wrapper: ``apply(gate, up)``, or ``apply(gate_up, None)`` for the packed form. The
-    forward checks the inputs and saves the ``[M, F]`` views; the backward launches unchecked."""
+    forward checks the inputs; :func:`_swiglu_setup` and :func:`_swiglu_backward` (the custom op's
+    formula too) save them and launch the backward unchecked."""
 
     @staticmethod
     def forward(ctx, gate, up):
         f = _check_inputs(gate, up)
-        g2, u2 = _halves(gate, up, f)
-        ctx.save_for_backward(g2, u2)
-        ctx.shapes = (gate.shape, None if up is None else up.shape)
-        return _fwd(g2, u2).view(*gate.shape[:-1], f)
+        y = _fwd(*_halves(gate, up, f)).view(*gate.shape[:-1], f)
+        _swiglu_setup(ctx, (gate, up), y)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        g2, u2 = ctx.saved_tensors
-        gate_shape, up_shape = ctx.shapes
-        dy2 = rows_view(dy, g2.shape[1])
-        if up_shape is None:
-            return _bwd(dy2, g2, u2, packed=True).view(gate_shape), None
-        dgate, dup = _bwd(dy2, g2, u2, packed=False)
-        return dgate.view(gate_shape), dup.view(up_shape)
+        return _swiglu_backward(ctx, dy)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::swiglu_fwd", mutates_args=())
+def swiglu_fwd_op(gate: Tensor, up: Optional[Tensor]) -> Tensor:
+    """:func:`kernels.swiglu.swiglu_fwd` (``up`` None: the packed ``[..., 2F]`` form)."""
+    return swiglu_fwd(gate, up)
+
+
+@fake(swiglu_fwd_op)
+def _(gate, up):
+    f = gate.shape[-1] // 2 if up is None else gate.shape[-1]
+    return gate.new_empty((*gate.shape[:-1], f))
+
+
+@define("tritonllm::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(dy: Tensor, gate: Tensor, up: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(dgate, dup)``, or ``(dgate_up, absent)`` in the packed form: :func:`kernels.swiglu.swiglu_bwd`."""
+    if up is None:
+        return swiglu_bwd(dy, gate), absent(gate)
+    return swiglu_bwd(dy, gate, up)
+
+
+@fake(swiglu_bwd_op)
+def _(dy, gate, up):
+    return gate.new_empty(gate.shape), (absent(gate) if up is None else gate.new_empty(gate.shape))
+
+
+register_formula(swiglu_fwd_op, _swiglu_setup, _swiglu_backward, bwd=swiglu_bwd_op)
+
+
+@compiled("swiglu")
+def _compiled_swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
+    return swiglu_fwd_op(gate, up)
 
 
 @compilable

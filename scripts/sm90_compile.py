@@ -41,7 +41,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import gemm  # noqa: E402
-from kernels._common import next_pow2  # noqa: E402
+from kernels.launch import next_pow2  # noqa: E402
 from kernels.flash_attention import backward_sm90, forward as attn_forward, kernel_args as attn_args  # noqa: E402
 from kernels.flash_attention.settings import attention_settings  # noqa: E402
 from kernels.flash_attention.tuning import LOG2E  # noqa: E402

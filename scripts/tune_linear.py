@@ -55,7 +55,7 @@ import triton
 from tritonllm.bench.harness import graph_ms, pass_fn, kernel_times_us, liger_available, peak_memory_gb, time_ms
 from tritonllm.bench.ops_linear import SHAPES
 from tritonllm.kernels import configure_gemm, gemm_settings, linear, linear_cross_entropy, linear_swiglu, swiglu
-from tritonllm.kernels._common import smem_budget
+from tritonllm.kernels.device import smem_budget
 
 L = importlib.import_module("tritonllm.kernels.gemm")
 LCE = importlib.import_module("tritonllm.kernels.linear_cross_entropy")

@@ -314,7 +314,7 @@ def test_interleaved_ratio_pairs_each_round_on_the_same_host():
 
 
 def test_host_profile_attributes_self_time_to_areas_and_functions(monkeypatch):
-    from tritonllm.kernels._common import next_pow2
+    from tritonllm.kernels.launch import next_pow2
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
@@ -329,7 +329,7 @@ def test_host_profile_attributes_self_time_to_areas_and_functions(monkeypatch):
     assert prof["host_ms"] > 0 and len(prof["top"]) > 5
     assert [r["ms"] for r in prof["top"]] == sorted((r["ms"] for r in prof["top"]), reverse=True)
     pow2 = next(r for r in prof["top"] if "next_pow2" in r["fn"])
-    assert pow2["calls"] == 2000 and "_common.py" in pow2["fn"]
+    assert pow2["calls"] == 2000 and "launch.py" in pow2["fn"]
     assert len(host_profile(step, 1, top=5)["top"]) == 5
     assert _parse(["--host-profile", "3"])[0].host_profile == 3 and _parse([])[0].host_profile == 0
 
@@ -342,7 +342,7 @@ def test_host_profile_areas_are_package_folders_not_names_in_the_path(monkeypatc
     import triton
 
     import tritonllm
-    from tritonllm.kernels import _common
+    from tritonllm.kernels import launch
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     for folder in ("tritonllm", "kernels", "triton", "torch"):
@@ -357,7 +357,7 @@ def test_host_profile_areas_are_package_folders_not_names_in_the_path(monkeypatc
     dirs = host_area_dirs()
     for spin in spins:
         assert host_area(spin.__code__.co_filename, dirs) == "other"
-    assert host_area(tritonllm.__file__, dirs) == "tritonllm" and host_area(_common.__file__, dirs) == "tritonllm"
+    assert host_area(tritonllm.__file__, dirs) == "tritonllm" and host_area(launch.__file__, dirs) == "tritonllm"
     assert host_area(triton.__file__, dirs) == "triton" and host_area(torch.__file__, dirs) == "torch"
     assert host_area(torch._dynamo.__file__, dirs) == "dynamo" and host_area(torch.autograd.__file__, dirs) == "autograd"
     assert host_area("~", dirs) == "builtins"
@@ -366,7 +366,7 @@ def test_host_profile_areas_are_package_folders_not_names_in_the_path(monkeypatc
         for spin in spins:
             spin(20000)
         for n in range(1, 2001):
-            _common.next_pow2(n)
+            launch.next_pow2(n)
 
     prof = host_profile(step, 2, top=10**6)
     outside = sum(r["ms"] for r in prof["top"] if str(tmp_path) in r["fn"])  # the four spins, counted as other

@@ -19,13 +19,16 @@ from _checks import DEVICE, ON_GPU, randn
 from tritonllm.kernels import (MoEPlan, MoERouting, add_fork, clip_grads_, cross_entropy, embedding, flash_attention,
                                fork, linear, linear_cross_entropy, linear_swiglu, moe, moe_router, moe_sort, orthogonalize,
                                relu2, rms_norm, rope, rope_cos_sin, softcap, split_heads, swiglu, weighted_add)
-from tritonllm.kernels import library as lib
+from tritonllm.kernels import custom_op
 from tritonllm.kernels.flash_attention import flash_attention_decode
 from tritonllm.kernels.kv_cache import kv_cache_write_
 from tritonllm.kernels.lora import lora_linear
+from tritonllm.kernels.split_heads import pack_heads_op
 from tritonllm.models import ModelConfig, build_model
 from tritonllm.optim import AdamW, Muon
 
+#: the custom ops the kernel modules register (on import of tritonllm.kernels)
+OPS = torch.ops.tritonllm
 V, C, HQ, HKV, D, F = 64, 64, 2, 1, 32, 48  # vocab, width, query / key-value heads, head dim, MLP width
 B, T = 2, 16
 
@@ -180,8 +183,8 @@ def test_ops_are_inductor_fallbacks_before_inductor_lowers_them():
     torch._dynamo.reset()
     params = [randn(4, 16), randn(4, 16), randn(2), randn(1), 1 + randn(8, scale=0.1)]
     torch.compile(_functionals, fullgraph=True, backend="aot_eager")(*params, torch.randint(0, 8, (4,), device=DEVICE))
-    assert len(lib._OP_NAMES) == len(set(lib._OP_NAMES)) > 40
-    missing = [name for name in lib._OP_NAMES
+    assert len(custom_op._OP_NAMES) == len(set(custom_op._OP_NAMES)) > 40
+    missing = [name for name in custom_op._OP_NAMES
                if getattr(torch.ops.tritonllm, name.split("::")[1]).default not in lowering.lowerings]
     assert not missing, missing
 
@@ -432,40 +435,40 @@ def _lora_op_cases(g):
     x, w, bias = randn(5, 32, **g), randn(24, 32, scale=0.2, **g), randn(24, **g)
     a, b = randn(2, 4, 32, **g), randn(16, 4, **g)
     segments, seed = [0, 8, 16, 8], torch.tensor([3], dtype=torch.int64, device=DEVICE)
-    _, xd, u = lib.lora_linear_fwd(x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True)
+    _, xd, u = OPS.lora_linear_fwd(x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True)
     saved = (x.detach(), xd.detach(), w.detach(), a.detach(), b.detach(), u.detach(), seed, segments, 0.5, 0.25, True)
     return {
-        "lora_linear_fwd": (lib.lora_linear_fwd, (x, w, bias, randn(5, 24, **g), a, b, segments, 0.5, 0.0, None, True)),
-        "lora_linear_fwd_dropout": (lib.lora_linear_fwd, (x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True)),
-        "lora_linear_bwd": (lib.lora_linear_bwd, (randn(5, 24), *saved, True, True, True, True, True)),
-        "lora_linear_bwd_adapters": (lib.lora_linear_bwd, (randn(5, 24), *saved, False, False, False, True, True)),
+        "lora_linear_fwd": (OPS.lora_linear_fwd, (x, w, bias, randn(5, 24, **g), a, b, segments, 0.5, 0.0, None, True)),
+        "lora_linear_fwd_dropout": (OPS.lora_linear_fwd, (x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True)),
+        "lora_linear_bwd": (OPS.lora_linear_bwd, (randn(5, 24), *saved, True, True, True, True, True)),
+        "lora_linear_bwd_adapters": (OPS.lora_linear_bwd, (randn(5, 24), *saved, False, False, False, True, True)),
     }
 
 
 def _moe_op_cases(g):
     """The opcheck cases of the MoE ops: 6 tokens, 4 experts, top-2, width 8."""
     logits = randn(6, E, **g)
-    *_, indices, counts = lib.moe_router_fwd(logits, TOP_K, "softmax", True)
-    plan = lib.moe_sort_fwd(indices, E)
+    *_, indices, counts = OPS.moe_router_fwd(logits, TOP_K, "softmax", True)
+    plan = OPS.moe_sort_fwd(indices, E)
     offsets, positions, slots = plan
     x, rows, weights = randn(6, 8, **g), randn(12, 8, **g), randn(6, TOP_K, **g)
     w, w13 = randn(E, 10, 8, scale=0.3, **g), randn(E, 12, 8, scale=0.3, **g)
     scalar = lambda value: torch.tensor(value, device=DEVICE)  # noqa: E731
     return {
-        "moe_router_fwd": (lib.moe_router_fwd, (logits, TOP_K, "softmax", True)),
-        "moe_router_fwd_sigmoid": (lib.moe_router_fwd, (logits, 3, "sigmoid", False)),
-        "moe_router_bwd": (lib.moe_router_bwd, (logits.detach(), indices, counts, randn(6, TOP_K), scalar(0.5),
+        "moe_router_fwd": (OPS.moe_router_fwd, (logits, TOP_K, "softmax", True)),
+        "moe_router_fwd_sigmoid": (OPS.moe_router_fwd, (logits, 3, "sigmoid", False)),
+        "moe_router_bwd": (OPS.moe_router_bwd, (logits.detach(), indices, counts, randn(6, TOP_K), scalar(0.5),
                                                 scalar(0.1), "softmax", True)),
-        "moe_router_bwd_weights_only": (lib.moe_router_bwd, (logits.detach(), indices, counts, randn(6, TOP_K), None,
+        "moe_router_bwd_weights_only": (OPS.moe_router_bwd, (logits.detach(), indices, counts, randn(6, TOP_K), None,
                                                              None, "sigmoid", False)),
-        "moe_sort_fwd": (lib.moe_sort_fwd, (indices, E)),
-        "moe_gather_fwd": (lib.moe_gather_fwd, (x, *plan)),
-        "moe_gather_bwd": (lib.moe_gather_bwd, (randn(12, 8), positions)),
-        "moe_combine_fwd": (lib.moe_combine_fwd, (rows, weights, *plan)),
-        "moe_combine_bwd": (lib.moe_combine_bwd, (randn(6, 8), rows.detach(), weights.detach(), slots, True)),
-        "grouped_linear_fwd": (lib.grouped_linear_fwd, (rows, w, offsets)),
-        "grouped_linear_bwd": (lib.grouped_linear_bwd, (randn(12, 10), rows.detach(), w.detach(), offsets, True, True)),
-        "grouped_linear_swiglu_fwd": (lib.grouped_linear_swiglu_fwd, (rows, w13, offsets)),
+        "moe_sort_fwd": (OPS.moe_sort_fwd, (indices, E)),
+        "moe_gather_fwd": (OPS.moe_gather_fwd, (x, *plan)),
+        "moe_gather_bwd": (OPS.moe_gather_bwd, (randn(12, 8), positions)),
+        "moe_combine_fwd": (OPS.moe_combine_fwd, (rows, weights, *plan)),
+        "moe_combine_bwd": (OPS.moe_combine_bwd, (randn(6, 8), rows.detach(), weights.detach(), slots, True)),
+        "grouped_linear_fwd": (OPS.grouped_linear_fwd, (rows, w, offsets)),
+        "grouped_linear_bwd": (OPS.grouped_linear_bwd, (randn(12, 10), rows.detach(), w.detach(), offsets, True, True)),
+        "grouped_linear_swiglu_fwd": (OPS.grouped_linear_swiglu_fwd, (rows, w13, offsets)),
     }
 
 
@@ -483,20 +486,20 @@ def _in_place_op_cases():
             [False, True], [pos(2, 6), pos(5)], True, 0.02, None, 1.0, 0.95, True, 0.01, "polar_express", 2, 1e-7,
             "original", 0.95, None, None)
     return {
-        "adamw_step": (lib.adamw_step, adamw),
-        "adamw_step_masters": (lib.adamw_step, adamw_masters),
-        "clip_grads": (lib.clip_grads, ([randn(4, 6), randn(7)], 0.5, 1e-6, flag.clone(),
+        "adamw_step": (OPS.adamw_step, adamw),
+        "adamw_step_masters": (OPS.adamw_step, adamw_masters),
+        "clip_grads": (OPS.clip_grads, ([randn(4, 6), randn(7)], 0.5, 1e-6, flag.clone(),
                                         torch.tensor(1.0, device=DEVICE))),
-        "grad_sq_norm": (lib.grad_sq_norm, ([randn(4, 6), randn(7).half()],)),
-        "clip_grads_by_sq_norm": (lib.clip_grads_by_sq_norm, ([randn(4, 6), randn(7)], torch.tensor(9.0, device=DEVICE),
+        "grad_sq_norm": (OPS.grad_sq_norm, ([randn(4, 6), randn(7).half()],)),
+        "clip_grads_by_sq_norm": (OPS.clip_grads_by_sq_norm, ([randn(4, 6), randn(7)], torch.tensor(9.0, device=DEVICE),
                                                               0.5, 1e-6, flag.clone(), torch.tensor(1.0, device=DEVICE))),
-        "muon_step": (lib.muon_step, muon),
-        "orthogonalize_fwd": (lib.orthogonalize_fwd, (randn(2, 9, 5), "polar_express", 3, 1e-7, None)),
-        "orthogonalize_fwd_wide": (lib.orthogonalize_fwd, (randn(4, 7), "newton_schulz", 2, 1e-7, None)),
-        "flash_attention_decode": (lib.flash_attention_decode_op, (randn(2, 3, 2, 32), randn(2, 8, 1, 32),
+        "muon_step": (OPS.muon_step, muon),
+        "orthogonalize_fwd": (OPS.orthogonalize_fwd, (randn(2, 9, 5), "polar_express", 3, 1e-7, None)),
+        "orthogonalize_fwd_wide": (OPS.orthogonalize_fwd, (randn(4, 7), "newton_schulz", 2, 1e-7, None)),
+        "flash_attention_decode": (OPS.flash_attention_decode, (randn(2, 3, 2, 32), randn(2, 8, 1, 32),
                                                                    randn(2, 8, 1, 32), torch.tensor(5, device=DEVICE),
                                                                    True, None, None, None)),
-        "kv_cache_write": (lib.kv_cache_write, (randn(2, 3, 1, 8), randn(2, 3, 1, 8), randn(2, 6, 1, 8),
+        "kv_cache_write": (OPS.kv_cache_write, (randn(2, 3, 1, 8), randn(2, 3, 1, 8), randn(2, 6, 1, 8),
                                                 randn(2, 6, 1, 8), torch.tensor(1, device=DEVICE))),
     }
 
@@ -506,70 +509,72 @@ def _op_cases():
     gradients, backward ops the forward op's saved outputs."""
     g = dict(requires_grad=True)
     x, w = randn(5, 32, **g), (1 + randn(32, scale=0.1)).requires_grad_()
-    y, _, rstd = lib.rms_norm_fwd(x, w, 1e-6, None)
+    y, _, rstd = OPS.rms_norm_fwd(x, w, 1e-6, None)
     wl, bias = randn(16, 32, scale=0.2, **g), randn(16, **g)
     w13 = randn(24, 32, scale=0.2, **g)
-    _, gu = lib.linear_swiglu_fwd(x, w13, True)
+    _, gu = OPS.linear_swiglu_fwd(x, w13, True)
     gate, up, packed = randn(5, 12, **g), randn(5, 12, **g), randn(5, 24, **g)
     q, k, v = randn(2, 8, 2, 32, **g), randn(2, 8, 1, 32, **g), randn(2, 8, 1, 32, **g)
-    o, lse = lib.flash_attention_fwd(q, k, v, True, None, None, False, None)
+    o, lse = OPS.flash_attention_fwd(q, k, v, True, None, None, False, None)
     qkv = randn(2, 8, 4, 32, **g)  # 2 query heads, 1 KV head
     rfa = (2, 1, True, None, None, True)
-    ro, rlse, rqk = lib.rope_flash_attention_fwd(qkv, *rope_cos_sin(12, 32, device=DEVICE), *rfa, None)
+    ro, rlse, rqk = OPS.rope_flash_attention_fwd(qkv, *rope_cos_sin(12, 32, device=DEVICE), *rfa, None)
     docs = torch.tensor([[[0, 3]] * 3 + [[3, 8]] * 5] * 2, dtype=torch.int32, device=DEVICE)
     cos, sin = rope_cos_sin(12, 32, device=DEVICE)
     ids, table = torch.randint(0, 10, (3, 4), device=DEVICE), randn(10, 32, **g)
     logits, target = randn(6, 10, **g), torch.randint(0, 10, (6,), device=DEVICE)
-    _, _, ce_lse, count = lib.cross_entropy_fwd(logits, target, -100, 0.0, 0.0, "mean", False, True)
+    _, _, ce_lse, count = OPS.cross_entropy_fwd(logits, target, -100, 0.0, 0.0, "mean", False, True)
     lce = (x, wl, torch.randint(0, 16, (5,), device=DEVICE), -100, 0.0, 1e-4)
-    _, _, dx_l, dw_l, scale = lib.linear_cross_entropy_fwd(*lce, "mean", None, True, True, True, None)
+    _, _, dx_l, dw_l, scale = OPS.linear_cross_entropy_fwd(*lce, "mean", None, True, True, True, None)
     dy, d4 = randn(5, 32), randn(2, 8, 2, 32)
     lce_opts = (None, True, True, True, None)
     return {
-        "rms_norm_fwd": (lib.rms_norm_fwd, (x, w, 1e-6, None)),
-        "rms_norm_fwd_residual": (lib.rms_norm_fwd, (x, w, 1e-6, randn(5, 32, **g))),
-        "rms_norm_bwd": (lib.rms_norm_bwd, (dy, x.detach(), w.detach(), rstd.detach(), None)),
-        "linear_fwd": (lib.linear_fwd, (x, wl, bias, randn(5, 16, **g), True)),
-        "linear_bwd": (lib.linear_bwd, (randn(5, 16), x.detach(), wl.detach(), True, True, True, True)),
-        "linear_swiglu_fwd": (lib.linear_swiglu_fwd, (x, w13, True)),
-        "linear_swiglu_bwd": (lib.linear_swiglu_bwd, (randn(5, 12), x.detach(), w13.detach(), gu.detach(), True, True,
+        "rms_norm_fwd": (OPS.rms_norm_fwd, (x, w, 1e-6, None)),
+        "rms_norm_fwd_residual": (OPS.rms_norm_fwd, (x, w, 1e-6, randn(5, 32, **g))),
+        "rms_norm_bwd": (OPS.rms_norm_bwd, (dy, x.detach(), w.detach(), rstd.detach(), None)),
+        "linear_fwd": (OPS.linear_fwd, (x, wl, bias, randn(5, 16, **g), True)),
+        "linear_bwd": (OPS.linear_bwd, (randn(5, 16), x.detach(), wl.detach(), True, True, True, True)),
+        "linear_swiglu_fwd": (OPS.linear_swiglu_fwd, (x, w13, True)),
+        "linear_swiglu_bwd": (OPS.linear_swiglu_bwd, (randn(5, 12), x.detach(), w13.detach(), gu.detach(), True, True,
                                                       True)),
-        "swiglu_fwd": (lib.swiglu_fwd, (gate, up)),
-        "swiglu_fwd_packed": (lib.swiglu_fwd, (packed, None)),
-        "swiglu_bwd": (lib.swiglu_bwd, (randn(5, 12), gate.detach(), up.detach())),
-        "swiglu_bwd_packed": (lib.swiglu_bwd, (randn(5, 12), packed.detach(), None)),
-        "relu2_fwd": (lib.relu2_fwd, (x,)),
-        "relu2_bwd": (lib.relu2_bwd, (x.detach(), dy)),
-        "softcap_fwd": (lib.softcap_fwd, (x, 2.0)),
-        "softcap_bwd": (lib.softcap_bwd, (y.detach(), dy, 30.0)),
-        "rope_fwd": (lib.rope_fwd, (q, cos, sin, 2, None)),
-        "rope_fwd_tensor_offset": (lib.rope_fwd, (q, cos, sin, 0, torch.tensor(3, device=DEVICE))),
-        "rope_bwd": (lib.rope_bwd, (d4, cos, sin, 1, None)),
-        "rope_cos_sin_fwd": (lib.rope_cos_sin_fwd, (torch.rand(16, dtype=torch.float64, device=DEVICE) / 7, 12, 1.1)),
-        "embedding_fwd": (lib.embedding_fwd, (ids, table, 0, True)),
-        "embedding_bwd": (lib.embedding_bwd, (randn(3, 4, 32), ids, 10, None)),
-        "flash_attention_fwd": (lib.flash_attention_fwd, (q, k, v, True, None, None, False, None)),
-        "flash_attention_fwd_documents": (lib.flash_attention_fwd, (q, k, v, True, None, None, True, docs)),
-        "flash_attention_bwd": (lib.flash_attention_bwd, (d4, q.detach(), k.detach(), v.detach(), o.detach(),
+        "swiglu_fwd": (OPS.swiglu_fwd, (gate, up)),
+        "swiglu_fwd_packed": (OPS.swiglu_fwd, (packed, None)),
+        "swiglu_bwd": (OPS.swiglu_bwd, (randn(5, 12), gate.detach(), up.detach())),
+        "swiglu_bwd_packed": (OPS.swiglu_bwd, (randn(5, 12), packed.detach(), None)),
+        "relu2_fwd": (OPS.relu2_fwd, (x,)),
+        "relu2_bwd": (OPS.relu2_bwd, (x.detach(), dy)),
+        "gelu_tanh_fwd": (OPS.gelu_tanh_fwd, (x,)),
+        "gelu_tanh_bwd": (OPS.gelu_tanh_bwd, (x.detach(), dy)),
+        "softcap_fwd": (OPS.softcap_fwd, (x, 2.0)),
+        "softcap_bwd": (OPS.softcap_bwd, (y.detach(), dy, 30.0)),
+        "rope_fwd": (OPS.rope_fwd, (q, cos, sin, 2, None)),
+        "rope_fwd_tensor_offset": (OPS.rope_fwd, (q, cos, sin, 0, torch.tensor(3, device=DEVICE))),
+        "rope_bwd": (OPS.rope_bwd, (d4, cos, sin, 1, None)),
+        "rope_cos_sin_fwd": (OPS.rope_cos_sin_fwd, (torch.rand(16, dtype=torch.float64, device=DEVICE) / 7, 12, 1.1)),
+        "embedding_fwd": (OPS.embedding_fwd, (ids, table, 0, True)),
+        "embedding_bwd": (OPS.embedding_bwd, (randn(3, 4, 32), ids, 10, None)),
+        "flash_attention_fwd": (OPS.flash_attention_fwd, (q, k, v, True, None, None, False, None)),
+        "flash_attention_fwd_documents": (OPS.flash_attention_fwd, (q, k, v, True, None, None, True, docs)),
+        "flash_attention_bwd": (OPS.flash_attention_bwd, (d4, q.detach(), k.detach(), v.detach(), o.detach(),
                                                           lse.detach(), True, None, None, False, None)),
-        "rope_flash_attention_fwd": (lib.rope_flash_attention_fwd, (qkv, cos, sin, *rfa, None)),
-        "rope_flash_attention_fwd_window_documents": (lib.rope_flash_attention_fwd,
+        "rope_flash_attention_fwd": (OPS.rope_flash_attention_fwd, (qkv, cos, sin, *rfa, None)),
+        "rope_flash_attention_fwd_window_documents": (OPS.rope_flash_attention_fwd,
                                                       (qkv, cos, sin, 2, 1, True, 3, 0.2, False, docs)),
-        "rope_flash_attention_bwd": (lib.rope_flash_attention_bwd, (randn(2, 8, 2, 32), rqk.detach(), qkv.detach(),
+        "rope_flash_attention_bwd": (OPS.rope_flash_attention_bwd, (randn(2, 8, 2, 32), rqk.detach(), qkv.detach(),
                                                                     ro.detach(), rlse.detach(), cos, sin, *rfa, None)),
-        "pack_heads": (lib.pack_heads, ([randn(2, 8, 2, 32), None], [2, 1], randn(2, 8, 3, 32))),
-        "weighted_add_fwd": (lib.weighted_add_fwd, (x, randn(5, 32, **g), randn(2, **g))),
-        "weighted_add_bwd": (lib.weighted_add_bwd, (dy, x.detach(), randn(5, 32), randn(1), True, True, True)),
-        "cross_entropy_fwd": (lib.cross_entropy_fwd, (logits, target, -100, 0.1, 1e-4, "mean", True, True)),
-        "cross_entropy_fwd_none": (lib.cross_entropy_fwd, (logits, target, -100, 0.0, 0.0, "none", False, True)),
-        "cross_entropy_bwd": (lib.cross_entropy_bwd, (torch.tensor(1.5, device=DEVICE), logits.detach(), target,
+        "pack_heads": (OPS.pack_heads, ([randn(2, 8, 2, 32), None], [2, 1], randn(2, 8, 3, 32))),
+        "weighted_add_fwd": (OPS.weighted_add_fwd, (x, randn(5, 32, **g), randn(2, **g))),
+        "weighted_add_bwd": (OPS.weighted_add_bwd, (dy, x.detach(), randn(5, 32), randn(1), True, True, True)),
+        "cross_entropy_fwd": (OPS.cross_entropy_fwd, (logits, target, -100, 0.1, 1e-4, "mean", True, True)),
+        "cross_entropy_fwd_none": (OPS.cross_entropy_fwd, (logits, target, -100, 0.0, 0.0, "none", False, True)),
+        "cross_entropy_bwd": (OPS.cross_entropy_bwd, (torch.tensor(1.5, device=DEVICE), logits.detach(), target,
                                                       ce_lse.detach(), count.detach(), -100, 0.0, 0.0)),
-        "linear_cross_entropy_fwd": (lib.linear_cross_entropy_fwd, (*lce, "mean", *lce_opts)),
-        "linear_cross_entropy_fwd_none": (lib.linear_cross_entropy_fwd, (*lce, "none", *lce_opts)),
-        "linear_cross_entropy_scale": (lib.linear_cross_entropy_scale, (torch.tensor(2.0, device=DEVICE),
+        "linear_cross_entropy_fwd": (OPS.linear_cross_entropy_fwd, (*lce, "mean", *lce_opts)),
+        "linear_cross_entropy_fwd_none": (OPS.linear_cross_entropy_fwd, (*lce, "none", *lce_opts)),
+        "linear_cross_entropy_scale": (OPS.linear_cross_entropy_scale, (torch.tensor(2.0, device=DEVICE),
                                                                         dx_l.detach(), dw_l.detach(), scale.detach(),
                                                                         torch.float32)),
-        "linear_cross_entropy_bwd": (lib.linear_cross_entropy_bwd, (randn(5), *[t.detach() for t in lce[:3]],
+        "linear_cross_entropy_bwd": (OPS.linear_cross_entropy_bwd, (randn(5), *[t.detach() for t in lce[:3]],
                                                                     *lce[3:], *lce_opts)),
         **_lora_op_cases(g),
         **_moe_op_cases(g),
@@ -589,9 +594,8 @@ def test_every_registered_op_is_checked(op_cases):
 
 
 def _overload(op) -> torch._ops.OpOverload:
-    """The ``torch.ops`` overload of a library op: a lean ``library.Op`` or, for the in-place ops,
-    torch's ``CustomOpDef``."""
-    return op.overload if isinstance(op, lib.Op) else op._opoverload
+    """The default overload of a ``torch.ops.tritonllm`` op."""
+    return op.default
 
 
 def test_opcheck(op_cases):
@@ -654,7 +658,7 @@ def test_fsdp2_compiled_model_matches_eager(monkeypatch):
 # ----------------------------------------------------------------------------- the lean op kernels
 
 def _probe_op():
-    """A ``library.Op`` ``y = scale x + w`` whose implementation records its calls, registered once in a
+    """A ``custom_op.Op`` ``y = scale x + w`` whose implementation records its calls, registered once in a
     namespace of its own (``tritonllm_test``)."""
     if not hasattr(_probe_op, "op"):
         calls = []
@@ -664,7 +668,7 @@ def _probe_op():
             return x * scale + w
 
         _probe_op.library = torch.library.Library("tritonllm_test", "FRAGMENT")
-        op = lib.Op("tritonllm_test::probe", probe_op, _probe_op.library)
+        op = custom_op.Op("tritonllm_test::probe", probe_op, _probe_op.library)
         op.register_fake(lambda x, w, scale: torch.empty_like(x))
 
         def setup(ctx, inputs, output):
@@ -706,11 +710,11 @@ def test_op_gradients_come_from_its_formula_with_the_ops_own_needs_input_grad():
 def test_op_without_a_formula_refuses_inputs_that_require_grad():
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(RuntimeError, match="tritonllm::rope_cos_sin_fwd has no autograd formula"):
-        lib.rope_cos_sin_fwd(x, 8, 1.0)
+        OPS.rope_cos_sin_fwd(x, 8, 1.0)
     with pytest.raises(RuntimeError, match="tritonllm::grad_sq_norm has no autograd formula"):
-        lib.grad_sq_norm([torch.randn(3), x])  # a tensor inside a list argument counts too
+        OPS.grad_sq_norm([torch.randn(3), x])  # a tensor inside a list argument counts too
 
 
 def test_op_with_tensor_list_inputs_takes_no_formula():
     with pytest.raises(NotImplementedError, match="tritonllm::pack_heads: an autograd formula for an op with"):
-        lib.pack_heads.register_autograd(lambda ctx, g: g, setup_context=lambda ctx, inputs, output: None)
+        pack_heads_op.register_autograd(lambda ctx, g: g, setup_context=lambda ctx, inputs, output: None)

@@ -271,7 +271,7 @@ def test_rope_flash_attention(B, T, Hq, Hkv, D, window, lengths, dtype):
     its in-place backward, flash_attention) and as the op pair torch.compile calls (one buffer for the
     qkv gradient, rotated back in place): both the reference's values, and bitwise equal to each other."""
     from tritonllm.data.sft import document_bounds
-    from tritonllm.kernels import library
+    from tritonllm.kernels.custom_op import COMPILED
     from tritonllm.kernels.flash_attention import rope_flash_attention
     from tritonllm.kernels.rope import rope_cos_sin
 
@@ -284,7 +284,7 @@ def test_rope_flash_attention(B, T, Hq, Hkv, D, window, lengths, dtype):
         documents = torch.from_numpy(document_bounds(doc_ids.numpy())).to(qkv.device)
         doc_ids = doc_ids.to(qkv.device)
     results = []
-    for fn in (rope_flash_attention, library.rope_flash_attention):
+    for fn in (rope_flash_attention, COMPILED["rope_flash_attention"]):
         out = fn(qkv, cos, sin, Hq, Hkv, window=window, documents=documents)
         results.append((out, *torch.autograd.grad(out, qkv, do)))
     for got, eager in zip(results[1], results[0]):
@@ -304,12 +304,12 @@ def test_rope_flash_attention(B, T, Hq, Hkv, D, window, lengths, dtype):
     (8, 3, 2, r"n_heads: 3 must be a positive multiple of n_kv_heads \(2\)"),
     (8, 4, 0, r"n_heads: 4 must be a positive multiple of n_kv_heads \(0\)")])
 def test_rope_flash_attention_bad_heads(heads, n_heads, n_kv_heads, match):
-    from tritonllm.kernels import library
+    from tritonllm.kernels.custom_op import COMPILED
     from tritonllm.kernels.flash_attention import rope_flash_attention
     from tritonllm.kernels.rope import rope_cos_sin
 
     cos, sin = rope_cos_sin(8, 32)
-    for fn in (rope_flash_attention, library.rope_flash_attention):
+    for fn in (rope_flash_attention, COMPILED["rope_flash_attention"]):
         with pytest.raises(ValueError, match=match):
             fn(randn(1, 8, heads, 32), cos, sin, n_heads, n_kv_heads)
 

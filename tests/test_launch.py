@@ -1,4 +1,4 @@
-"""The cached launch path of ``kernels._common``: :class:`Launch` (direct launch of compiled kernels),
+"""The cached launch path of ``kernels.launch``: :class:`Launch` (direct launch of compiled kernels),
 :class:`Plans` and ``_Autotuned.launch`` (per-problem plans without the autotuner).
 
 The direct path needs compiled kernels, which the interpreter does not make: it is driven here by a
@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from _checks import DEVICE, assert_close, randn
-from tritonllm.kernels import _common
+from tritonllm.kernels import checks, scratch
+from tritonllm.kernels import launch as launching
 
 
 class _Param:
@@ -54,8 +55,8 @@ class _FakeJit:
 def direct(monkeypatch):
     """Direct launches on: device 0, stream 77, no launch hooks (the runtime knobs as a namespace)."""
     knobs = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
-    monkeypatch.setattr(_common, "direct_launch", lambda: True)
-    monkeypatch.setattr(_common, "_runtime", lambda: (lambda: 0, lambda device: 77, knobs))
+    monkeypatch.setattr(launching, "direct_launch", lambda: True)
+    monkeypatch.setattr(launching, "triton_runtime", lambda: (lambda: 0, lambda device: 77, knobs))
     return knobs
 
 
@@ -66,7 +67,7 @@ def _kernel():
 
 def test_launch_dispatches_once_then_calls_the_compiled_kernel(direct):
     fn = _kernel()
-    launch = _common.Launch(fn, (3,), BLOCK=64, num_warps=4)
+    launch = launching.Launch(fn, (3,), BLOCK=64, num_warps=4)
     x = torch.randn(32)
     launch(x, 32, 1e-6)
     assert len(fn.dispatches) == 1
@@ -83,7 +84,7 @@ def test_launch_dispatches_once_then_calls_the_compiled_kernel(direct):
 
 def test_launch_new_dtype_or_alignment_is_a_new_specialization(direct):
     fn = _kernel()
-    launch = _common.Launch(fn, (1,), BLOCK=16)
+    launch = launching.Launch(fn, (1,), BLOCK=16)
     base = torch.randn(40)
     launch(base[:32], 32, 1e-6)
     launch(base[:32].half(), 32, 1e-6)  # another dtype: Triton compiles another kernel
@@ -103,7 +104,7 @@ def test_launch_with_a_hook_always_dispatches(direct, hook):
 
     direct.launch_enter_hook, direct.launch_exit_hook = HookChain(), HookChain(reversed=True)
     fn = _kernel()
-    launch = _common.Launch(fn, (1,), BLOCK=16)
+    launch = launching.Launch(fn, (1,), BLOCK=16)
     x = torch.randn(16)
     launch(x, 16, 1e-6)
     launch(x, 16, 1e-6)  # empty chains: the direct launch
@@ -116,7 +117,7 @@ def test_launch_with_a_hook_always_dispatches(direct, hook):
 
 def test_launch_constexpr_before_runtime_argument_always_dispatches(direct):
     fn = _FakeJit([_Param("X", False), _Param("BLOCK", True), _Param("n", False)])
-    launch = _common.Launch(fn, (1,), BLOCK=16)
+    launch = launching.Launch(fn, (1,), BLOCK=16)
     assert launch.tail is None
     x = torch.randn(16)
     launch(x, 16)
@@ -126,38 +127,38 @@ def test_launch_constexpr_before_runtime_argument_always_dispatches(direct):
 
 def test_launch_missing_constexpr_always_dispatches(direct):
     fn = _kernel()
-    launch = _common.Launch(fn, (1,))  # BLOCK has no value and no default
+    launch = launching.Launch(fn, (1,))  # BLOCK has no value and no default
     assert launch.tail is None
 
 
 def test_direct_launch_off_for_unverified_triton(monkeypatch, caplog):
-    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    monkeypatch.setattr(launching, "interpreting", lambda: False)
     monkeypatch.setattr(triton, "__version__", "3.2.0")
-    _common.direct_launch.cache_clear()
+    launching.direct_launch.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="tritonllm.kernels"):
-            assert _common.direct_launch() is False
+            assert launching.direct_launch() is False
         assert "3.2.0" in caplog.text and "JIT dispatcher" in caplog.text
         monkeypatch.setattr(triton, "__version__", "3.6.0")
-        _common.direct_launch.cache_clear()
+        launching.direct_launch.cache_clear()
         monkeypatch.setenv("TRITONLLM_DIRECT_LAUNCH", "0")
-        assert _common.direct_launch() is False
+        assert launching.direct_launch() is False
         monkeypatch.delenv("TRITONLLM_DIRECT_LAUNCH")
-        _common.direct_launch.cache_clear()
-        assert _common.direct_launch() is True
+        launching.direct_launch.cache_clear()
+        assert launching.direct_launch() is True
     finally:
-        _common.direct_launch.cache_clear()
+        launching.direct_launch.cache_clear()
 
 
 def test_triton_version_parses_suffixes(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.6.0+git1234")
-    assert _common.triton_version() == (3, 6)
+    assert launching.triton_version() == (3, 6)
     monkeypatch.setattr(triton, "__version__", "3.10.0rc1")
-    assert _common.triton_version() == (3, 10)
+    assert launching.triton_version() == (3, 10)
 
 
 def test_plans_are_bounded():
-    plans = _common.Plans(limit=3)
+    plans = launching.Plans(limit=3)
     for i in range(3):
         assert plans.add(i, f"plan {i}") == f"plan {i}"
     plans[1] = "again"  # replacing a key does not clear
@@ -181,7 +182,7 @@ def _scaled(kernel, x, scale):
 
 
 def test_autotuned_launch_plans_per_key():
-    kernel = _common.autotune([triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])(_scale_kernel)
+    kernel = launching.autotune([triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])(_scale_kernel)
     for n, dtype in ((100, torch.float32), (37, torch.float16), (100, torch.float32)):
         x = randn(n, dtype=dtype)
         scale = float(torch.rand(()) + 0.5)
@@ -199,18 +200,18 @@ def test_autotuned_launch_plans_per_key():
 
 def test_autotune_rejects_config_pre_hooks():
     with pytest.raises(ValueError, match="pre_hook"):
-        _common.autotune([triton.Config({"BLOCK": 16}, pre_hook=lambda args: None)], key=["n"])(_scale_kernel)
+        launching.autotune([triton.Config({"BLOCK": 16}, pre_hook=lambda args: None)], key=["n"])(_scale_kernel)
 
 
 def test_checks_name_the_mismatch():
     a, b = torch.randn(2), torch.randn(2, dtype=torch.float64)
     with pytest.raises(TypeError, match="a is float32, b is float64"):
-        _common.check_same_dtype(a=a, b=b, c=None)
-    _common.check_same_device(a=a, b=b, c=None)
-    assert not _common.needs_grad(a, None, 3)
-    assert _common.needs_grad(a.requires_grad_(), None)
+        checks.check_same_dtype(a=a, b=b, c=None)
+    checks.check_same_device(a=a, b=b, c=None)
+    assert not checks.needs_grad(a, None, 3)
+    assert checks.needs_grad(a.requires_grad_(), None)
     with torch.no_grad():
-        assert not _common.needs_grad(a)
+        assert not checks.needs_grad(a)
 
 
 def test_tma_scratch_grows_without_freeing(monkeypatch):
@@ -219,15 +220,15 @@ def test_tma_scratch_grows_without_freeing(monkeypatch):
     import weakref
 
     empty = torch.empty
-    monkeypatch.setattr(_common.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_common.torch, "empty", lambda n, device, dtype: empty(n, dtype=dtype))
-    monkeypatch.setattr(_common, "_TMA_SCRATCH", {})
-    monkeypatch.setattr(_common, "_TMA_SCRATCH_OUTGROWN", [])
-    small = _common.tma_scratch(128, 128, 7)
-    assert small.numel() == 1 << 16 and _common.tma_scratch(1 << 16, 128, 7) is small
-    assert _common.tma_scratch(64, 128, 8) is not small  # another stream, another buffer
+    monkeypatch.setattr(scratch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(scratch.torch, "empty", lambda n, device, dtype: empty(n, dtype=dtype))
+    monkeypatch.setattr(scratch, "_TMA_SCRATCH", {})
+    monkeypatch.setattr(scratch, "_TMA_SCRATCH_OUTGROWN", [])
+    small = scratch.tma_scratch(128, 128, 7)
+    assert small.numel() == 1 << 16 and scratch.tma_scratch(1 << 16, 128, 7) is small
+    assert scratch.tma_scratch(64, 128, 8) is not small  # another stream, another buffer
     outgrown = weakref.ref(small)
     del small
-    big = _common.tma_scratch((1 << 16) + 1, 128, 7)
-    assert big.numel() == (1 << 16) + 1 and _common.tma_scratch(4096, 128, 7) is big
-    assert outgrown() is not None and _common._TMA_SCRATCH_OUTGROWN == [outgrown()]
+    big = scratch.tma_scratch((1 << 16) + 1, 128, 7)
+    assert big.numel() == (1 << 16) + 1 and scratch.tma_scratch(4096, 128, 7) is big
+    assert outgrown() is not None and scratch._TMA_SCRATCH_OUTGROWN == [outgrown()]

@@ -33,12 +33,12 @@ def test_the_folder_imported_as_kernels_is_the_package_not_a_second_copy():
     """From the repository root ``import kernels`` finds the kernels/ folder (transformers' probe for the
     Hugging Face ``kernels`` package does that). It must be tritonllm.kernels itself: a second copy would
     register the custom ops again and free the first copy's, crashing torch.compile later."""
-    code = ("import sys, torch, kernels, kernels.library, tritonllm.kernels as k\n"
+    code = ("import sys, torch, kernels, kernels.custom_op, tritonllm.kernels as k\n"
             "x = torch.randn(3, 8)\n"
             "y = torch.ops.tritonllm.rms_norm_fwd(x, torch.ones(8), 1e-6, None)[0]\n"
             "copies = [m for m, mod in sys.modules.items() if m.startswith('kernels')"
             " and mod is not sys.modules['tritonllm' + '.' + m]]\n"
-            "print(kernels is k, kernels.library is k.library, copies,"
+            "print(kernels is k, kernels.custom_op is k.custom_op, copies,"
             " torch.allclose(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=1e-5))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT,
                          capture_output=True, text=True, check=True)

@@ -11,7 +11,7 @@ from _checks import DEVICE, DTYPES, ON_GPU, assert_close, dtype_id, gemm_atol, n
 from tritonllm.bench.reference_ops import linear as ref_linear
 from tritonllm.bench.reference_ops import linear_swiglu as ref_swiglu
 from tritonllm.kernels import configure_gemm, linear, linear_swiglu
-from tritonllm.kernels._common import smem_budget
+from tritonllm.kernels.device import smem_budget
 
 gemm_module = importlib.import_module("tritonllm.kernels.gemm")
 
@@ -350,7 +350,7 @@ def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch, kernel_settings):
     output unwritten: the kernel really takes its tiles from it."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized Gluon GEMM is for sm90 (H100, H200)")
-    common = importlib.import_module("tritonllm.kernels._common")
+    scratch = importlib.import_module("tritonllm.kernels.scratch")
     tuned = importlib.import_module("tritonllm.kernels.gemm_sm90").ws_matmul_kernel_tuned
     monkeypatch.setattr(tuned, "configs", [c for c in tuned.configs if c.kwargs["PINGPONG"] is pingpong][:1])
     monkeypatch.setattr(tuned, "cache", {})
@@ -368,7 +368,7 @@ def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch, kernel_settings):
         out[dynamic] = runs[0]
     assert torch.equal(out[True], out[False])
     assert_close("dynamic", out[True], a.double() @ b.double(), a @ b, atol=gemm_atol(torch.bfloat16))
-    counter = common.tile_counter()
+    counter = scratch.tile_counter()
     counter[0] = 2**30  # every program's first index is past the last tile
     skipped = gemm_module.gemm(a, b, poison_(torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)))
     assert torch.isnan(skipped).all() and counter.tolist() == [0, 0]
@@ -381,7 +381,7 @@ def test_gemm_sm90_dynamic_tiles(pingpong, monkeypatch, kernel_settings):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(c, out[False])
-    assert all(pair.tolist() == [0, 0] for pair in common._TILE_COUNTERS.values())
+    assert all(pair.tolist() == [0, 0] for pair in scratch._TILE_COUNTERS.values())
 
 
 @pytest.mark.gpu

@@ -67,10 +67,14 @@ gradient. Reference: Dao,
 
 from __future__ import annotations
 
-import torch
+from typing import Optional
 
-from .._common import check_tensor, compilable, needs_grad
-from ..rope import rope
+import torch
+from torch import Tensor
+
+from ..checks import check_tensor, needs_grad
+from ..custom_op import compilable, compiled, define, eager, fake
+from ..rope import rope, rope_bwd, rope_fwd
 from ..split_heads import split_heads
 from .backward import flash_attention_bwd, flash_attention_bwd_packed
 from .forward import flash_attention_decode, flash_attention_fwd
@@ -103,6 +107,143 @@ class FlashAttentionFunction(torch.autograd.Function):
         dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.window, ctx.softmax_scale,
                                          ctx.deterministic, ctx.packed, documents)
         return dq, dk, dv, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: Optional[int],
+                           softmax_scale: Optional[float], deterministic: bool,
+                           documents: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(o, lse)`` of :func:`kernels.flash_attention.flash_attention_fwd`; ``deterministic`` is the
+    backward's switch, carried here for the autograd formula."""
+    return flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)
+
+
+@fake(flash_attention_fwd_op)
+def _(q, k, v, causal, window, softmax_scale, deterministic, documents):
+    B, T, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, T), dtype=torch.float32)
+
+
+@define("tritonllm::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
+                           window: Optional[int], softmax_scale: Optional[float],
+                           deterministic: bool, documents: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`kernels.flash_attention.flash_attention_bwd`, each in a tensor of its
+    own (not its ``packed`` form: an op's outputs may not alias one another)."""
+    return flash_attention_bwd(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=deterministic,
+                               documents=documents)
+
+
+@fake(flash_attention_bwd_op)
+def _(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flash_attention_setup(ctx, inputs, output):
+    q, k, v, *ctx.options, documents = inputs
+    ctx.save_for_backward(q, k, v, *output, documents)
+
+
+def _flash_attention_backward(ctx, do, _dlse):
+    *saved, documents = ctx.saved_tensors
+    dq, dk, dv = flash_attention_bwd_op(do, *saved, *ctx.options, documents)
+    return dq, dk, dv, None, None, None, None, None
+
+
+flash_attention_fwd_op.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)
+
+
+@compiled("flash_attention")
+def _compiled_flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window: int | None = None,
+                              softmax_scale: float | None = None, deterministic: bool = True,
+                              documents: Tensor | None = None) -> Tensor:
+    return flash_attention_fwd_op(q, k, v, causal, window, softmax_scale, deterministic, documents)[0]
+
+
+@define("tritonllm::rope_flash_attention_fwd", mutates_args=())
+def rope_flash_attention_fwd_op(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int, causal: bool,
+                                window: Optional[int], softmax_scale: Optional[float], deterministic: bool,
+                                documents: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(o, lse, qk)`` of :func:`kernels.flash_attention.rope_flash_attention`: ``qk`` the rotated query
+    and key heads ``[B, T, n_heads + n_kv_heads, D]``, kept for the backward."""
+    qk = rope_fwd(qkv[:, :, :n_heads + n_kv_heads], cos, sin)
+    q, k = qk.split((n_heads, n_kv_heads), dim=2)
+    o, lse = flash_attention_fwd(q, k, qkv[:, :, n_heads + n_kv_heads:], causal, window, softmax_scale,
+                                 documents=documents)
+    return o, lse, qk
+
+
+@fake(rope_flash_attention_fwd_op)
+def _(qkv, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic, documents):
+    B, T, _, D = qkv.shape
+    return (qkv.new_empty((B, T, n_heads, D)), qkv.new_empty((B, n_heads, T), dtype=torch.float32),
+            qkv.new_empty((B, T, n_heads + n_kv_heads, D)))
+
+
+@define("tritonllm::rope_flash_attention_bwd", mutates_args=())
+def rope_flash_attention_bwd_op(do: Tensor, qk: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, cos: Tensor, sin: Tensor,
+                                n_heads: int, n_kv_heads: int, causal: bool, window: Optional[int],
+                                softmax_scale: Optional[float], deterministic: bool,
+                                documents: Optional[Tensor]) -> Tensor:
+    """The gradient of ``qkv``: the attention backward into one packed buffer, its query and key heads
+    then rotated back in place (:func:`kernels.flash_attention.flash_attention_bwd_packed`,
+    :func:`kernels.rope.rope_bwd`)."""
+    q, k = qk.split((n_heads, n_kv_heads), dim=2)
+    dqkv = flash_attention_bwd_packed(do, q, k, qkv[:, :, n_heads + n_kv_heads:], o, lse, causal, window,
+                                      softmax_scale, deterministic, documents)
+    rope_bwd(dqkv[:, :, :n_heads + n_kv_heads], cos, sin, in_place=True)
+    return dqkv
+
+
+@fake(rope_flash_attention_bwd_op)
+def _(do, qk, qkv, o, lse, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic, documents):
+    return qkv.new_empty(qkv.shape)
+
+
+def _rope_flash_attention_setup(ctx, inputs, output):
+    qkv, cos, sin, *ctx.options, documents = inputs
+    o, lse, qk = output
+    ctx.save_for_backward(qk, qkv, o, lse, cos, sin, documents)
+
+
+def _rope_flash_attention_backward(ctx, do, _dlse, _dqk):
+    *saved, documents = ctx.saved_tensors
+    return (rope_flash_attention_bwd_op(do, *saved, *ctx.options, documents),) + (None,) * 9
+
+
+rope_flash_attention_fwd_op.register_autograd(_rope_flash_attention_backward, setup_context=_rope_flash_attention_setup)
+
+
+@compiled("rope_flash_attention")
+def _compiled_rope_flash_attention(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int, causal: bool = True,
+                                   window: int | None = None, softmax_scale: float | None = None, deterministic: bool = True,
+                                   documents: Tensor | None = None) -> Tensor:
+    check_packed_heads(qkv, n_heads, n_kv_heads)
+    return rope_flash_attention_fwd_op(qkv, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic,
+                                       documents)[0]
+
+
+@define("tritonllm::flash_attention_decode", mutates_args=())
+def flash_attention_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: Tensor, causal: bool,
+                              window: Optional[int], softmax_scale: Optional[float], split_kv: Optional[int]) -> Tensor:
+    """:func:`kernels.flash_attention.flash_attention_decode` (forward only)."""
+    return eager(flash_attention_decode)(q, k_cache, v_cache, kv_len, causal, window, softmax_scale, split_kv)
+
+
+@fake(flash_attention_decode_op)
+def _(q, k_cache, v_cache, kv_len, causal, window, softmax_scale, split_kv):
+    return q.new_empty(q.shape)
+
+
+@compiled("flash_attention_decode")
+def _compiled_flash_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: Tensor, causal: bool = True,
+                                     window: int | None = None, softmax_scale: float | None = None,
+                                     split_kv: int | None = None) -> Tensor:
+    return flash_attention_decode_op(q, k_cache, v_cache, kv_len, causal, window, softmax_scale, split_kv)
 
 
 @compilable

@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import Launch, Plans, check_same_device, check_same_dtype, check_tensor, interpreting, next_pow2
+from .._interpreter import interpreting
+from ..checks import check_same_device, check_same_dtype, check_tensor
+from ..launch import Launch, Plans, next_pow2
 from . import backward_sm90
 from .checks import check_attention_inputs, check_documents
 from .kernel_args import docs_arg, kernel_flags, last_dim_contiguous, stream_flags, strides

@@ -50,7 +50,9 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from .._common import autotune, next_pow2, num_sms, smem_budget, tile_counter, tma_scratch
+from ..device import num_sms, smem_budget
+from ..launch import autotune, next_pow2
+from ..scratch import tile_counter, tma_scratch
 from .forward_sm90 import descriptor4, supported, wgmma_layout
 from .masks import program_tile
 
@@ -375,7 +377,7 @@ def _sm90_dq_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_dqb, stride_dqt, stride_dqh,
     T, S, HQ, HKV, stat_pitch, shift, qk_scale, softmax_scale, group_programs,
-    B, COUNTER,                 # batch size; int32 [2] zeros (_common.tile_counter)
+    B, COUNTER,                 # batch size; int32 [2] zeros (scratch.tile_counter)
     T_BUCKET, S_BUCKET,         # next_pow2(T), next_pow2(S): autotune keys only
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
     CAUSAL: gl.constexpr,
@@ -484,7 +486,7 @@ def smem(config: triton.Config, head_dim: int, keys_resident: bool, dq_reduce: b
 
 def _tuned(kernel, configs, keys_resident: bool, flags: tuple[str, ...] = (), dq_reduce: bool = False):
     """``kernel`` autotuned over ``configs`` ((BLOCK_M, BLOCK_N, num_warps, NUM_BUF, *values of the
-    constexprs ``flags``) tuples), those whose tiles fit the shared memory (``_common.smem_budget``: 227 KiB
+    constexprs ``flags``) tuples), those whose tiles fit the shared memory (``device.smem_budget``: 227 KiB
     a block on an H100 or H200) kept; ``dq_reduce``: the dK/dV kernel's DQ_REDUCE variant, whose accumulator
     the autotuner zeroes before each timed run and before the real one (``reset_to_zero``)."""
     def prune(configs, named_args, **kwargs):
@@ -538,7 +540,7 @@ def launch_dkdv(q, k, v, do, lse2, delta, dk, dv, args: tuple, causal: bool, sca
                 group_programs: int, key, dq_acc: torch.Tensor | None = None) -> None:
     """dK and dV into ``dk`` and ``dv`` [B, S, Hkv, D] (equal strides) from the preprocess kernel's ``lse2``
     and ``delta`` [B, Hq, pitch]; ``args``: :func:`matrix_args` of the inputs; ``key`` determines the
-    shapes, strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`). With ``dq_acc``
+    shapes, strides and flags (the launch plan's key, see :meth:`launch._Autotuned.launch`). With ``dq_acc``
     (zeroed, [B, Hq, T, D] fp32, contiguous) the DQ_REDUCE kernel also adds dQ / scale into it."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]

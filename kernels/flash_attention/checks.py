@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .._common import check_dot_dtype, check_same_device, check_same_dtype, check_tensor
+from ..checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor
 from .tuning import HEAD_DIMS
 
 

@@ -7,7 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import check_same_device, compilable, interpreting, next_pow2
+from .._interpreter import interpreting
+from ..checks import check_same_device
+from ..custom_op import compilable
+from ..launch import next_pow2
 from . import forward_sm90
 from .checks import check_attention_inputs, check_documents
 from .kernel_args import docs_arg, kernel_flags, last_dim_contiguous, stream_flags, strides

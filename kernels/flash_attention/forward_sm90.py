@@ -33,7 +33,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .._common import autotune, next_pow2, num_sms, tma_scratch
+from ..device import num_sms
+from ..launch import autotune, next_pow2
+from ..scratch import tma_scratch
 
 #: (BLOCK_M, BLOCK_N, num_warps, NUM_BUF): the kernel's one config (num_warps 4 is the first consumer's; the
 #: kernel runs 12: two consumer warpgroups and the producer warp; BLOCK_M must be SCHED_BLOCK_M). Measured
@@ -353,7 +355,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window, documen
 
 def launch(q, k, v, o, lse, causal: bool, qk_scale: float, group_programs: int, key, config=None) -> None:
     """Run the kernel into ``o`` [B, T, Hq, D] and ``lse`` [B, Hq, T]; ``key`` determines the shapes,
-    strides and flags (the launch plan's key, see :meth:`_common._Autotuned.launch`). ``config``: one
+    strides and flags (the launch plan's key, see :meth:`launch._Autotuned.launch`). ``config``: one
     of :data:`CONFIGS`, launched as it is instead (scripts/attention_sm90.py times them one by one)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]

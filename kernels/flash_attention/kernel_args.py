@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import interpreting, next_pow2, tma_scratch
+from .._interpreter import interpreting
+from ..launch import next_pow2
+from ..scratch import tma_scratch
 from .settings import attention_settings
 from .tuning import TMA_MIN_ELEMS
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._common import autotune, interpreting, next_pow2, num_sms, smem_budget
+from .._interpreter import interpreting
+from ..device import num_sms, smem_budget
+from ..launch import autotune, next_pow2
 from .settings import attention_settings
 
 #: head dimensions the kernels support (96 is padded to 128 inside the kernel with masks).
@@ -64,7 +66,7 @@ DQ_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 32, 4, 2)
 # DQ_CONFIGS (every autotuned key compiles each config: the lists are kept small so a benchmark run
 # does not spend its time compiling), pruned per head dim and dtype, keyed on the head dim, the mask
 # kind and the lengths rounded to powers of two. With TRITONLLM_NO_AUTOTUNE=1 (the test suite) each
-# kernel runs the first config the pruning keeps (see ``_common.autotune``).
+# kernel runs the first config the pruning keeps (see ``launch.autotune``).
 
 def tuned(kernel, interp: dict, gpu: list[tuple[dict, int, int]], key: list[str], smem_elems, reg_elems):
     """``kernel`` autotuned over ``gpu`` = [(block sizes, num_warps, num_stages)], keyed on ``key``.

@@ -45,6 +45,11 @@ def relu2(x):
     return F.relu(x).square()
 
 
+def gelu_tanh(x):
+    """GELU with the tanh approximation, ``x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    return F.gelu(x, approximate="tanh")
+
+
 def softcap(x, cap):
     """``cap * tanh(x / cap)``."""
     return cap * torch.tanh(x / cap)

@@ -30,7 +30,7 @@ class LMHeadLoss(nn.Module):
         self.softcap, self.z_loss, self.ignore_index, self.fp8 = softcap, z_loss, ignore_index, fp8
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-        # fp8 passed only when on: the torch.compile route (kernels/library.py) has no fp8 argument
+        # fp8 passed only when on: the torch.compile route (the linear custom op, kernels/linear.py) has no fp8 argument
         fp8 = {"fp8": True} if self.fp8 else {}
         return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1),
                                     ignore_index=self.ignore_index, z_loss=self.z_loss, return_z_loss=True,

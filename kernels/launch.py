@@ -1,15 +1,12 @@
-"""Shared helpers of the kernel modules: input checks, interpreter detection, launch sizes, and the
-cached launch path (:class:`Launch`).
-
-Every check raises a ValueError or TypeError whose message names the offending argument, so a user
-sees which input is wrong rather than a failure deep inside a kernel. Checks read only tensor
-metadata: they never allocate or synchronise with the device.
+"""How the kernels are launched: the cached direct launch path (:class:`Launch`, the plans that hold
+launches per problem, :class:`Plans`), autotuning that a test run can pin (:func:`autotune`), and the
+host-built launch tables of the multi-tensor kernels (:func:`cached`, :func:`upload`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
+import functools
 import inspect
 import logging
 import os
@@ -18,20 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interpreter import env_flag
+from ._interpreter import env_flag, interpreting
 
 _log = logging.getLogger("tritonllm.kernels")
-
-#: dtypes every kernel accepts for activations and weights.
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: dtypes accepted for index tensors (token ids, targets).
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET``, read by Triton
-    when it was imported; see ``tritonllm.kernels``): the kernels then take CPU tensors."""
-    return env_flag(os.environ.get("TRITON_INTERPRET", "0"))
 
 
 def autotuning() -> bool:
@@ -152,7 +138,7 @@ def direct_launch() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _runtime():
+def triton_runtime():
     """(current device, current stream, runtime knobs) accessors of the active Triton driver."""
     from triton import knobs
     from triton.runtime.driver import driver
@@ -219,7 +205,7 @@ class Launch:
         if self.tail is None or not direct_launch():
             self.fn[self.grid](*args, **self.kwargs)
             return
-        get_device, get_stream, knobs = _runtime()
+        get_device, get_stream, knobs = triton_runtime()
         if _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):  # they want launch metadata
             self.fn[self.grid](*args, **self.kwargs)
             return
@@ -270,247 +256,24 @@ def autotune(configs, key, prune_configs_by=None, **kwargs):
     return lambda fn: _Autotuned(fn, configs, key, prune_configs_by, **kwargs)
 
 
-def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim=None, min_ndim=None) -> None:
-    """Check that ``t`` is a tensor on a device the kernels can use, with an allowed dtype.
-
-    A CUDA tensor is always accepted; a CPU tensor only under the interpreter.
-    ``ndim`` fixes the rank, ``min_ndim`` bounds it from below.
-    """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda" and not (t.device.type == "cpu" and interpreting()):
-        raise ValueError(
-            f"{name} must be a CUDA tensor (CPU tensors only run under Triton's interpreter: TRITON_INTERPRET=1 "
-            "set before Triton is imported), "
-            f"got a tensor on {t.device}"
-        )
-    if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {allowed}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if min_ndim is not None and t.dim() < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
-
-
-def check_dot_dtype(name: str, t: torch.Tensor) -> None:
-    """A TypeError naming ``name`` for a bfloat16 CPU tensor given to a kernel whose math runs through
-    ``tl.dot``: Triton's interpreter multiplies bfloat16 operands' raw bit patterns (triton issue
-    11584), so the result would be off by orders of magnitude, not merely imprecise."""
-    if t.dtype == torch.bfloat16 and t.device.type == "cpu":
-        raise TypeError(f"{name} is bfloat16 on the CPU: Triton's interpreter computes bfloat16 tl.dot wrongly "
-                        f"(triton issue 11584); use float32 or float16 there, bfloat16 on a CUDA device")
-
-
-def _differ(tensors: dict, attr: str) -> bool:
-    """True when the non-None tensors' ``attr`` (device or dtype) is not the same for all."""
-    first = None
-    for t in tensors.values():
-        if t is not None:
-            value = getattr(t, attr)
-            if first is None:
-                first = value
-            elif value != first:
-                return True
-    return False
-
-
-def check_same_device(**tensors: torch.Tensor | None) -> None:
-    """Raise a ValueError naming the tensors when they are not all on one device."""
-    if _differ(tensors, "device"):
-        listed = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if t is not None)
-        raise ValueError(f"tensors must be on the same device: {listed}")
-
-
-def check_same_dtype(**tensors: torch.Tensor | None) -> None:
-    """Raise a TypeError naming the tensors when their dtypes differ."""
-    if _differ(tensors, "dtype"):
-        listed = ", ".join(f"{n} is {str(t.dtype).replace('torch.', '')}" for n, t in tensors.items()
-                           if t is not None)
-        raise TypeError(f"tensors must share one dtype: {listed}")
-
-
-def needs_grad(*tensors) -> bool:
-    """True when autograd records: grad mode is on and one of ``tensors`` (None and non-tensors
-    allowed, the input checks come later) requires a gradient. Ops skip their autograd Function
-    otherwise (its node costs host time and saves tensors for nothing)."""
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
-
-
-#: public functional name -> its version over the ``torch.ops.tritonllm`` custom ops, filled by
-#: kernels/library.py (imported by the package) and called by :func:`compilable` under torch.compile
-COMPILED: dict = {}
-_is_compiling = torch.compiler.is_compiling
-
-
-def compilable(fn):
-    """Decorator of a public functional: while ``torch.compile`` (or ``torch.export``) traces it, a
-    call goes to ``COMPILED[fn.__name__]``, built on custom ops the graph keeps as single nodes;
-    otherwise ``fn`` runs unchanged (the check and the extra call: 0.15 to 0.3 us on an idle CPU)."""
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    def functional(*args, **kwargs):
-        if _is_compiling():
-            return COMPILED[name](*args, **kwargs)
-        return fn(*args, **kwargs)
-    return functional
-
-
-def rows_view(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``x`` as a 2-D ``[rows, n]`` view whose last dimension is contiguous.
-
-    Copies only when the last dimension is strided or the leading dimensions cannot be
-    folded into one row stride (the kernels take the row stride as an argument).
-    """
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if x.dim() == 2 and x.shape[1] == n:
-        return x
-    try:
-        return x.view(-1, n)
-    except RuntimeError:
-        return x.reshape(-1, n).contiguous()
-
-
-#: tensor-descriptor scratch per (device, stream), see :func:`tma_scratch`
-_TMA_SCRATCH: dict[tuple, torch.Tensor] = {}
-#: the buffers a grown scratch replaced: never freed (see :func:`tma_scratch`)
-_TMA_SCRATCH_OUTGROWN: list[torch.Tensor] = []
-
-
-def tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for the tensor descriptors kernels build (``triton.set_allocator``): one
-    buffer per (device, stream), grown on demand. Kernels on one stream run in order, so one buffer
-    serves them all: no allocation per launch. A buffer a larger one replaces stays allocated: a
-    kernel captured in a CUDA graph keeps its address and writes its descriptors there at every
-    replay, so freeing it would let the graph write into whatever tensor takes the memory next."""
-    key = (torch.cuda.current_device(), stream)
-    buf = _TMA_SCRATCH.get(key)
-    if buf is None or buf.numel() < size:
-        if buf is not None:
-            _TMA_SCRATCH_OUTGROWN.append(buf)
-        buf = _TMA_SCRATCH[key] = torch.empty(max(size, 1 << 16), device="cuda", dtype=torch.int8)
-    return buf
-
-
-#: work counters per (device, stream), see :func:`tile_counter`
-_TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
-#: zeroed counters per device not yet handed out, allocated outside any CUDA graph capture
-_TILE_COUNTER_POOLS: dict[int, list[torch.Tensor]] = {}
-#: counters allocated at once: a pool serves that many streams
-TILE_COUNTER_POOL = 64
-
-
-def tile_counter() -> torch.Tensor:
-    """Two int32 zeros on the current CUDA device for a kernel whose programs take their work from a
-    global counter (gemm_sm90's dynamic schedule): the kernel leaves them at zero when it ends. One
-    pair per (device, stream): kernels on one stream run in order, so they share it, while kernels on
-    two streams could run at once. Kept for the process's life, as :func:`tma_scratch`'s buffers are:
-    a kernel captured in a CUDA graph keeps the address (graphs captured on one stream share its pair,
-    so they must not be replayed at the same time on two streams).
-
-    The pairs come from a pool zeroed outside any capture: a stream first seen during a CUDA graph
-    capture gets one that is zero already, not a zero-fill the graph would only run at its first
-    replay. The first pool of a device cannot be made during a capture (a RuntimeError says so): run
-    the kernel once before capturing, as a graph's warm-up does."""
-    get_device, get_stream, _ = _runtime()
-    device = get_device()
-    key = (device, get_stream(device))
-    counter = _TILE_COUNTERS.get(key)
-    if counter is None:
-        pool = _TILE_COUNTER_POOLS.get(device)
-        if not pool:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("tile_counter: no zeroed work counter is left on this device during a CUDA "
-                                   "graph capture; launch the kernel once before capturing")
-            pool = _TILE_COUNTER_POOLS[device] = list(
-                torch.zeros(TILE_COUNTER_POOL, 2, device=f"cuda:{device}", dtype=torch.int32).unbind(0))
-            torch.cuda.synchronize(device)  # zero before another stream's kernel takes one
-        counter = _TILE_COUNTERS[key] = pool.pop()
-    return counter
-
-
-@functools.lru_cache(maxsize=None)
-def hopper(device: torch.device) -> bool:
-    """Whether ``device`` (a CUDA ``torch.device`` with its index) is a Hopper GPU (sm_90: H100, H200)."""
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
-@functools.lru_cache(maxsize=None)
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One more CUDA stream of ``device`` (a ``torch.device`` with its index) for work that runs beside the
-    current stream's (a backward's dW product beside its dx product). The caller forks it from the
-    current stream (``wait_stream``) and joins it back before it returns, so tensors that the current stream
-    allocated and frees afterwards stay valid while the side stream works on them; a CUDA graph capture
-    then records the two as parallel branches."""
-    return torch.cuda.Stream(device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int | None = None) -> int:
-    """Number of streaming multiprocessors of the current CUDA device (4 under the interpreter)."""
-    if interpreting() or not torch.cuda.is_available():
-        return 4
-    idx = torch.cuda.current_device() if device_index is None else device_index
-    return torch.cuda.get_device_properties(idx).multi_processor_count
-
-
-def smem_per_block() -> int:
-    """Bytes of shared memory one program may use on the current CUDA device: its opt-in maximum per
-    block (227 KiB on an H100 or H200, 163 KiB on an A100, 99 KiB on most consumer GPUs).
-    ``SMEM_PER_BLOCK`` under the interpreter, and, said in a log line, where torch does not report it."""
-    if interpreting() or not torch.cuda.is_available():
-        return SMEM_PER_BLOCK
-    return _device_smem(torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _device_smem(idx: int) -> int:
-    size = getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", None)
-    if not size:
-        _log.info("torch does not report device %d's shared memory per block: configs are planned for %d KiB",
-                  idx, SMEM_PER_BLOCK // 1024)
-        return SMEM_PER_BLOCK
-    return int(size)
-
-
-def smem_budget(reserve: int) -> int:
-    """The shared memory every kernel's config pruning plans against: :func:`smem_per_block` of the
-    current device less ``reserve`` bytes, what the kernel's own estimate leaves out (layout
-    conversions, barriers, staging)."""
-    return smem_per_block() - reserve
-
-
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (at least 1)."""
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def check_lr(lr, device: torch.device) -> bool:
-    """Check an optimizer kernel's ``lr``: a float >= 0, or a one-element fp32 tensor on ``device``
-    (read by the kernel, so a CUDA graph replays its current value). Returns whether it is a tensor."""
-    if isinstance(lr, torch.Tensor):
-        if lr.dtype != torch.float32 or lr.numel() != 1 or lr.device != device:
-            raise TypeError(f"lr must be a float or a one-element fp32 tensor on {device}")
-        return True
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    return False
-
-
-#: shared memory one program may use on sm90 (H100/H200: 227 KiB per block, opt-in): what
-#: :func:`smem_per_block` assumes under the interpreter or where the device does not report it
-SMEM_PER_BLOCK = 227 * 1024
 #: how many launch tables :func:`cached` keeps (one per bucket and parameter set).
 _CACHE_SIZE = 64
+
 #: triton.language dtype of each floating torch dtype
 TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
 #: launch tables of :func:`cached`, least recently used first
 _TABLES: OrderedDict = OrderedDict()
+
 #: tables built while a CUDA graph was being captured: the graph reads them at every replay, so
 #: they are never evicted (a few kB per captured parameter set)
 _KEPT: dict = {}
+
 _SIDE_STREAMS: dict = {}
 
 
@@ -548,10 +311,3 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         out = host.to(device)
     side.synchronize()
     return out
-
-
-def check_flag(name: str, flag, device: torch.device) -> None:
-    """A skip flag (e.g. ``found_inf``): None or a one-element int32 tensor on ``device``."""
-    if flag is not None and (not isinstance(flag, torch.Tensor) or flag.dtype != torch.int32 or flag.numel() != 1
-                             or flag.device != device):
-        raise TypeError(f"{name} must be None or a one-element int32 tensor on {device}")

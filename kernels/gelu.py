@@ -1,0 +1,132 @@
+"""GELU with the tanh approximation, ``y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, elementwise
+with fp32 math (the MLP activation of GPT-2 and Gemma; PyTorch's ``F.gelu(x, approximate="tanh")``).
+
+Forward: with ``c = sqrt(2/pi)``, ``a = 0.044715``, ``u = c (x + a x^3)`` and ``t = tanh(u)``:
+``y = x (1 + t) / 2``. Backward (from the saved input, since ``t`` is cheaper to recompute than to
+store): ``dx = dy ((1 + t) / 2 + x (1 - t^2) c (1 + 3 a x^2) / 2)``, the second term taken as 0 where ``t`` is
+saturated (``|t| = 1`` in fp32, ``|x| > 5`` or so, where ``x^3`` may overflow). ``tanh`` is
+:func:`kernels.softcap.softcap_math` at cap 1 (no overflow for any ``u``). The kernels see the operand
+as one flat contiguous run of elements; ``BLOCK`` per program.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+import triton
+import triton.language as tl
+
+from .checks import needs_grad
+from .custom_op import compilable, compiled, define, fake, register_formula
+from ._elementwise import elementwise_bwd, elementwise_fwd
+from .softcap import softcap_math
+
+#: sqrt(2 / pi) and the cubic coefficient of the approximation
+SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(math.sqrt(2.0 / math.pi))
+CUBIC: tl.constexpr = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _gelu_tanh_fwd_kernel(
+    x_ptr,      # [N] input
+    y_ptr,      # out: [N] x (1 + tanh(u)) / 2
+    N,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t = softcap_math((x + x * x * x * CUBIC) * SQRT_2_OVER_PI, 1.0)
+    tl.store(y_ptr + offs, (0.5 * x * (1.0 + t)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_tanh_bwd_kernel(
+    x_ptr,      # [N] forward input
+    dy_ptr,     # [N] gradient of the output
+    dx_ptr,     # out: [N] dy ((1 + t) / 2 + x (1 - t^2) c (1 + 3 a x^2) / 2)
+    N,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = x * x
+    t = softcap_math((x + x2 * x * CUBIC) * SQRT_2_OVER_PI, 1.0)
+    # the second term only where tanh is not saturated: beyond, x^2 may overflow and 0 * inf is NaN
+    sech2 = 1.0 - t * t
+    grad = 0.5 * (1.0 + t) + tl.where(sech2 > 0.0, 0.5 * x * sech2 * SQRT_2_OVER_PI * (1.0 + x2 * (3.0 * CUBIC)), 0.0)
+    tl.store(dx_ptr + offs, (dy * grad).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_fwd(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) of a contiguous fp32/fp16/bf16 tensor, in its dtype."""
+    return elementwise_fwd(_gelu_tanh_fwd_kernel, x)
+
+
+def gelu_tanh_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The input's gradient from the forward's input ``x`` and ``dy`` (made contiguous), in ``x``'s dtype."""
+    return elementwise_bwd(_gelu_tanh_bwd_kernel, x, "x", dy)
+
+
+def _gelu_tanh_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _gelu_tanh_backward(ctx, dy, *, bwd=gelu_tanh_bwd):
+    """``dx`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
+    return bwd(ctx.saved_tensors[0], dy)
+
+
+class GeluTanhFunction(torch.autograd.Function):
+    """The launchers with :func:`_gelu_tanh_setup` and :func:`_gelu_tanh_backward`, the custom op's formula too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = gelu_tanh_fwd(x)
+        _gelu_tanh_setup(ctx, (x,), y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gelu_tanh_backward(ctx, dy)
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
+
+@define("tritonllm::gelu_tanh_fwd")
+def gelu_tanh_fwd_op(x: Tensor) -> Tensor:
+    """:func:`gelu_tanh_fwd`."""
+    return gelu_tanh_fwd(x)
+
+
+@define("tritonllm::gelu_tanh_bwd")
+def gelu_tanh_bwd_op(x: Tensor, dy: Tensor) -> Tensor:
+    """:func:`gelu_tanh_bwd`."""
+    return gelu_tanh_bwd(x, dy)
+
+
+for _op in (gelu_tanh_fwd_op, gelu_tanh_bwd_op):
+    fake(_op)(lambda x, *args: x.new_empty(x.shape))
+
+
+register_formula(gelu_tanh_fwd_op, _gelu_tanh_setup, _gelu_tanh_backward, bwd=gelu_tanh_bwd_op)
+
+
+@compiled("gelu_tanh")
+def _compiled_gelu_tanh(x: Tensor) -> Tensor:
+    return gelu_tanh_fwd_op(x)
+
+
+@compilable
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation of a contiguous tensor (fp32 math), differentiable: what
+    ``F.gelu(x, approximate="tanh")`` computes."""
+    if needs_grad(x):
+        return GeluTanhFunction.apply(x)
+    return gelu_tanh_fwd(x)
