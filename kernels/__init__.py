@@ -86,6 +86,7 @@ from .muon import muon_step_, orthogonalize  # noqa: E402
 # matrix products
 from .linear import linear, linear_swiglu  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from .fp8_linear import fp8_linear, fp8_linear_swiglu  # noqa: E402
 # attention
 from .flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd, rope_flash_attention  # noqa: E402
 from .flash_attention.settings import AttentionSettings, attention_settings, configure_attention  # noqa: E402
@@ -103,7 +104,7 @@ __all__ = [
     "rms_norm", "swiglu", "relu2", "gelu_tanh", "softcap", "rope", "rope_cos_sin", "embedding", "cross_entropy", "adamw_step_",
     "clip_grads_", "weighted_add", "fork", "add_fork",
     "muon_step_", "orthogonalize",
-    "linear", "linear_swiglu", "linear_cross_entropy",
+    "linear", "linear_swiglu", "linear_cross_entropy", "fp8_linear", "fp8_linear_swiglu",
     "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "rope_flash_attention", "split_heads",
     "AttentionSettings", "attention_settings", "configure_attention",
     "MoERouting", "moe_router", "MoEPlan", "moe_sort", "moe_gather", "moe_combine",

@@ -22,10 +22,14 @@ values exactly (``kernels.fp8.fp8_round``), so the CPU runs the same math on the
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from ._interpreter import interpreting
 from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad
+from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
 from .fp8 import FP8_MAX, quantize_rows
 from .gemm import as_matrix, gemm
 from .linear import check_linear_inputs, sum_rows
@@ -94,22 +98,35 @@ def fp8_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need
     return dx, dw, sum_rows(dy2, weight.dtype) if need_db else None
 
 
+def _fp8_linear_setup(ctx, inputs, output):
+    x, weight, _, _, ctx.grad_dtype = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _fp8_linear_backward(ctx, dy, *, bwd=fp8_linear_bwd):
+    """``(dx, dweight, dbias, dresidual, None)`` by ``bwd``: the launcher eagerly, the backward op under
+    torch.compile (``dresidual`` is ``dy`` itself)."""
+    x, weight = ctx.saved_tensors
+    need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
+    dx, dw, db = bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.grad_dtype)
+    return given(dx, need_dx), given(dw, need_dw), given(db, need_db), (dy if need_dr else None), None
+
+
 class Fp8LinearFunction(torch.autograd.Function):
+    """The launchers with :func:`_fp8_linear_setup` and :func:`_fp8_linear_backward`, the custom op's formula too."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, residual, grad_dtype):
         y = fp8_linear_fwd(x, weight, bias, residual)
-        ctx.save_for_backward(x, weight)
-        ctx.grad_dtype = grad_dtype
+        _fp8_linear_setup(ctx, (x, weight, bias, residual, grad_dtype), y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
-        dx, dw, db = fp8_linear_bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.grad_dtype)
-        return dx, dw, db, dy if need_dr else None, None
+        return _fp8_linear_backward(ctx, dy)
 
 
+@compilable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, *, grad_dtype: torch.dtype = E4M3) -> torch.Tensor:
     """``y = x @ weight.T (+ bias) (+ residual)`` with the forward GEMM and both backward GEMMs in FP8.
@@ -136,23 +153,42 @@ def fp8_linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor) -> tuple[torch.Ten
     return swiglu_fwd(gu).view(*x.shape[:-1], w13.shape[0] // 2), gu
 
 
+def fp8_linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: torch.Tensor,
+                          need_dx: bool = True, need_dw: bool = True, grad_dtype: torch.dtype = E4M3):
+    """(dx, dw13) from the forward's pre-activations gu [rows, 2F]: dgu = [dgate, dup] by kernels.swiglu's
+    packed backward, then dx and dw13 by :func:`fp8_linear_bwd` (None where not needed)."""
+    dgu = swiglu_bwd(as_matrix(dh, w13.shape[0] // 2), gu)
+    return fp8_linear_bwd(dgu, x, w13, need_dx, need_dw, grad_dtype=grad_dtype)[:2]
+
+
+def _fp8_swiglu_setup(ctx, inputs, output):
+    x, w13, ctx.grad_dtype = inputs
+    ctx.save_for_backward(x, w13, output[1])
+
+
+def _fp8_swiglu_backward(ctx, dh, _dgu=None, *, bwd=fp8_linear_swiglu_bwd):
+    """``(dx, dw13, None)`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
+    x, w13, gu = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = bwd(dh, x, w13, gu, need_dx, need_dw, ctx.grad_dtype)
+    return given(dx, need_dx), given(dw, need_dw), None
+
+
 class Fp8LinearSwiGLUFunction(torch.autograd.Function):
+    """The launchers with :func:`_fp8_swiglu_setup` and :func:`_fp8_swiglu_backward`, the custom op's formula too."""
+
     @staticmethod
     def forward(ctx, x, w13, grad_dtype):
         h, gu = fp8_linear_swiglu_fwd(x, w13)
-        ctx.save_for_backward(x, w13, gu)
-        ctx.grad_dtype = grad_dtype
+        _fp8_swiglu_setup(ctx, (x, w13, grad_dtype), (h, gu))
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w13, gu = ctx.saved_tensors
-        dgu = swiglu_bwd(as_matrix(dh, w13.shape[0] // 2), gu)
-        dx, dw, _ = fp8_linear_bwd(dgu, x, w13, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                                   grad_dtype=ctx.grad_dtype)
-        return dx, dw, None
+        return _fp8_swiglu_backward(ctx, dh)
 
 
+@compilable
 def fp8_linear_swiglu(x: torch.Tensor, w13: torch.Tensor, *, grad_dtype: torch.dtype = E4M3) -> torch.Tensor:
     """``silu(x @ W1.T) * (x @ W3.T)`` for w13 = [W1; W3] [2F, K] (as ``kernels.linear.linear_swiglu``)
     with the GEMMs in FP8 (:func:`fp8_linear`); the SwiGLU runs on the bf16 pre-activations, which the
@@ -161,3 +197,79 @@ def fp8_linear_swiglu(x: torch.Tensor, w13: torch.Tensor, *, grad_dtype: torch.d
     if needs_grad(x, w13):
         return Fp8LinearSwiGLUFunction.apply(x, w13, grad_dtype)
     return fp8_linear_swiglu_fwd(x, w13)[0]
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
+# @compilable sends the public functionals to the functions registered by @compiled while torch.compile traces.
+
+@define("tritonllm::fp8_linear_fwd", mutates_args=())
+def fp8_linear_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+                      grad_dtype: torch.dtype) -> Tensor:
+    """:func:`kernels.fp8_linear.fp8_linear_fwd` (``grad_dtype`` is the backward's, kept for its formula)."""
+    return fp8_linear_fwd(x, weight, bias, residual)
+
+
+@fake(fp8_linear_fwd_op)
+def _(x, weight, bias, residual, grad_dtype):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@define("tritonllm::fp8_linear_bwd", mutates_args=())
+def fp8_linear_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool, need_db: bool,
+                      grad_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias)`` of :func:`kernels.fp8_linear.fp8_linear_bwd`, absent where not needed."""
+    dx, dw, db = (g if g is not None else absent(x)
+                  for g in fp8_linear_bwd(dy, x, weight, need_dx, need_dw, need_db, grad_dtype))
+    return dx, dw, db
+
+
+@fake(fp8_linear_bwd_op)
+def _(dy, x, weight, need_dx, need_dw, need_db, grad_dtype):
+    return (x.new_empty(x.shape) if need_dx else absent(x), weight.new_empty(weight.shape) if need_dw else absent(x),
+            weight.new_empty(weight.shape[0]) if need_db else absent(x))
+
+
+register_formula(fp8_linear_fwd_op, _fp8_linear_setup, _fp8_linear_backward, bwd=fp8_linear_bwd_op)
+
+
+@compiled("fp8_linear")
+def _compiled_fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, *,
+                         grad_dtype: torch.dtype = E4M3) -> Tensor:
+    _check_grad_dtype(grad_dtype)
+    return fp8_linear_fwd_op(x, weight, bias, residual, grad_dtype)
+
+
+@define("tritonllm::fp8_linear_swiglu_fwd", mutates_args=())
+def fp8_linear_swiglu_fwd_op(x: Tensor, w13: Tensor, grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(h, gu)`` of :func:`kernels.fp8_linear.fp8_linear_swiglu_fwd`."""
+    return fp8_linear_swiglu_fwd(x, w13)
+
+
+@fake(fp8_linear_swiglu_fwd_op)
+def _(x, w13, grad_dtype):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty((*x.shape[:-1], w13.shape[0] // 2)), x.new_empty((rows, w13.shape[0]))
+
+
+@define("tritonllm::fp8_linear_swiglu_bwd", mutates_args=())
+def fp8_linear_swiglu_bwd_op(dh: Tensor, x: Tensor, w13: Tensor, gu: Tensor, need_dx: bool, need_dw: bool,
+                             grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(dx, dw13)`` of :func:`kernels.fp8_linear.fp8_linear_swiglu_bwd`, absent where not needed."""
+    dx, dw = (g if g is not None else absent(x)
+              for g in fp8_linear_swiglu_bwd(dh, x, w13, gu, need_dx, need_dw, grad_dtype))
+    return dx, dw
+
+
+@fake(fp8_linear_swiglu_bwd_op)
+def _(dh, x, w13, gu, need_dx, need_dw, grad_dtype):
+    return x.new_empty(x.shape) if need_dx else absent(x), w13.new_empty(w13.shape) if need_dw else absent(x)
+
+
+register_formula(fp8_linear_swiglu_fwd_op, _fp8_swiglu_setup, _fp8_swiglu_backward, bwd=fp8_linear_swiglu_bwd_op)
+
+
+@compiled("fp8_linear_swiglu")
+def _compiled_fp8_linear_swiglu(x: Tensor, w13: Tensor, *, grad_dtype: torch.dtype = E4M3) -> Tensor:
+    _check_grad_dtype(grad_dtype)
+    return fp8_linear_swiglu_fwd_op(x, w13, grad_dtype)[0]

@@ -151,3 +151,18 @@ def test_training_in_fp8_lowers_the_loss(tmp_path, data_overrides):  # noqa: F81
     train(compose_train(*TINY, *data_overrides, "trainer.precision=fp8", f"out_dir={tmp_path}"))
     losses = [r["loss"] for r in read_metrics(str(tmp_path), "train")]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["linear", "linear_swiglu"])
+def test_compiles_to_the_custom_ops_with_eager_values(swiglu):
+    """Under torch.compile(fullgraph=True) the layer is its custom ops (no graph break), with eager's values and
+    gradients: the same launchers behind both paths."""
+    fn = (lambda a, b: fp8_linear_swiglu(a, b)) if swiglu else (lambda a, b: fp8_linear(a, b, grad_dtype=E5M2))
+    x, w = randn(6, 32).to(DTYPE).requires_grad_(), (randn(48 if swiglu else 24, 32) * 0.1).to(DTYPE).requires_grad_()
+    torch._dynamo.reset()
+    outs = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        y = run(x, w)
+        outs.append((y, *torch.autograd.grad(y, [x, w], torch.ones_like(y))))
+    for name, a, b in zip(("y", "dx", "dW"), *outs):
+        assert torch.equal(a, b), name
