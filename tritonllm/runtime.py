@@ -21,6 +21,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from typing import NoReturn
 
 import torch
@@ -159,9 +160,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def end_process_tree(proc) -> None:
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (Linux ``/proc``; a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def end_process_tree(proc, wait_s: float = 10.0) -> None:
     """SIGKILL the child ``proc`` (a ``subprocess.Popen``), every process below it and, when it leads
-    a process group of its own (``start_new_session``), that group; then reap it."""
+    a process group of its own (``start_new_session``), that group; reap it, and wait up to ``wait_s``
+    for the others to be gone (a signal lands asynchronously: a grandchild in a session of its own,
+    reparented elsewhere, may still run for a moment after the kill)."""
     pids = [*descendants(proc.pid), proc.pid]
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if os.getpgid(proc.pid) == proc.pid:
@@ -170,6 +182,9 @@ def end_process_tree(proc) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + wait_s
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def exit_on_user_error(fn):
