@@ -90,6 +90,7 @@ BAD = [
     (["train", "+model=void_tiny", "--stepz", "3"], "train: unrecognized arguments: --stepz (options: --help, --steps"),
     (["train", "+model=void_tiny", "trainer.batch_size=0"], "trainer.batch_size must be >= 1, got 0"),
     (["train", "+model=void_tiny", "trainer.seq_len=-4"], "trainer.seq_len must be >= 1, got -4"),
+    (["train", "+model=void_tiny", "trainer.seq_len=1024"], "trainer.seq_len=1024 exceeds model.max_seq_len=512"),
     (["train", "+model=void_tiny", "--steps", "0"], "--steps must be >= 1, got 0"),
     (["train", "+model=void_tiny", "--warmup", "x"], "argument --warmup: invalid int value: 'x'"),
     (["train", "--nproc", "2", "+model=void_tny"], "Could not find 'model/void_tny'"),

@@ -267,7 +267,7 @@ def main(argv: list[str]) -> None:
 
     from tritonllm.bench.baseline_model import default_expert_impl
     from tritonllm.bench.harness import write_results
-    from tritonllm.errors import TritonLLMError
+    from tritonllm.errors import ConfigError, TritonLLMError
     from tritonllm.runtime import compose_config
     from tritonllm.train import model_config
 
@@ -279,6 +279,12 @@ def main(argv: list[str]) -> None:
     args, overrides = _parse(argv)
     cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
     model_cfg = model_config(cfg)
+    if not any(o.lstrip("+").startswith("trainer.seq_len=") for o in overrides):
+        with open_dict(cfg):  # the default T1024, within the model's context
+            cfg.trainer.seq_len = min(cfg.trainer.seq_len, model_cfg.max_seq_len)
+    if cfg.trainer.seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len} "
+                          f"of {model_cfg.name}")
     if args.device == "auto" and not torch.cuda.is_available():
         raise TritonLLMError("python -m tritonllm.bench train needs a CUDA GPU (the arguments are valid; "
                              "--device cpu: a smoke run in Triton's interpreter)")
