@@ -37,24 +37,6 @@ def child_env(*paths: str, **extra: str) -> dict[str, str]:
     return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join([*paths, *inherited])}
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from Linux's /proc), parents before their children."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):  # not a process, or one that just exited
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found = list(children.get(pid, []))
-    for child in found:  # the list grows while it is walked: breadth first
-        found.extend(children.get(child, []))
-    return found
-
-
-
-
 def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -25,11 +25,12 @@ import numpy as np
 import pytest
 import torch
 
-from _checks import ON_GPU, child_env, descendants
+from _checks import ON_GPU, child_env
 from test_train import ROOT, TINY, compose_train, data_overrides, read_metrics  # noqa: F401 (fixture)
 
 from tritonllm.data.loader import TokenLoader, TokenStream
 from tritonllm.errors import ConfigError
+from tritonllm.runtime import descendants
 from tritonllm.kernels.adamw import adamw_step_, clip_grads_
 from tritonllm.train import train
 from tritonllm.train.dist_checkpoint import export, is_sharded

@@ -13,14 +13,14 @@ import sys
 import time
 
 import pytest
-from _checks import child_env, descendants
+from _checks import child_env
 from test_evolve import SEARCH, compose_evolve, read_records
 from test_train import TINY, compose_train, data_overrides, read_metrics  # noqa: F401 (fixture)
 
 from tritonllm.checkpoint import LOCK_FILE, claim_ckpt_dir, list_checkpoints, read_state
 from tritonllm.errors import CheckpointError
 from tritonllm.evolve.search import run_search
-from tritonllm.runtime import SignalFlag, end_process_tree, exit_on_user_error, running as alive
+from tritonllm.runtime import SignalFlag, descendants, end_process_tree, exit_on_user_error, running as alive
 from tritonllm.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from tritonllm.errors import CheckpointError
+from tritonllm.runtime import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -210,16 +211,6 @@ def prepare_ckpt_dir(ckpt_dir: str, key: str = "trainer.ckpt_dir") -> None:
                               f"can write, the run would fail at its first checkpoint") from None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _read_lock(path: str) -> dict | None:
     """The JSON of the lock file ``path``; None when it is gone. A file still empty (its creator is
     between ``open`` and ``write``) is read again for up to a second, then is a CheckpointError."""
@@ -277,7 +268,7 @@ def claim_ckpt_dir(ckpt_dir: str, key: str = "trainer.ckpt_dir", **about):
             if holder is None:  # released meanwhile
                 continue
             stale = holder.get("host") == mine["host"] and (holder["pid"] == mine["pid"]
-                                                             or not _pid_alive(holder["pid"]))
+                                                             or not pid_alive(holder["pid"]))
             if not stale:
                 raise CheckpointError(
                     f"{key}={ckpt_dir} is in use by run pid {holder['pid']} on host {holder.get('host')} since "

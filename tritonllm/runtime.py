@@ -160,6 +160,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's included), by signal 0."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` runs (Linux ``/proc``; a zombie, dead but not yet reaped, does not)."""
     try:

@@ -35,6 +35,7 @@ import time
 from typing import TypeGuard
 
 from tritonllm.checkpoint import MODEL_FILE, STEP_DIR
+from tritonllm.runtime import pid_alive
 from tritonllm.studio.hooks import CONTROL_FILE, LR_SCALE_RANGE, STUDIO_FILE, TOKEN_FILE
 
 MAX_DEPTH = 6
@@ -189,16 +190,6 @@ def _parse_cell(v):
         return f if math.isfinite(f) else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 class Run:
     """One run folder; every method is safe to call from several server threads."""
 
@@ -271,7 +262,7 @@ class Run:
             return str(end.get("status", "finished"))
         pid = studio.get("pid")
         if isinstance(pid, int) and studio.get("host") == socket.gethostname():
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 return "running"
             problems.append(f"the trainer (pid {pid}) exited without writing its end record")
             return "failed"
