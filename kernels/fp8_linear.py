@@ -29,10 +29,11 @@ from torch import Tensor
 
 from ._interpreter import interpreting
 from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad
-from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
+from .custom_op import absent, compilable, compiled, define, fake, register_formula
 from .fp8 import FP8_MAX, quantize_rows
 from .gemm import as_matrix, gemm
-from .linear import check_linear_inputs, sum_rows
+from .linear import (_linear_backward, _linear_setup, _linear_swiglu_backward, _linear_swiglu_setup, check_linear_inputs,
+                     sum_rows)
 from .swiglu import swiglu_bwd, swiglu_fwd
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -98,32 +99,18 @@ def fp8_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need
     return dx, dw, sum_rows(dy2, weight.dtype) if need_db else None
 
 
-def _fp8_linear_setup(ctx, inputs, output):
-    x, weight, _, _, ctx.grad_dtype = inputs
-    ctx.save_for_backward(x, weight)
-
-
-def _fp8_linear_backward(ctx, dy, *, bwd=fp8_linear_bwd):
-    """``(dx, dweight, dbias, dresidual, None)`` by ``bwd``: the launcher eagerly, the backward op under
-    torch.compile (``dresidual`` is ``dy`` itself)."""
-    x, weight = ctx.saved_tensors
-    need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
-    dx, dw, db = bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.grad_dtype)
-    return given(dx, need_dx), given(dw, need_dw), given(db, need_db), (dy if need_dr else None), None
-
-
 class Fp8LinearFunction(torch.autograd.Function):
-    """The launchers with :func:`_fp8_linear_setup` and :func:`_fp8_linear_backward`, the custom op's formula too."""
+    """The launchers with kernels.linear's setup/backward pair (the launcher passed in), the custom op's formula too."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, grad_dtype):
         y = fp8_linear_fwd(x, weight, bias, residual)
-        _fp8_linear_setup(ctx, (x, weight, bias, residual, grad_dtype), y)
+        _linear_setup(ctx, (x, weight, bias, residual, grad_dtype), y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        return _fp8_linear_backward(ctx, dy)
+        return _linear_backward(ctx, dy, bwd=fp8_linear_bwd)
 
 
 @compilable
@@ -161,31 +148,19 @@ def fp8_linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, 
     return fp8_linear_bwd(dgu, x, w13, need_dx, need_dw, grad_dtype=grad_dtype)[:2]
 
 
-def _fp8_swiglu_setup(ctx, inputs, output):
-    x, w13, ctx.grad_dtype = inputs
-    ctx.save_for_backward(x, w13, output[1])
-
-
-def _fp8_swiglu_backward(ctx, dh, _dgu=None, *, bwd=fp8_linear_swiglu_bwd):
-    """``(dx, dw13, None)`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
-    x, w13, gu = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = bwd(dh, x, w13, gu, need_dx, need_dw, ctx.grad_dtype)
-    return given(dx, need_dx), given(dw, need_dw), None
-
-
 class Fp8LinearSwiGLUFunction(torch.autograd.Function):
-    """The launchers with :func:`_fp8_swiglu_setup` and :func:`_fp8_swiglu_backward`, the custom op's formula too."""
+    """The launchers with kernels.linear's linear_swiglu setup/backward pair (the launcher passed in), the custom
+    op's formula too."""
 
     @staticmethod
     def forward(ctx, x, w13, grad_dtype):
         h, gu = fp8_linear_swiglu_fwd(x, w13)
-        _fp8_swiglu_setup(ctx, (x, w13, grad_dtype), (h, gu))
+        _linear_swiglu_setup(ctx, (x, w13, grad_dtype), (h, gu))
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        return _fp8_swiglu_backward(ctx, dh)
+        return _linear_swiglu_backward(ctx, dh, bwd=fp8_linear_swiglu_bwd)
 
 
 @compilable
@@ -230,7 +205,7 @@ def _(dy, x, weight, need_dx, need_dw, need_db, grad_dtype):
             weight.new_empty(weight.shape[0]) if need_db else absent(x))
 
 
-register_formula(fp8_linear_fwd_op, _fp8_linear_setup, _fp8_linear_backward, bwd=fp8_linear_bwd_op)
+register_formula(fp8_linear_fwd_op, _linear_setup, _linear_backward, bwd=fp8_linear_bwd_op)
 
 
 @compiled("fp8_linear")
@@ -266,7 +241,7 @@ def _(dh, x, w13, gu, need_dx, need_dw, grad_dtype):
     return x.new_empty(x.shape) if need_dx else absent(x), w13.new_empty(w13.shape) if need_dw else absent(x)
 
 
-register_formula(fp8_linear_swiglu_fwd_op, _fp8_swiglu_setup, _fp8_swiglu_backward, bwd=fp8_linear_swiglu_bwd_op)
+register_formula(fp8_linear_swiglu_fwd_op, _linear_swiglu_setup, _linear_swiglu_backward, bwd=fp8_linear_swiglu_bwd_op)
 
 
 @compiled("fp8_linear_swiglu")

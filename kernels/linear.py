@@ -164,8 +164,9 @@ def linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx:
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, _, _, allow_tf32 = inputs
-    ctx.allow_tf32 = allow_tf32
+    """Saves x and the weight, and the last input as ``ctx.option``, the backward launcher's last argument
+    (``allow_tf32`` here; ``grad_dtype`` for kernels.fp8_linear, which shares this pair)."""
+    x, weight, _, _, ctx.option = inputs
     ctx.save_for_backward(x, weight)
 
 
@@ -174,7 +175,7 @@ def _linear_backward(ctx, dy, *, bwd=linear_bwd):
     torch.compile (``dresidual`` is ``dy`` itself)."""
     x, weight = ctx.saved_tensors
     need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
-    dx, dw, db = bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.allow_tf32)
+    dx, dw, db = bwd(dy, x, weight, need_dx, need_dw, need_db, ctx.option)
     return given(dx, need_dx), given(dw, need_dw), given(db, need_db), (dy if need_dr else None), None
 
 
@@ -231,8 +232,9 @@ def linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: 
 
 
 def _linear_swiglu_setup(ctx, inputs, output):
-    x, w13, allow_tf32 = inputs
-    ctx.allow_tf32 = allow_tf32
+    """Saves x, w13 and the pre-activations ``output[1]``, and the last input as ``ctx.option`` (as
+    :func:`_linear_setup`)."""
+    x, w13, ctx.option = inputs
     ctx.save_for_backward(x, w13, output[1])
 
 
@@ -241,7 +243,7 @@ def _linear_swiglu_backward(ctx, dh, _dgu=None, *, bwd=linear_swiglu_bwd):
     backward op under torch.compile."""
     x, w13, gu = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = bwd(dh, x, w13, gu, need_dx, need_dw, ctx.allow_tf32)
+    dx, dw = bwd(dh, x, w13, gu, need_dx, need_dw, ctx.option)
     return given(dx, need_dx), given(dw, need_dw), None
 
 
