@@ -1,6 +1,7 @@
-"""Launchers shared by the flat elementwise ops (``relu2``, ``softcap``): a forward kernel
+"""Launchers shared by the flat elementwise ops (``relu2``, ``gelu_tanh``, ``softcap``): a forward kernel
 ``kernel(x, y, N, *scalars, BLOCK)`` and a backward kernel ``kernel(saved, dy, dx, N, *scalars, BLOCK)``
-over one contiguous run of ``N`` elements, ``BLOCK`` per program."""
+over one contiguous run of ``N`` elements, ``BLOCK`` per program; and the autograd pieces of a unary op
+whose backward reads its input (``relu2``, ``gelu_tanh``)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,29 @@ def elementwise_bwd(kernel, saved: torch.Tensor, name: str, dy: torch.Tensor, *s
     dx = torch.empty_like(saved)
     _launch(kernel, saved.numel(), saved, dy, dx, saved.numel(), *scalars)
     return dx
+
+
+def save_input(ctx, inputs, output) -> None:
+    """``setup_context`` of a unary op whose backward reads its input: saves ``inputs[0]``."""
+    ctx.save_for_backward(inputs[0])
+
+
+def input_backward(ctx, dy, *, bwd):
+    """``dx = bwd(x, dy)`` from the saved input: ``bwd`` the op's backward launcher eagerly, its backward
+    custom op under torch.compile (``custom_op.register_formula`` passes it)."""
+    return bwd(ctx.saved_tensors[0], dy)
+
+
+def input_saving_function(name: str, fwd, bwd) -> type[torch.autograd.Function]:
+    """The autograd Function ``name`` of a unary op: ``fwd(x)``, :func:`save_input`, and :func:`input_backward`
+    with the launcher ``bwd``: the pair its custom op's formula is registered with."""
+    def forward(ctx, x):
+        y = fwd(x)
+        save_input(ctx, (x,), y)
+        return y
+
+    def backward(ctx, dy):
+        return input_backward(ctx, dy, bwd=bwd)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward),
+                                                   "__doc__": f"``{fwd.__name__}`` with the input saved for ``{bwd.__name__}``."})

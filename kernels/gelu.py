@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .checks import needs_grad
 from .custom_op import compilable, compiled, define, fake, register_formula
-from ._elementwise import elementwise_bwd, elementwise_fwd
+from ._elementwise import elementwise_bwd, elementwise_fwd, input_backward, input_saving_function, save_input
 from .softcap import softcap_math
 
 #: sqrt(2 / pi) and the cubic coefficient of the approximation
@@ -72,27 +72,7 @@ def gelu_tanh_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return elementwise_bwd(_gelu_tanh_bwd_kernel, x, "x", dy)
 
 
-def _gelu_tanh_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-
-
-def _gelu_tanh_backward(ctx, dy, *, bwd=gelu_tanh_bwd):
-    """``dx`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
-    return bwd(ctx.saved_tensors[0], dy)
-
-
-class GeluTanhFunction(torch.autograd.Function):
-    """The launchers with :func:`_gelu_tanh_setup` and :func:`_gelu_tanh_backward`, the custom op's formula too."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = gelu_tanh_fwd(x)
-        _gelu_tanh_setup(ctx, (x,), y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _gelu_tanh_backward(ctx, dy)
+GeluTanhFunction = input_saving_function("GeluTanhFunction", gelu_tanh_fwd, gelu_tanh_bwd)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -115,7 +95,7 @@ for _op in (gelu_tanh_fwd_op, gelu_tanh_bwd_op):
     fake(_op)(lambda x, *args: x.new_empty(x.shape))
 
 
-register_formula(gelu_tanh_fwd_op, _gelu_tanh_setup, _gelu_tanh_backward, bwd=gelu_tanh_bwd_op)
+register_formula(gelu_tanh_fwd_op, save_input, input_backward, bwd=gelu_tanh_bwd_op)
 
 
 @compiled("gelu_tanh")

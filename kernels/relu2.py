@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .checks import needs_grad
 from .custom_op import compilable, compiled, define, fake, register_formula
-from ._elementwise import elementwise_bwd, elementwise_fwd
+from ._elementwise import elementwise_bwd, elementwise_fwd, input_backward, input_saving_function, save_input
 
 
 @triton.jit
@@ -55,27 +55,7 @@ def relu2_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return elementwise_bwd(_relu2_bwd_kernel, x, "x", dy)
 
 
-def _relu2_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-
-
-def _relu2_backward(ctx, dy, *, bwd=relu2_bwd):
-    """``dx`` by ``bwd``: the launcher eagerly, the backward op under torch.compile."""
-    return bwd(ctx.saved_tensors[0], dy)
-
-
-class Relu2Function(torch.autograd.Function):
-    """The launchers with :func:`_relu2_setup` and :func:`_relu2_backward`, the custom op's formula too."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = relu2_fwd(x)
-        _relu2_setup(ctx, (x,), y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _relu2_backward(ctx, dy)
+Relu2Function = input_saving_function("Relu2Function", relu2_fwd, relu2_bwd)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -98,7 +78,7 @@ for _op in (relu2_fwd_op, relu2_bwd_op):
     fake(_op)(lambda x, *args: x.new_empty(x.shape))
 
 
-register_formula(relu2_fwd_op, _relu2_setup, _relu2_backward, bwd=relu2_bwd_op)
+register_formula(relu2_fwd_op, save_input, input_backward, bwd=relu2_bwd_op)
 
 
 @compiled("relu2")
