@@ -8,8 +8,11 @@ from __future__ import annotations
 import torch
 import triton
 
+from torch import Tensor
+
 from ._interpreter import interpreting
 from .checks import check_same_device, check_same_dtype, check_tensor
+from .custom_op import compiled, define, fake, register_formula
 
 #: elements per program and warps on the GPU (memory-bound; not measured yet)
 BLOCK, NUM_WARPS = 4096, 8
@@ -56,6 +59,27 @@ def input_backward(ctx, dy, *, bwd):
     """``dx = bwd(x, dy)`` from the saved input: ``bwd`` the op's backward launcher eagerly, its backward
     custom op under torch.compile (``custom_op.register_formula`` passes it)."""
     return bwd(ctx.saved_tensors[0], dy)
+
+
+def unary_ops(name: str, fwd, bwd) -> tuple:
+    """The custom ops ``tritonllm::<name>_fwd(x)`` and ``<name>_bwd(x, dy)`` of a unary op whose backward reads
+    its input, over its launchers ``fwd`` and ``bwd``: fakes shaped like x, the autograd formula of
+    :func:`save_input` and :func:`input_backward` (the pair of :func:`input_saving_function`), and the compiled
+    functional ``<name>``. Returns ``(fwd_op, bwd_op)``."""
+    def forward(x: Tensor) -> Tensor:
+        return fwd(x)
+
+    def backward(x: Tensor, dy: Tensor) -> Tensor:
+        return bwd(x, dy)
+
+    forward.__doc__, backward.__doc__ = f":func:`{fwd.__name__}`.", f":func:`{bwd.__name__}`."
+    fwd_op = define(f"tritonllm::{name}_fwd")(forward)
+    bwd_op = define(f"tritonllm::{name}_bwd")(backward)
+    for op in (fwd_op, bwd_op):
+        fake(op)(lambda x, *args: x.new_empty(x.shape))
+    register_formula(fwd_op, save_input, input_backward, bwd=bwd_op)
+    compiled(name)(lambda x: fwd_op(x))
+    return fwd_op, bwd_op
 
 
 def input_saving_function(name: str, fwd, bwd) -> type[torch.autograd.Function]:

@@ -33,7 +33,7 @@ from .custom_op import absent, compilable, compiled, define, fake, register_form
 from .fp8 import FP8_MAX, quantize_rows
 from .gemm import as_matrix, gemm
 from .linear import (_linear_backward, _linear_setup, _linear_swiglu_backward, _linear_swiglu_setup, check_linear_inputs,
-                     sum_rows)
+                     linear_bwd_fake, linear_fwd_fake, linear_swiglu_bwd_fake, linear_swiglu_fwd_fake, sum_rows)
 from .swiglu import swiglu_bwd, swiglu_fwd
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -185,9 +185,7 @@ def fp8_linear_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], residua
     return fp8_linear_fwd(x, weight, bias, residual)
 
 
-@fake(fp8_linear_fwd_op)
-def _(x, weight, bias, residual, grad_dtype):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+fake(fp8_linear_fwd_op)(linear_fwd_fake)
 
 
 @define("tritonllm::fp8_linear_bwd", mutates_args=())
@@ -199,10 +197,7 @@ def fp8_linear_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need
     return dx, dw, db
 
 
-@fake(fp8_linear_bwd_op)
-def _(dy, x, weight, need_dx, need_dw, need_db, grad_dtype):
-    return (x.new_empty(x.shape) if need_dx else absent(x), weight.new_empty(weight.shape) if need_dw else absent(x),
-            weight.new_empty(weight.shape[0]) if need_db else absent(x))
+fake(fp8_linear_bwd_op)(linear_bwd_fake)
 
 
 register_formula(fp8_linear_fwd_op, _linear_setup, _linear_backward, bwd=fp8_linear_bwd_op)
@@ -221,10 +216,7 @@ def fp8_linear_swiglu_fwd_op(x: Tensor, w13: Tensor, grad_dtype: torch.dtype) ->
     return fp8_linear_swiglu_fwd(x, w13)
 
 
-@fake(fp8_linear_swiglu_fwd_op)
-def _(x, w13, grad_dtype):
-    rows = x.numel() // x.shape[-1]
-    return x.new_empty((*x.shape[:-1], w13.shape[0] // 2)), x.new_empty((rows, w13.shape[0]))
+fake(fp8_linear_swiglu_fwd_op)(linear_swiglu_fwd_fake)
 
 
 @define("tritonllm::fp8_linear_swiglu_bwd", mutates_args=())
@@ -236,9 +228,7 @@ def fp8_linear_swiglu_bwd_op(dh: Tensor, x: Tensor, w13: Tensor, gu: Tensor, nee
     return dx, dw
 
 
-@fake(fp8_linear_swiglu_bwd_op)
-def _(dh, x, w13, gu, need_dx, need_dw, grad_dtype):
-    return x.new_empty(x.shape) if need_dx else absent(x), w13.new_empty(w13.shape) if need_dw else absent(x)
+fake(fp8_linear_swiglu_bwd_op)(linear_swiglu_bwd_fake)
 
 
 register_formula(fp8_linear_swiglu_fwd_op, _linear_swiglu_setup, _linear_swiglu_backward, bwd=fp8_linear_swiglu_bwd_op)

@@ -14,13 +14,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
 import triton
 import triton.language as tl
 
 from .checks import needs_grad
-from .custom_op import compilable, compiled, define, fake, register_formula
-from ._elementwise import elementwise_bwd, elementwise_fwd, input_backward, input_saving_function, save_input
+from .custom_op import compilable
+from ._elementwise import elementwise_bwd, elementwise_fwd, input_saving_function, unary_ops
 from .softcap import softcap_math
 
 #: sqrt(2 / pi) and the cubic coefficient of the approximation
@@ -75,32 +74,9 @@ def gelu_tanh_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 GeluTanhFunction = input_saving_function("GeluTanhFunction", gelu_tanh_fwd, gelu_tanh_bwd)
 
 
-# ----------------------------------------------------------------------------- custom ops (torch.compile)
-# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
-# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
-
-@define("tritonllm::gelu_tanh_fwd")
-def gelu_tanh_fwd_op(x: Tensor) -> Tensor:
-    """:func:`gelu_tanh_fwd`."""
-    return gelu_tanh_fwd(x)
-
-
-@define("tritonllm::gelu_tanh_bwd")
-def gelu_tanh_bwd_op(x: Tensor, dy: Tensor) -> Tensor:
-    """:func:`gelu_tanh_bwd`."""
-    return gelu_tanh_bwd(x, dy)
-
-
-for _op in (gelu_tanh_fwd_op, gelu_tanh_bwd_op):
-    fake(_op)(lambda x, *args: x.new_empty(x.shape))
-
-
-register_formula(gelu_tanh_fwd_op, save_input, input_backward, bwd=gelu_tanh_bwd_op)
-
-
-@compiled("gelu_tanh")
-def _compiled_gelu_tanh(x: Tensor) -> Tensor:
-    return gelu_tanh_fwd_op(x)
+# custom ops for torch.compile (kernels/custom_op.py): tritonllm::gelu_tanh_fwd / gelu_tanh_bwd, their fakes and
+# formula, and the compiled functional, which @compilable sends the public functional to while torch.compile traces
+gelu_tanh_fwd_op, gelu_tanh_bwd_op = unary_ops("gelu_tanh", gelu_tanh_fwd, gelu_tanh_bwd)
 
 
 @compilable

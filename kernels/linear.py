@@ -273,9 +273,12 @@ def linear_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: O
     return linear_fwd(x, weight, bias, residual, allow_tf32)
 
 
-@fake(linear_fwd_op)
-def _(x, weight, bias, residual, allow_tf32):
+def linear_fwd_fake(x, weight, bias, residual, option):
+    """The forward's output, shaped (kernels.fp8_linear's fake too: ``option`` its grad_dtype)."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+fake(linear_fwd_op)(linear_fwd_fake)
 
 
 @define("tritonllm::linear_bwd", mutates_args=())
@@ -287,10 +290,13 @@ def linear_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw:
     return dx, dw, db
 
 
-@fake(linear_bwd_op)
-def _(dy, x, weight, need_dx, need_dw, need_db, allow_tf32):
+def linear_bwd_fake(dy, x, weight, need_dx, need_dw, need_db, option):
+    """``(dx, dweight, dbias)`` shaped, absent where not needed (kernels.fp8_linear's fake too)."""
     return (x.new_empty(x.shape) if need_dx else absent(x), weight.new_empty(weight.shape) if need_dw else absent(x),
             weight.new_empty(weight.shape[0]) if need_db else absent(x))
+
+
+fake(linear_bwd_op)(linear_bwd_fake)
 
 
 register_formula(linear_fwd_op, _linear_setup, _linear_backward, bwd=linear_bwd_op)
@@ -308,10 +314,13 @@ def linear_swiglu_fwd_op(x: Tensor, w13: Tensor, allow_tf32: bool) -> tuple[Tens
     return linear_swiglu_fwd(x, w13, allow_tf32, store_gu=True)
 
 
-@fake(linear_swiglu_fwd_op)
-def _(x, w13, allow_tf32):
+def linear_swiglu_fwd_fake(x, w13, option):
+    """``(h, gu)`` shaped (kernels.fp8_linear's fake too)."""
     two_f = w13.shape[0]
     return x.new_empty((*x.shape[:-1], two_f // 2)), x.new_empty((n_rows(x), two_f))
+
+
+fake(linear_swiglu_fwd_op)(linear_swiglu_fwd_fake)
 
 
 @define("tritonllm::linear_swiglu_bwd", mutates_args=())
@@ -322,9 +331,12 @@ def linear_swiglu_bwd_op(dh: Tensor, x: Tensor, w13: Tensor, gu: Tensor, need_dx
     return (dx if dx is not None else absent(x)), (dw if dw is not None else absent(x))
 
 
-@fake(linear_swiglu_bwd_op)
-def _(dh, x, w13, gu, need_dx, need_dw, allow_tf32):
+def linear_swiglu_bwd_fake(dh, x, w13, gu, need_dx, need_dw, option):
+    """``(dx, dw13)`` shaped, absent where not needed (kernels.fp8_linear's fake too)."""
     return x.new_empty(x.shape) if need_dx else absent(x), w13.new_empty(w13.shape) if need_dw else absent(x)
+
+
+fake(linear_swiglu_bwd_op)(linear_swiglu_bwd_fake)
 
 
 register_formula(linear_swiglu_fwd_op, _linear_swiglu_setup, _linear_swiglu_backward, bwd=linear_swiglu_bwd_op)

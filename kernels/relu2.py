@@ -8,13 +8,12 @@ The kernels see the operand as one flat contiguous run of elements; ``BLOCK`` pe
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 import triton
 import triton.language as tl
 
 from .checks import needs_grad
-from .custom_op import compilable, compiled, define, fake, register_formula
-from ._elementwise import elementwise_bwd, elementwise_fwd, input_backward, input_saving_function, save_input
+from .custom_op import compilable
+from ._elementwise import elementwise_bwd, elementwise_fwd, input_saving_function, unary_ops
 
 
 @triton.jit
@@ -58,32 +57,9 @@ def relu2_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 Relu2Function = input_saving_function("Relu2Function", relu2_fwd, relu2_bwd)
 
 
-# ----------------------------------------------------------------------------- custom ops (torch.compile)
-# The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
-# @compilable sends the public functional to the function registered by @compiled while torch.compile traces.
-
-@define("tritonllm::relu2_fwd", mutates_args=())
-def relu2_fwd_op(x: Tensor) -> Tensor:
-    """:func:`kernels.relu2.relu2_fwd`."""
-    return relu2_fwd(x)
-
-
-@define("tritonllm::relu2_bwd", mutates_args=())
-def relu2_bwd_op(x: Tensor, dy: Tensor) -> Tensor:
-    """:func:`kernels.relu2.relu2_bwd`."""
-    return relu2_bwd(x, dy)
-
-
-for _op in (relu2_fwd_op, relu2_bwd_op):
-    fake(_op)(lambda x, *args: x.new_empty(x.shape))
-
-
-register_formula(relu2_fwd_op, save_input, input_backward, bwd=relu2_bwd_op)
-
-
-@compiled("relu2")
-def _compiled_relu2(x: Tensor) -> Tensor:
-    return relu2_fwd_op(x)
+# custom ops for torch.compile (kernels/custom_op.py): tritonllm::relu2_fwd / relu2_bwd, their fakes and
+# formula, and the compiled functional, which @compilable sends the public functional to while torch.compile traces
+relu2_fwd_op, relu2_bwd_op = unary_ops("relu2", relu2_fwd, relu2_bwd)
 
 
 @compilable
