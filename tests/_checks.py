@@ -84,3 +84,16 @@ def non_contiguous(t: torch.Tensor) -> torch.Tensor:
     big[::2] = t.detach()
     view = big[::2]
     return view.requires_grad_(t.requires_grad) if view.is_leaf else view
+
+
+def check_unary_op(fn, reference, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """``fn(x)`` and its input gradient for ``dy`` against ``reference`` in float64 (the yardstick: the reference
+    in x's dtype), by :func:`assert_close`."""
+    x = x.requires_grad_(True)
+    (dx,) = torch.autograd.grad(y := fn(x), x, dy)
+    x64 = x.detach().double().requires_grad_(True)
+    (dx64,) = torch.autograd.grad(y64 := reference(x64), x64, dy.double())
+    xs = x.detach().clone().requires_grad_(True)
+    (dxs,) = torch.autograd.grad(ys := reference(xs), xs, dy)
+    assert_close("y", y, y64, ys)
+    assert_close("dx", dx, dx64, dxs)

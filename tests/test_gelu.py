@@ -4,7 +4,7 @@ under torch.compile (one op each way); bad inputs."""
 import pytest
 import torch
 
-from _checks import DEVICE, DTYPES, assert_close, dtype_id, randn
+from _checks import DEVICE, DTYPES, check_unary_op, dtype_id, randn
 from tritonllm.bench import reference_ops as ref
 from tritonllm.kernels import gelu_tanh
 from tritonllm.kernels.gelu import gelu_tanh_bwd
@@ -15,18 +15,7 @@ from tritonllm.kernels.gelu import gelu_tanh_bwd
 def test_gelu_tanh_forward_backward(shape, dtype, poisoned_empty):
     x = randn(*shape, dtype=dtype, scale=3.0)  # both tails and the curved middle
     x.view(-1)[0] = 0.0
-    x = x.requires_grad_(True)
-    dy = randn(*shape, dtype=dtype)
-    y = gelu_tanh(x)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    x64 = x.detach().double().requires_grad_(True)
-    y64 = ref.gelu_tanh(x64)
-    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-    xs = x.detach().clone().requires_grad_(True)
-    ys = ref.gelu_tanh(xs)
-    (dxs,) = torch.autograd.grad(ys, xs, dy)
-    assert_close("y", y, y64, ys)
-    assert_close("dx", dx, dx64, dxs)
+    check_unary_op(gelu_tanh, ref.gelu_tanh, x, randn(*shape, dtype=dtype))
 
 
 # the interpreter computes in numpy, which warns on the overflowing x^3 that the kernels leave unused

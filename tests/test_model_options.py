@@ -5,7 +5,7 @@ float64 plain-PyTorch reference extended with the same options."""
 import pytest
 import torch
 
-from _checks import DEVICE, DTYPES, assert_close, dtype_id, gemm_atol, randn
+from _checks import DEVICE, DTYPES, assert_close, check_unary_op, dtype_id, gemm_atol, randn
 from reference_model import ReferenceTransformer
 from tritonllm.bench import reference_ops as ref
 from tritonllm.kernels import relu2
@@ -20,18 +20,7 @@ TINY = dict(vocab_size=61, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head
 def test_relu2_forward_backward(shape, dtype, poisoned_empty):
     x = randn(*shape, dtype=dtype)
     x.view(-1)[0] = 0.0  # the kink: gradient 0
-    x = x.requires_grad_(True)
-    dy = randn(*shape, dtype=dtype)
-    y = relu2(x)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    x64 = x.detach().double().requires_grad_(True)
-    y64 = ref.relu2(x64)
-    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-    xs = x.detach().clone().requires_grad_(True)
-    ys = ref.relu2(xs)
-    (dxs,) = torch.autograd.grad(ys, xs, dy)
-    assert_close("y", y, y64, ys)
-    assert_close("dx", dx, dx64, dxs)
+    check_unary_op(relu2, ref.relu2, x, randn(*shape, dtype=dtype))
 
 
 def test_relu2_bad_inputs():
