@@ -5,6 +5,8 @@ whose backward reads its input (``relu2``, ``gelu_tanh``)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -12,7 +14,7 @@ from torch import Tensor
 
 from ._interpreter import interpreting
 from .checks import check_same_device, check_same_dtype, check_tensor
-from .custom_op import compiled, define, fake, register_formula
+from .custom_op import compiled, define, fake, formula_function, register_formula
 
 #: elements per program and warps on the GPU (memory-bound; not measured yet)
 BLOCK, NUM_WARPS = 4096, 8
@@ -84,14 +86,5 @@ def unary_ops(name: str, fwd, bwd) -> tuple:
 
 def input_saving_function(name: str, fwd, bwd) -> type[torch.autograd.Function]:
     """The autograd Function ``name`` of a unary op: ``fwd(x)``, :func:`save_input`, and :func:`input_backward`
-    with the launcher ``bwd``: the pair its custom op's formula is registered with."""
-    def forward(ctx, x):
-        y = fwd(x)
-        save_input(ctx, (x,), y)
-        return y
-
-    def backward(ctx, dy):
-        return input_backward(ctx, dy, bwd=bwd)
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward),
-                                                   "__doc__": f"``{fwd.__name__}`` with the input saved for ``{bwd.__name__}``."})
+    with the launcher ``bwd``: the pair its custom op's formula is registered with (:func:`unary_ops`)."""
+    return formula_function(name, fwd, save_input, functools.partial(input_backward, bwd=bwd))

@@ -211,6 +211,23 @@ def register_formula(fwd_op, setup_context, backward, **ops) -> None:
     fwd_op.register_autograd(functools.partial(backward, **ops), setup_context=setup_context)
 
 
+def formula_function(name: str, fwd, setup_context, backward) -> type[torch.autograd.Function]:
+    """The eager autograd Function ``name`` of an op registered with the pair ``(setup_context, backward)``
+    (:func:`register_formula`): its forward runs the launcher ``fwd(*inputs)`` and ``setup_context(ctx,
+    inputs, output)``, its backward ``backward(ctx, *grads)`` with the launchers of its keyword defaults."""
+    def forward(ctx, *inputs):
+        output = fwd(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    def backward_(ctx, *grads):
+        return backward(ctx, *grads)
+
+    doc = f"``{fwd.__name__}`` with the pair the custom op's formula has too."
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_),
+                                                   "__doc__": doc})
+
+
 def absent(like: Tensor) -> Tensor:
     """What an op returns for an output it does not produce: a 0-element tensor (custom ops return no None)."""
     return like.new_empty(0)

@@ -35,7 +35,7 @@ from ._interpreter import interpreting
 from .checks import INDEX_DTYPES, check_dot_dtype, check_same_device, check_same_dtype, check_tensor, rows_view
 from .device import num_sms
 from .launch import next_pow2
-from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
+from .custom_op import absent, compilable, compiled, define, fake, formula_function, given, register_formula
 from .gemm_settings import gemm_settings
 from .gemm import GPU_CONFIGS, PLAIN, SWIGLU_FWD, prune_configs
 from .swiglu import swiglu_bwd_op, swiglu_bwd_pair
@@ -264,19 +264,7 @@ def _grouped_linear_backward(ctx, dy, *, bwd=grouped_linear_bwd):
     return _grouped_grads(ctx, dy, *ctx.saved_tensors, bwd)
 
 
-class GroupedLinearFunction(torch.autograd.Function):
-    """The launchers with :func:`_grouped_linear_setup` and :func:`_grouped_linear_backward`, the custom
-    op's formula too."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        y = grouped_linear_fwd(*inputs)
-        _grouped_linear_setup(ctx, inputs, y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _grouped_linear_backward(ctx, dy)
+GroupedLinearFunction = formula_function("GroupedLinearFunction", grouped_linear_fwd, _grouped_linear_setup, _grouped_linear_backward)
 
 
 def _grouped_linear_swiglu_setup(ctx, inputs, output):

@@ -34,7 +34,7 @@ import triton.language as tl
 from ._interpreter import interpreting
 from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor, needs_grad
 from .device import hopper, num_sms, side_stream
-from .custom_op import absent, compilable, compiled, define, fake, given, n_rows, register_formula
+from .custom_op import absent, compilable, compiled, define, fake, formula_function, given, n_rows, register_formula
 from .gemm import SWIGLU_FWD, as_matrix, gemm
 from .gemm_settings import gemm_settings
 from .swiglu import swiglu_bwd
@@ -179,18 +179,7 @@ def _linear_backward(ctx, dy, *, bwd=linear_bwd):
     return given(dx, need_dx), given(dw, need_dw), given(db, need_db), (dy if need_dr else None), None
 
 
-class LinearFunction(torch.autograd.Function):
-    """The launchers with :func:`_linear_setup` and :func:`_linear_backward`, the custom op's formula too."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        y = linear_fwd(*inputs)
-        _linear_setup(ctx, inputs, y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _linear_backward(ctx, dy)
+LinearFunction = formula_function("LinearFunction", linear_fwd, _linear_setup, _linear_backward)
 
 
 @compilable

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ._interpreter import interpreting
 from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
-from .custom_op import absent, compilable, compiled, define, fake, given, register_formula
+from .custom_op import absent, compilable, compiled, define, fake, formula_function, given, register_formula
 
 #: tile of rows x columns per program on the GPU (memory-bound; not measured yet), and under the
 #: interpreter (cost per program: large tiles)
@@ -196,19 +196,7 @@ def _weighted_add_backward(ctx, dout, *, bwd=weighted_add_bwd):
     return given(dx, need_dx), given(dy, need_dy), given(dw, need_dw)
 
 
-class WeightedAddFunction(torch.autograd.Function):
-    """The launchers with :func:`_weighted_add_setup` and :func:`_weighted_add_backward`, the custom op's
-    formula too."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        out = weighted_add_fwd(*inputs)
-        _weighted_add_setup(ctx, inputs, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        return _weighted_add_backward(ctx, dout)
+WeightedAddFunction = formula_function("WeightedAddFunction", weighted_add_fwd, _weighted_add_setup, _weighted_add_backward)
 
 
 @compilable
