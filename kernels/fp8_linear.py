@@ -28,12 +28,13 @@ import torch
 from torch import Tensor
 
 from ._interpreter import interpreting
-from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad
+from .checks import needs_grad
 from .custom_op import absent, compilable, compiled, define, fake, register_formula
 from .fp8 import FP8_MAX, quantize_rows
 from .gemm import as_matrix, gemm
-from .linear import (_linear_backward, _linear_setup, _linear_swiglu_backward, _linear_swiglu_setup, check_linear_inputs,
-                     linear_bwd_fake, linear_fwd_fake, linear_swiglu_bwd_fake, linear_swiglu_fwd_fake, sum_rows)
+from .linear import (_linear_backward, _linear_setup, _linear_swiglu_backward, _linear_swiglu_setup, check_bias_residual,
+                     check_linear_inputs, linear_bwd_fake, linear_fwd_fake, linear_swiglu_bwd_fake,
+                     linear_swiglu_fwd_fake, sum_rows)
 from .swiglu import swiglu_bwd, swiglu_fwd
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -65,14 +66,7 @@ def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     scaled per row (module docstring), in x's dtype."""
     check_linear_inputs(x, weight)
     N, K = weight.shape
-    out_shape = (*x.shape[:-1], N)
-    for name, t, shape in (("bias", bias, (N,)), ("residual", residual, out_shape)):
-        if t is not None:
-            check_tensor(name, t)
-            check_same_device(x=x, **{name: t})
-            check_same_dtype(x=x, **{name: t})
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    out_shape = check_bias_residual(x, N, bias, residual)
     if not fp8_supported(x.device):
         raise ValueError(f"x is on {x.device}: fp8 linear layers need a GPU with fp8 tensor cores (compute "
                          "capability 8.9 or later), or Triton's interpreter on the CPU")

@@ -105,11 +105,10 @@ def check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, weight_name: str 
                          f"x's last dimension K={x.shape[-1]}")
 
 
-def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, allow_tf32: bool = True) -> torch.Tensor:
-    """y = x @ weight.T (+ bias) (+ residual) for x [..., K], weight [N, K]; y [..., N] in x's dtype."""
-    check_linear_inputs(x, weight)
-    N, K = weight.shape
+def check_bias_residual(x: torch.Tensor, N: int, bias: torch.Tensor | None,
+                        residual: torch.Tensor | None) -> tuple[int, ...]:
+    """A bias [N] and a residual of the output's shape [..., N] (each optional) on x's device, in its dtype;
+    returns the output's shape."""
     out_shape = tuple(x.shape[:-1]) + (N,)
     if bias is not None:
         check_tensor("bias", bias)
@@ -123,6 +122,15 @@ def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         check_same_dtype(x=x, residual=residual)
         if tuple(residual.shape) != out_shape:
             raise ValueError(f"residual must have the output's shape {out_shape}, got {tuple(residual.shape)}")
+    return out_shape
+
+
+def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, allow_tf32: bool = True) -> torch.Tensor:
+    """y = x @ weight.T (+ bias) (+ residual) for x [..., K], weight [N, K]; y [..., N] in x's dtype."""
+    check_linear_inputs(x, weight)
+    N, K = weight.shape
+    out_shape = check_bias_residual(x, N, bias, residual)
     x2 = as_matrix(x, K)
     y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     gemm(x2, weight.t(), y, bias=bias, residual=None if residual is None else as_matrix(residual, N),
