@@ -1,7 +1,7 @@
 """Launchers shared by the flat elementwise ops (``relu2``, ``gelu_tanh``, ``softcap``): a forward kernel
 ``kernel(x, y, N, *scalars, BLOCK)`` and a backward kernel ``kernel(saved, dy, dx, N, *scalars, BLOCK)``
-over one contiguous run of ``N`` elements, ``BLOCK`` per program; and the autograd pieces of a unary op
-whose backward reads its input (``relu2``, ``gelu_tanh``)."""
+over one contiguous run of ``N`` elements, ``BLOCK`` per program; and all a unary op whose backward reads
+its input (``relu2``, ``gelu_tanh``) builds on its two kernels, :func:`unary_op`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import triton
 from torch import Tensor
 
 from ._interpreter import interpreting
-from .checks import check_same_device, check_same_dtype, check_tensor
+from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad
 from .custom_op import compiled, define, fake, formula_function, register_formula
 
 #: elements per program and warps on the GPU (memory-bound; not measured yet)
@@ -63,28 +63,33 @@ def input_backward(ctx, dy, *, bwd):
     return bwd(ctx.saved_tensors[0], dy)
 
 
-def unary_ops(name: str, fwd, bwd) -> tuple:
-    """The custom ops ``tritonllm::<name>_fwd(x)`` and ``<name>_bwd(x, dy)`` of a unary op whose backward reads
-    its input, over its launchers ``fwd`` and ``bwd``: fakes shaped like x, the autograd formula of
-    :func:`save_input` and :func:`input_backward` (the pair of :func:`input_saving_function`), and the compiled
-    functional ``<name>``. Returns ``(fwd_op, bwd_op)``."""
-    def forward(x: Tensor) -> Tensor:
-        return fwd(x)
+def unary_op(name: str, fwd_kernel, bwd_kernel) -> tuple:
+    """A unary op whose backward reads its input, built on its kernels ``fwd_kernel(x, y, N, BLOCK)`` and
+    ``bwd_kernel(x, dy, dx, N, BLOCK)``: the checked launchers ``<name>_fwd(x)`` (:func:`elementwise_fwd`) and
+    ``<name>_bwd(x, dy)`` (:func:`elementwise_bwd`); the custom ops ``tritonllm::<name>_fwd(x)`` and
+    ``<name>_bwd(x, dy)`` with fakes shaped like x, the autograd formula of :func:`save_input` and
+    :func:`input_backward`, and the compiled functional ``<name>``; and the eager functional, which runs the
+    autograd Function ``<Name>Function`` of the same pair (:func:`~kernels.custom_op.formula_function`) when
+    x requires grad, else the forward launcher. Returns ``(fwd, bwd, functional)``."""
+    def fwd(x: Tensor) -> Tensor:
+        return elementwise_fwd(fwd_kernel, x)
 
-    def backward(x: Tensor, dy: Tensor) -> Tensor:
-        return bwd(x, dy)
+    def bwd(x: Tensor, dy: Tensor) -> Tensor:
+        return elementwise_bwd(bwd_kernel, x, "x", dy)
 
-    forward.__doc__, backward.__doc__ = f":func:`{fwd.__name__}`.", f":func:`{bwd.__name__}`."
-    fwd_op = define(f"tritonllm::{name}_fwd")(forward)
-    bwd_op = define(f"tritonllm::{name}_bwd")(backward)
+    for launcher, pass_ in ((fwd, "fwd"), (bwd, "bwd")):
+        launcher.__name__ = launcher.__qualname__ = f"{name}_{pass_}"
+    fwd.__doc__ = f"``{name}`` of a contiguous fp32/fp16/bf16 tensor ``x``, in its dtype."
+    bwd.__doc__ = f"The input's gradient of ``{name}`` from the forward's input ``x`` and ``dy`` (made contiguous)."
+    fwd_op = define(f"tritonllm::{name}_fwd")(fwd)
+    bwd_op = define(f"tritonllm::{name}_bwd")(bwd)
     for op in (fwd_op, bwd_op):
         fake(op)(lambda x, *args: x.new_empty(x.shape))
     register_formula(fwd_op, save_input, input_backward, bwd=bwd_op)
     compiled(name)(lambda x: fwd_op(x))
-    return fwd_op, bwd_op
+    camel = "".join(word.capitalize() for word in name.split("_"))
+    function = formula_function(f"{camel}Function", fwd, save_input, functools.partial(input_backward, bwd=bwd))
 
-
-def input_saving_function(name: str, fwd, bwd) -> type[torch.autograd.Function]:
-    """The autograd Function ``name`` of a unary op: ``fwd(x)``, :func:`save_input`, and :func:`input_backward`
-    with the launcher ``bwd``: the pair its custom op's formula is registered with (:func:`unary_ops`)."""
-    return formula_function(name, fwd, save_input, functools.partial(input_backward, bwd=bwd))
+    def functional(x: Tensor) -> Tensor:
+        return function.apply(x) if needs_grad(x) else fwd(x)
+    return fwd, bwd, functional

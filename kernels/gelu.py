@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import needs_grad
 from .custom_op import compilable
-from ._elementwise import elementwise_bwd, elementwise_fwd, input_saving_function, unary_ops
+from ._elementwise import unary_op
 from .softcap import softcap_math
 
 #: sqrt(2 / pi) and the cubic coefficient of the approximation
@@ -61,28 +60,13 @@ def _gelu_tanh_bwd_kernel(
     tl.store(dx_ptr + offs, (dy * grad).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def gelu_tanh_fwd(x: torch.Tensor) -> torch.Tensor:
-    """GELU (tanh approximation) of a contiguous fp32/fp16/bf16 tensor, in its dtype."""
-    return elementwise_fwd(_gelu_tanh_fwd_kernel, x)
-
-
-def gelu_tanh_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """The input's gradient from the forward's input ``x`` and ``dy`` (made contiguous), in ``x``'s dtype."""
-    return elementwise_bwd(_gelu_tanh_bwd_kernel, x, "x", dy)
-
-
-GeluTanhFunction = input_saving_function("GeluTanhFunction", gelu_tanh_fwd, gelu_tanh_bwd)
-
-
-# custom ops for torch.compile (kernels/custom_op.py): tritonllm::gelu_tanh_fwd / gelu_tanh_bwd, their fakes and
-# formula, and the compiled functional, which @compilable sends the public functional to while torch.compile traces
-gelu_tanh_fwd_op, gelu_tanh_bwd_op = unary_ops("gelu_tanh", gelu_tanh_fwd, gelu_tanh_bwd)
+# the launchers, the custom ops tritonllm::gelu_tanh_fwd / gelu_tanh_bwd for torch.compile (with their fakes, formula
+# and compiled functional) and the eager functional: kernels/_elementwise.py's unary_op
+gelu_tanh_fwd, gelu_tanh_bwd, _gelu_tanh = unary_op("gelu_tanh", _gelu_tanh_fwd_kernel, _gelu_tanh_bwd_kernel)
 
 
 @compilable
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation of a contiguous tensor (fp32 math), differentiable: what
     ``F.gelu(x, approximate="tanh")`` computes."""
-    if needs_grad(x):
-        return GeluTanhFunction.apply(x)
-    return gelu_tanh_fwd(x)
+    return _gelu_tanh(x)

@@ -11,9 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import needs_grad
 from .custom_op import compilable
-from ._elementwise import elementwise_bwd, elementwise_fwd, input_saving_function, unary_ops
+from ._elementwise import unary_op
 
 
 @triton.jit
@@ -44,27 +43,12 @@ def _relu2_bwd_kernel(
     tl.store(dx_ptr + offs, (2.0 * r * dy).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def relu2_fwd(x: torch.Tensor) -> torch.Tensor:
-    """``relu(x)^2`` of a contiguous fp32/fp16/bf16 tensor, in its dtype."""
-    return elementwise_fwd(_relu2_fwd_kernel, x)
-
-
-def relu2_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """``2 relu(x) dy`` (``dy`` made contiguous), in ``x``'s dtype."""
-    return elementwise_bwd(_relu2_bwd_kernel, x, "x", dy)
-
-
-Relu2Function = input_saving_function("Relu2Function", relu2_fwd, relu2_bwd)
-
-
-# custom ops for torch.compile (kernels/custom_op.py): tritonllm::relu2_fwd / relu2_bwd, their fakes and
-# formula, and the compiled functional, which @compilable sends the public functional to while torch.compile traces
-relu2_fwd_op, relu2_bwd_op = unary_ops("relu2", relu2_fwd, relu2_bwd)
+# the launchers, the custom ops tritonllm::relu2_fwd / relu2_bwd for torch.compile (with their fakes, formula
+# and compiled functional) and the eager functional: kernels/_elementwise.py's unary_op
+relu2_fwd, relu2_bwd, _relu2 = unary_op("relu2", _relu2_fwd_kernel, _relu2_bwd_kernel)
 
 
 @compilable
 def relu2(x: torch.Tensor) -> torch.Tensor:
     """Squared ReLU ``relu(x)^2`` of a contiguous tensor (fp32 math), differentiable."""
-    if needs_grad(x):
-        return Relu2Function.apply(x)
-    return relu2_fwd(x)
+    return _relu2(x)
