@@ -73,8 +73,7 @@ class AdamW(DeviceStateOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, master_weights=master_weights)
         super().__init__(params, defaults)
 
-    @staticmethod
-    def _init_state(p: torch.Tensor, state: dict, use_master: bool) -> None:
+    def _init_state(self, group: dict, p: torch.Tensor, state: dict, use_master: bool) -> None:
         """Create the state a parameter lacks (all of it on its first step; only the master copy
         when the state was loaded from an optimizer without masters)."""
         if "step" not in state:
@@ -84,48 +83,15 @@ class AdamW(DeviceStateOptimizer):
         if use_master and "master" not in state:
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
-    @torch.no_grad()
-    def init_state(self) -> None:
-        """Create every parameter's state (zero moments, step count 0, master copies) without an
-        update: the tensors a sharded checkpoint is loaded into in place."""
-        for group in self.param_groups:
-            masters_on = group["master_weights"] is not False
-            for p in group["params"]:
-                self._init_state(p, self.state[p], masters_on and p.dtype != torch.float32)
-
-    @torch.no_grad()
-    def step(self, closure=None, *, found_inf: torch.Tensor | None = None):
-        """One AdamW update of every parameter that has a gradient; returns ``closure()``'s loss.
-
-        ``found_inf``: None or a one-element int32 device tensor; when it holds a non-zero value at
-        the time the kernels run, nothing changes (weights, moments, step counts)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            masters_on = group["master_weights"] is not False
-            items = []
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise ValueError("params: AdamW does not support sparse gradients")
-                state = self.state[p]
-                use_master = masters_on and p.dtype != torch.float32
-                if "step" not in state or (use_master and "master" not in state):
-                    self._init_state(p, state, use_master)
-                items.append((p, g, state, use_master))
-            if items:
-                dt = dtensor_type()
-                adamw_step_([_local(p, dt) for p, _, _, _ in items], [_local(g, dt) for _, g, _, _ in items],
-                            [_local(s["exp_avg"], dt) for _, _, s, _ in items],
-                            [_local(s["exp_avg_sq"], dt) for _, _, s, _ in items],
-                            [_local(s["master"], dt) if m else None for _, _, s, m in items],
-                            steps=[s["step"] for _, _, s, _ in items], lr=group["lr"], betas=group["betas"],
-                            eps=group["eps"], weight_decay=group["weight_decay"], found_inf=found_inf)
-        return loss
+    def _update(self, group: dict, items: list, found_inf: torch.Tensor | None) -> None:
+        """One ``adamw_step_`` launch over ``items`` (parameter, state, master or not): their local shards."""
+        dt = dtensor_type()
+        adamw_step_([_local(p, dt) for p, _, _ in items], [_local(p.grad, dt) for p, _, _ in items],
+                    [_local(s["exp_avg"], dt) for _, s, _ in items],
+                    [_local(s["exp_avg_sq"], dt) for _, s, _ in items],
+                    [_local(s["master"], dt) if m else None for _, s, m in items],
+                    steps=[s["step"] for _, s, _ in items], lr=group["lr"], betas=group["betas"],
+                    eps=group["eps"], weight_decay=group["weight_decay"], found_inf=found_inf)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``state_dict()`` (of this class, or of ``torch.optim.AdamW``: groups get this

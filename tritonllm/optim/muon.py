@@ -131,12 +131,11 @@ class Muon(DeviceStateOptimizer):
                     raise ValueError(f"params: Muon updates matrices; parameter {i} of a group has shape "
                                      f"{tuple(p.shape)} (give vectors and scalars to AdamW)")
 
-    @staticmethod
-    def _init_state(p: torch.Tensor, state: dict, normuon: bool, use_master: bool) -> None:
+    def _init_state(self, group: dict, p: torch.Tensor, state: dict, use_master: bool) -> None:
         """Create the state a parameter lacks."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        if normuon and "second_moment" not in state:
+        if group["normuon"] and "second_moment" not in state:
             shape = (*p.shape[:-2], max(p.shape[-2:]))
             dtensor = dtensor_type()
             if dtensor is not None and isinstance(p, dtensor):  # sharded with p's matrices, else replicated
@@ -151,44 +150,11 @@ class Muon(DeviceStateOptimizer):
         if use_master and "master" not in state:
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
-    @torch.no_grad()
-    def step(self, closure=None, *, found_inf: torch.Tensor | None = None):
-        """One update of every parameter that has a gradient; returns ``closure()``'s loss.
-        ``found_inf``: None or a one-element int32 device tensor; non-zero skips the update."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            masters_on = group["master_weights"] is not False
-            normuon = bool(group["normuon"])
-            items = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("params: Muon does not support sparse gradients")
-                state = self.state[p]
-                use_master = masters_on and p.dtype != torch.float32
-                self._init_state(p, state, normuon, use_master)
-                items.append((p, state, use_master))
-            if items:
-                self._update(group, items, normuon, found_inf)
-        return loss
-
-    @torch.no_grad()
-    def init_state(self) -> None:
-        """Create every parameter's state (zero momentum and second moment, master copies) without
-        an update: the tensors a sharded checkpoint is loaded into in place."""
-        for group in self.param_groups:
-            masters_on = group["master_weights"] is not False
-            for p in group["params"]:
-                self._init_state(p, self.state[p], bool(group["normuon"]), masters_on and p.dtype != torch.float32)
-
-    def _update(self, group: dict, items: list, normuon: bool, found_inf) -> None:
+    def _update(self, group: dict, items: list, found_inf) -> None:
         """``muon_step_`` over ``items`` (parameter, state, master or not): plain tensors and whole
         local matrices in one call, matrices cut by the sharding gathered in bounded chunks (see the
         module docstring)."""
+        normuon = bool(group["normuon"])
         dtensor = dtensor_type()
         local = lambda t: t.to_local() if dtensor is not None and isinstance(t, dtensor) else t  # noqa: E731
         whole, cut = [], []
