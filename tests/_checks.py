@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, ON_GPU  # noqa: F401  (re-exported for tests)
@@ -62,6 +63,12 @@ def assert_close(name: str, out: torch.Tensor, ref64: torch.Tensor, same: torch.
         tol += factor * (same.detach().to(torch.float64).cpu() - ref64).abs().max().item()
     err = (out64 - ref64).abs().max().item() if ref64.numel() else 0.0
     assert err <= tol, f"{name}: max abs error {err:.3e} > tolerance {tol:.3e} ({dtype_id(dtype)})"
+
+
+def assert_names_argument(error: type[Exception], name: str, call) -> None:
+    """``call()`` raises ``error`` whose message names the argument ``name`` (as a whole word): a bad-input case."""
+    with pytest.raises(error, match=rf"\b{name}\b"):
+        call()
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

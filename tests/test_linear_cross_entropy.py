@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from _checks import DEVICE, DTYPES, assert_close, dtype_id, gemm_atol, non_contiguous, randn
+from _checks import DEVICE, DTYPES, assert_close, assert_names_argument, dtype_id, gemm_atol, non_contiguous, randn
 from tritonllm.bench.reference_ops import linear_cross_entropy as ref_linear_cross_entropy
 from tritonllm.kernels import linear_cross_entropy
 
@@ -250,9 +250,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=lambda c: c[0])
 def test_bad_input(case):
-    _, error, name, call = case
-    with pytest.raises(error, match=rf"\b{name}\b"):
-        call()
+    assert_names_argument(*case[1:])
 
 
 @pytest.mark.gpu
