@@ -135,19 +135,25 @@ def busy_ms(intervals: list[tuple[float, float]], steps: int) -> float:
     return total / 1e3 / steps
 
 
+def cuda_profile(fn: Callable[[], object], calls: int):
+    """``torch.profiler``'s record of ``calls`` calls of ``fn``, from a synchronised device to the end of the
+    last call's kernels. CUDA activity only: with CPU activity on, record_function ranges such as
+    "Optimizer.step#AdamW.step" also appear on the GPU timeline and would count as kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
 def kernel_times(step: Callable[[], object],
                  steps: int = PROFILED_STEPS) -> tuple[dict[str, float], dict[str, float], float]:
     """GPU ms per step of each kernel over ``steps`` profiled calls, memset/memcpy excluded: (ours, others,
     busy), busy the ms a step during which any of them runs (:func:`busy_ms`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    # CUDA activity only: with CPU activity on, record_function ranges such as
-    # "Optimizer.step#AdamW.step" also appear on the GPU timeline and would count as kernels.
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    prof = cuda_profile(step, steps)
     ours: dict[str, float] = {}
     others: dict[str, float] = {}
     for evt in prof.key_averages():

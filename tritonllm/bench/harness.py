@@ -37,6 +37,8 @@ from typing import Callable
 
 import torch
 
+from tritonllm.bench.common import cuda_profile
+
 PASSES = ("fwd", "bwd", "fwd+bwd")
 #: how the rows are timed, recorded in the results file
 TIMING = ("ms: median of do_bench over CUDA graph replays of one pass (L2 flushed; bwd = the backward of a "
@@ -260,14 +262,8 @@ def kernel_times_us(fn: Callable, iters: int = 10) -> dict[str, float]:
     The sum against the do_bench time shows how much of a pass is kernels and how much is idle GPU
     waiting on the host (launch overhead, synchronizations).
     """
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
+    prof = cuda_profile(fn, iters)
     times: dict[str, float] = {}
     for ev in prof.key_averages():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total > 0:
