@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .checks import needs_grad
-from .custom_op import compilable, compiled, define, fake, register_formula
+from .custom_op import compilable, compiled, define, fake, formula_function, register_formula
 from ._elementwise import elementwise_bwd, elementwise_fwd
 
 
@@ -88,18 +88,7 @@ def _softcap_backward(ctx, dy, *, bwd=softcap_bwd):
     return bwd(ctx.saved_tensors[0], dy, ctx.cap), None
 
 
-class SoftcapFunction(torch.autograd.Function):
-    """The launchers with :func:`_softcap_setup` and :func:`_softcap_backward`, the custom op's formula too."""
-
-    @staticmethod
-    def forward(ctx, x, cap):
-        y = softcap_fwd(x, cap)
-        _softcap_setup(ctx, (x, cap), y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _softcap_backward(ctx, dy)
+SoftcapFunction = formula_function("SoftcapFunction", softcap_fwd, _softcap_setup, _softcap_backward)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)

@@ -31,7 +31,7 @@ import triton.language as tl
 from ._interpreter import interpreting
 from .checks import check_same_device, check_same_dtype, check_tensor, needs_grad, rows_view
 from .launch import Launch, Plans, next_pow2
-from .custom_op import absent, compilable, compiled, define, fake, register_formula
+from .custom_op import absent, compilable, compiled, define, fake, formula_function, register_formula
 
 #: Elements per program (BLOCK_M * BLOCK_C) and warps on the GPU.
 _TILE = 4096
@@ -224,21 +224,9 @@ def _swiglu_backward(ctx, dy, *, bwd=swiglu_bwd_pair):
     return dgate, (None if up is None else dup)
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    """Autograd wrapper: ``apply(gate, up)``, or ``apply(gate_up, None)`` for the packed form. The
-    forward checks the inputs; :func:`_swiglu_setup` and :func:`_swiglu_backward` (the custom op's
-    formula too) save them and launch the backward unchecked."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        f = _check_inputs(gate, up)
-        y = _fwd(*_halves(gate, up, f)).view(*gate.shape[:-1], f)
-        _swiglu_setup(ctx, (gate, up), y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _swiglu_backward(ctx, dy)
+#: ``apply(gate, up)``, or ``apply(gate_up, None)`` for the packed form: the checked forward, and the unchecked
+#: backward launcher through the pair the custom op's formula has too
+SwiGLUFunction = formula_function("SwiGLUFunction", swiglu_fwd, _swiglu_setup, _swiglu_backward)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
