@@ -34,7 +34,7 @@ import triton.language as tl
 from ._interpreter import interpreting
 from .checks import INDEX_DTYPES, check_same_device, check_tensor, needs_grad, rows_view
 from .launch import Launch, Plans, autotune, next_pow2
-from .custom_op import absent, compilable, compiled, define, fake, n_rows
+from .custom_op import absent, compilable, compiled, define, fake, n_rows, register_formula
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -283,15 +283,44 @@ def cross_entropy_bwd(dloss, x, t, lse, count, ignore_index=-100, label_smoothin
     return dx
 
 
+def cross_entropy_logits_bwd(dloss, logits, target, lse, count, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                             inplace=False):
+    """:func:`cross_entropy_bwd` on the logits ``[..., V]`` and targets ``[...]`` the forward was given:
+    dlogits in the logits' shape (with ``inplace``, written over the logits' row view)."""
+    V = logits.shape[-1]
+    dx = cross_entropy_bwd(dloss, rows_view(logits, V), target.reshape(-1).contiguous(), lse, count,
+                           ignore_index, label_smoothing, z_loss, inplace)
+    return dx.view(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    """Of the forward op's inputs and ``(loss, z, lse, count)``: saves the logits, targets, ``lse`` and (for
+    the mean) ``count``, the scalars the backward needs in ``ctx.args``."""
+    logits, target, ignore_index, label_smoothing, z_loss, reduction, _, _ = inputs
+    ctx.args, ctx.mean = (ignore_index, label_smoothing, z_loss), reduction == "mean"
+    ctx.save_for_backward(logits, target, output[2], output[3])
+
+
+def _cross_entropy_backward(ctx, dloss, _dz, _dlse, _dcount, *, bwd=cross_entropy_logits_bwd):
+    """The logits' gradient (and None for the other 7 inputs) by ``bwd``: :func:`cross_entropy_logits_bwd`
+    eagerly (the Function binds its ``inplace``), the backward op under torch.compile."""
+    logits, target, lse, count = ctx.saved_tensors
+    dx = bwd(dloss, logits, target, lse, count if ctx.mean else None, *ctx.args)
+    return dx, None, None, None, None, None, None, None
+
+
 class CrossEntropyFunction(torch.autograd.Function):
+    """The launchers with :func:`_cross_entropy_setup` and :func:`_cross_entropy_backward`, the custom op's
+    formula too; ``inplace_backward`` (not an op input: an op may not overwrite its input) reaches the
+    backward launcher."""
+
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, reduction, return_z_loss,
                 inplace_backward, validate):
-        loss, z, lse, count, x, t = cross_entropy_fwd(logits, target, ignore_index, label_smoothing, z_loss,
-                                                      reduction, return_z_loss, validate)
-        ctx.save_for_backward(x, t, lse, count)
-        ctx.args = (ignore_index, label_smoothing, z_loss, inplace_backward)
-        ctx.logits_shape = logits.shape
+        inputs = (logits, target, ignore_index, label_smoothing, z_loss, reduction, return_z_loss, validate)
+        loss, z, lse, count, _, _ = cross_entropy_fwd(*inputs)
+        _cross_entropy_setup(ctx, inputs, (loss, z, lse, count))
+        ctx.inplace = inplace_backward
         if return_z_loss:
             ctx.mark_non_differentiable(z)
             return loss, z
@@ -299,10 +328,8 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, *_):
-        x, t, lse, count = ctx.saved_tensors
-        ignore_index, label_smoothing, z_loss, inplace = ctx.args
-        dx = cross_entropy_bwd(dloss, x, t, lse, count, ignore_index, label_smoothing, z_loss, inplace)
-        return dx.reshape(ctx.logits_shape), None, None, None, None, None, None, None, None
+        bwd = functools.partial(cross_entropy_logits_bwd, inplace=ctx.inplace)
+        return *_cross_entropy_backward(ctx, dloss, None, None, None, bwd=bwd), None  # None for inplace_backward
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -329,11 +356,8 @@ def _(logits, target, ignore_index, label_smoothing, z_loss, reduction, return_z
 @define("tritonllm::cross_entropy_bwd", mutates_args=())
 def cross_entropy_bwd_op(dloss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Optional[Tensor],
                          ignore_index: int, label_smoothing: float, z_loss: float) -> Tensor:
-    """dlogits (logits' shape) of :func:`kernels.cross_entropy.cross_entropy_bwd`."""
-    V = logits.shape[-1]
-    dx = cross_entropy_bwd(dloss, rows_view(logits, V), target.reshape(-1).contiguous(), lse, count,
-                           ignore_index, label_smoothing, z_loss)
-    return dx.view(logits.shape)
+    """dlogits (logits' shape): :func:`kernels.cross_entropy.cross_entropy_logits_bwd`."""
+    return cross_entropy_logits_bwd(dloss, logits, target, lse, count, ignore_index, label_smoothing, z_loss)
 
 
 @fake(cross_entropy_bwd_op)
@@ -341,19 +365,7 @@ def _(dloss, logits, target, lse, count, ignore_index, label_smoothing, z_loss):
     return logits.new_empty(logits.shape)
 
 
-def _cross_entropy_setup(ctx, inputs, output):
-    logits, target, ignore_index, label_smoothing, z_loss, reduction, _, _ = inputs
-    ctx.args, ctx.mean = (ignore_index, label_smoothing, z_loss), reduction == "mean"
-    ctx.save_for_backward(logits, target, output[2], output[3])
-
-
-def _cross_entropy_backward(ctx, dloss, _dz, _dlse, _dcount):
-    logits, target, lse, count = ctx.saved_tensors
-    dx = cross_entropy_bwd_op(dloss, logits, target, lse, count if ctx.mean else None, *ctx.args)
-    return dx, None, None, None, None, None, None, None
-
-
-cross_entropy_fwd_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+register_formula(cross_entropy_fwd_op, _cross_entropy_setup, _cross_entropy_backward, bwd=cross_entropy_bwd_op)
 
 
 @compiled("cross_entropy")
