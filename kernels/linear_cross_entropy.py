@@ -56,7 +56,7 @@ from ._interpreter import interpreting
 from .checks import INDEX_DTYPES, check_same_device, check_tensor, needs_grad
 from .device import num_sms
 from .launch import Launch, Plans, next_pow2
-from .custom_op import absent, compilable, compiled, define, fake, given, n_rows
+from .custom_op import absent, compilable, compiled, define, fake, given, n_rows, register_formula
 from .fp8 import FP8_MAX, fp8_saturate, fp8_scales, quantize_rows_into
 from .gemm import as_matrix, gemm, split_fill, split_k_for
 from .linear import check_linear_inputs
@@ -475,21 +475,50 @@ def linear_cross_entropy_bwd(dloss, x, weight, target, ignore_index, label_smoot
     return None if dx is None else dx.view(x.shape), dw
 
 
+def _linear_cross_entropy_setup(ctx, inputs, output):
+    """Of the forward op's inputs ``(x, weight, target, ignore_index, label_smoothing, z_loss, reduction,
+    chunk_size, need_dx, need_dw, allow_tf32, softcap)`` and outputs ``(loss, z, dx, dw, scale)``: saves x,
+    weight and target for a ``none`` loss (its backward runs the chunk loop again), else the forward's
+    gradients and scale."""
+    x, weight, target, *args = inputs
+    ctx.none, ctx.x_shape, ctx.weight_dtype = args[3] == "none", x.shape, weight.dtype
+    ctx.need_dx, ctx.need_dw = args[5], args[6]
+    ctx.args = (*args[:3], *args[4:])  # the options but the reduction, as linear_cross_entropy_bwd_op takes them
+    if ctx.none:
+        ctx.save_for_backward(x, weight, target)
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _linear_cross_entropy_backward(ctx, dloss, _dz, _ddx, _ddw, _dscale, *, bwd, scale):
+    """``(dx, dw)`` and None for the other 10 inputs: by ``bwd(dloss, x, weight, target, *options)`` for a
+    ``none`` loss, else by ``scale(dloss, dx, dw, scale, weight_dtype)`` of the forward's gradients. Eagerly
+    :func:`linear_cross_entropy_bwd` and :func:`scale_stored_grads` (the Function binds fp8 and the
+    in-place choice), under torch.compile the backward ops."""
+    if ctx.none:
+        dx, dw = bwd(dloss, *ctx.saved_tensors, *ctx.args)
+    else:
+        dx, dw, s = ctx.saved_tensors
+        dx, dw = scale(dloss, given(dx, ctx.need_dx), given(dw, ctx.need_dw), s, ctx.weight_dtype)
+        if ctx.need_dx:
+            dx = dx.view(ctx.x_shape)
+    return (given(dx, ctx.need_dx), given(dw, ctx.need_dw)) + (None,) * 10
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
+    """The launchers with :func:`_linear_cross_entropy_setup` and :func:`_linear_cross_entropy_backward`, the
+    custom op's formula too; ``fp8`` and the in-place scaling of the stored gradients (not op inputs: the op
+    has no fp8 head, and may not overwrite its outputs) reach the backward launchers."""
+
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size,
                 return_z_loss, allow_tf32, softcap, fp8):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss, z, dx, dw, scale = linear_cross_entropy_fwd(x, weight, target, ignore_index, label_smoothing, z_loss,
-                                                          reduction, chunk_size, need_dx, need_dw, allow_tf32,
-                                                          softcap, fp8)
-        ctx.reduction = reduction
-        if reduction == "none":
-            ctx.save_for_backward(x, weight, target)
-            ctx.args = (ignore_index, label_smoothing, z_loss, chunk_size, need_dx, need_dw, allow_tf32, softcap, fp8)
-        else:
-            ctx.save_for_backward(dx, dw, scale)
-            ctx.x_shape, ctx.weight_dtype, ctx.in_place, ctx.applied = x.shape, weight.dtype, GRAD_IN_PLACE, None
+        inputs = (x, weight, target, ignore_index, label_smoothing, z_loss, reduction, chunk_size,
+                  ctx.needs_input_grad[0], ctx.needs_input_grad[1], allow_tf32, softcap)
+        out = linear_cross_entropy_fwd(*inputs, fp8)
+        _linear_cross_entropy_setup(ctx, inputs, out)
+        ctx.fp8, ctx.in_place, ctx.applied = fp8, GRAD_IN_PLACE, None
+        loss, z = out[:2]
         if return_z_loss:
             ctx.mark_non_differentiable(z)
             return loss, z
@@ -497,13 +526,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, *unused):
-        if ctx.reduction == "none":
-            dx, dw = linear_cross_entropy_bwd(dloss, *ctx.saved_tensors, *ctx.args)
-        else:
-            dx, dw, scale = ctx.saved_tensors
-            dx, dw, ctx.applied = scale_stored_grads(dloss, dx, dw, scale, ctx.weight_dtype, ctx.in_place, ctx.applied)
-            dx = None if dx is None else dx.view(ctx.x_shape)
-        return dx, dw, None, None, None, None, None, None, None, None, None, None
+        def scale(dloss, dx, dw, s, weight_dtype):  # applied: the factor an earlier backward left in place
+            dx, dw, ctx.applied = scale_stored_grads(dloss, dx, dw, s, weight_dtype, ctx.in_place, ctx.applied)
+            return dx, dw
+        bwd = functools.partial(linear_cross_entropy_bwd, fp8=ctx.fp8)
+        return _linear_cross_entropy_backward(ctx, dloss, None, None, None, None, bwd=bwd, scale=scale)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -566,30 +593,8 @@ def _(dloss, x, weight, target, ignore_index, label_smoothing, z_loss, chunk_siz
     return x.new_empty(x.shape) if need_dx else absent(x), weight.new_empty(weight.shape) if need_dw else absent(x)
 
 
-def _linear_cross_entropy_setup(ctx, inputs, output):
-    x, weight, target, *args = inputs
-    ctx.none, ctx.x_shape, ctx.weight_dtype = args[3] == "none", x.shape, weight.dtype
-    ctx.need_dx, ctx.need_dw = args[5], args[6]
-    ctx.args = (*args[:3], *args[4:])  # the options but the reduction, as linear_cross_entropy_bwd_op takes them
-    if ctx.none:
-        ctx.save_for_backward(x, weight, target)
-    else:
-        ctx.save_for_backward(*output[2:])
-
-
-def _linear_cross_entropy_backward(ctx, dloss, _dz, _ddx, _ddw, _dscale):
-    if ctx.none:
-        dx, dw = linear_cross_entropy_bwd_op(dloss, *ctx.saved_tensors, *ctx.args)
-    else:
-        dx, dw, scale = ctx.saved_tensors
-        dx, dw = linear_cross_entropy_scale_op(dloss, given(dx, ctx.need_dx), given(dw, ctx.need_dw), scale,
-                                               ctx.weight_dtype)
-        if ctx.need_dx:
-            dx = dx.view(ctx.x_shape)
-    return (given(dx, ctx.need_dx), given(dw, ctx.need_dw)) + (None,) * 10
-
-
-linear_cross_entropy_fwd_op.register_autograd(_linear_cross_entropy_backward, setup_context=_linear_cross_entropy_setup)
+register_formula(linear_cross_entropy_fwd_op, _linear_cross_entropy_setup, _linear_cross_entropy_backward,
+                 bwd=linear_cross_entropy_bwd_op, scale=linear_cross_entropy_scale_op)
 
 
 @compiled("linear_cross_entropy")
