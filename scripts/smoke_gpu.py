@@ -31,7 +31,7 @@ TINY = ["+model=void_tiny", "experiment=cpu_smoke", "trainer.batch_size=8", "tra
 
 PATCH_SNIPPET = """
 import torch, transformers, tritonllm
-cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 torch.manual_seed(0)
 ref = transformers.LlamaForCausalLM(cfg).cuda()
@@ -74,9 +74,9 @@ print(f"hf folder: {folder}")
 #: our run's newest checkpoint as a Hugging Face folder, loaded by transformers: the same logits (argv: run, out)
 HF_EXPORT_SNIPPET = """
 import sys, torch, transformers
-from tritonllm.generate import load_for_generation
+from tritonllm.generate import load_newest_for_generation
 from tritonllm.hf import save_hf_model
-model, _ = load_for_generation(sys.argv[1], torch.device("cuda"), torch.float32)
+_, model, _ = load_newest_for_generation(sys.argv[1], torch.device("cuda"), torch.float32)
 save_hf_model(model, sys.argv[2])
 hf = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2], torch_dtype=torch.float32).cuda()
 x = torch.randint(0, model.cfg.vocab_size, (2, 32), device="cuda")

@@ -109,7 +109,17 @@ BAD = [
     (["speedrun", "+model=void_tiny", "--max-steps", "0"], "--max-steps must be >= 1, got 0"),
     (["speedrun", "+model=void_tiny", "--max-seconds", "-1"], "--max-seconds must be > 0"),
     (["speedrun", "+model=void_tiny", "--bogus"], "speedrun: unrecognized arguments: --bogus"),
+    (["speedrun", "+model=void_tiny", "trainer.seq_len=1024"], "trainer.seq_len=1024 exceeds model.max_seq_len=512"),
 ]
+
+
+def test_bench_default_seq_len_fits_the_model():
+    """bench train and speedrun compose B16 x T1024 unless told, T cut to a shorter model context."""
+    from tritonllm.bench.common import compose_bench_config
+
+    assert compose_bench_config(["+model=void_tiny"]).trainer.seq_len == 512
+    assert compose_bench_config(["+model=void125m"]).trainer.seq_len == 1024
+    assert compose_bench_config(["+model=void_tiny", "trainer.seq_len=64"]).trainer.seq_len == 64
 
 
 @pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])

@@ -23,6 +23,31 @@ EXCLUDED = ("Memcpy", "Memset", "memcpy", "memset")
 PROFILED_STEPS = 3
 
 
+# --- config ----------------------------------------------------------------------------------------
+
+def compose_bench_config(overrides: list[str], defaults: tuple[str, ...] = ()):
+    """train.yaml composed with the bench's shape B16 x T1024, then ``defaults``, then the user's
+    ``overrides``; the default T1024 is cut to the model's ``max_seq_len`` (void_tiny's 512), and a
+    ``trainer.seq_len`` the user gave beyond it is a ConfigError (one line, not a traceback mid-run)."""
+    from omegaconf import open_dict
+
+    from tritonllm.errors import ConfigError
+    from tritonllm.runtime import compose_config
+    from tritonllm.train import model_config
+
+    cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *defaults, *overrides])
+    if cfg.get("model") is None:
+        return cfg
+    max_seq_len = model_config(cfg).max_seq_len
+    if not any(o.lstrip("+").startswith("trainer.seq_len=") for o in overrides):
+        with open_dict(cfg):
+            cfg.trainer.seq_len = min(cfg.trainer.seq_len, max_seq_len)
+    if cfg.trainer.seq_len > max_seq_len:
+        raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} exceeds model.max_seq_len={max_seq_len} "
+                          f"of {cfg.model.name}")
+    return cfg
+
+
 # --- host CPU --------------------------------------------------------------------------------------
 
 def parse_cpu_model(lscpu: str | None, cpuinfo: str | None) -> str:

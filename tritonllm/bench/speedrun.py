@@ -383,14 +383,13 @@ def parse(argv: list[str]):
 def compose(args, overrides: list[str], recipe: bool):
     """The config of a side: train.yaml composed with the overrides (B16 x T1024 unless given),
     ``data=bin`` over ``--bin`` when given, the recipe's optimizer for the recipe sides."""
-    from tritonllm.runtime import compose_config
+    from tritonllm.bench.common import compose_bench_config
 
     data = []
     if args.bin:
         data = ["data=bin", f"data.files={args.bin}"] + ([f"data.val_files={args.val_bin}"] if args.val_bin else [])
-    return compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *data, *overrides,
-                                    *(RECIPE_OPTIM if recipe else ["optim=adamw"]),
-                                    f"trainer.max_steps={args.max_steps}"])
+    return compose_bench_config(overrides, (*data, *(RECIPE_OPTIM if recipe else ["optim=adamw"]),
+                                            f"trainer.max_steps={args.max_steps}"))
 
 
 def configs(args, overrides: list[str]):

@@ -77,7 +77,7 @@ import time
 
 import torch
 
-from tritonllm.bench.common import (baseline_optimizer, baseline_update, free_gpu, host_cpu_model, interleaved_ratio,
+from tritonllm.bench.common import (baseline_optimizer, compose_bench_config, baseline_update, free_gpu, host_cpu_model, interleaved_ratio,
                                     measure, spin_cycles_per_ms)
 from tritonllm.runtime import ArgumentParser
 
@@ -267,8 +267,7 @@ def main(argv: list[str]) -> None:
 
     from tritonllm.bench.baseline_model import default_expert_impl
     from tritonllm.bench.harness import write_results
-    from tritonllm.errors import ConfigError, TritonLLMError
-    from tritonllm.runtime import compose_config
+    from tritonllm.errors import TritonLLMError
     from tritonllm.train import model_config
 
     if any(a == "--nproc" or a.startswith("--nproc=") for a in argv):  # several GPUs: tritonllm.bench.dist_train
@@ -277,14 +276,8 @@ def main(argv: list[str]) -> None:
         launch(argv)
         return
     args, overrides = _parse(argv)
-    cfg = compose_config("train", ["trainer.batch_size=16", "trainer.seq_len=1024", *overrides])
+    cfg = compose_bench_config(overrides)
     model_cfg = model_config(cfg)
-    if not any(o.lstrip("+").startswith("trainer.seq_len=") for o in overrides):
-        with open_dict(cfg):  # the default T1024, within the model's context
-            cfg.trainer.seq_len = min(cfg.trainer.seq_len, model_cfg.max_seq_len)
-    if cfg.trainer.seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len} "
-                          f"of {model_cfg.name}")
     if args.device == "auto" and not torch.cuda.is_available():
         raise TritonLLMError("python -m tritonllm.bench train needs a CUDA GPU (the arguments are valid; "
                              "--device cpu: a smoke run in Triton's interpreter)")
