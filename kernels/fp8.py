@@ -1,23 +1,26 @@
-"""FP8 quantization with per-row scales: the operands of the FP8 LM head (``linear_cross_entropy(fp8=True)``).
+"""FP8 quantization with per-row scales: the operands of the FP8 linear layers (``kernels.fp8_linear``)
+and of the FP8 LM head (``linear_cross_entropy(fp8=True)``).
 
-For x [R, N] (any strides) and an fp8 format whose largest finite value is F (e4m3: 448, e5m2:
+For x [R, C] (any strides) and an fp8 format whose largest finite value is F (e4m3: 448, e5m2:
 57344), per row r::
 
-    amax_r  = max_n |x[r, n]|
+    amax_r  = max_c |x[r, c]|
     s_r     = amax_r / F                              (1 for an all-zero row)
-    q[r, n] = fp8(clamp(x[r, n] * (F / amax_r), -F, F))   round to nearest even
+    q[r, c] = fp8(clamp(x[r, c] * (F / amax_r), -F, F))   round to nearest even
 
-so ``x[r, n] ~ s_r q[r, n]``, and a GEMM that contracts over n of two such operands is
+so ``x[r, c] ~ s_r q[r, c]``, and a GEMM that contracts over c of two such operands is
 ``s_a[m] s_b[n]`` times the product of their fp8 values (``kernels.gemm.gemm`` with ``a_scale``
 and ``b_scale``). Both divisions are IEEE-rounded (``div_rn``), the product with x is one fp32
 multiply: a float32 PyTorch reference reproduces q and s exactly. Nothing here allocates a
 float8 tensor on its own: ``q`` may be any float tensor (float32 under the interpreter, which
 has no fp8 conversions, checks the scale math).
 
-The quantized tensor's layout may differ from the input's: the quantized copy of ``W^T`` used as
-the K-major operand of ``dx = g W`` is written from ``W [V, H]`` by passing ``W.t()`` as x and an
-``[H, V]`` contiguous q; tiles of BLOCK_R x BLOCK_N are loaded along the input's unit stride and
-stored along the output's.
+The same per column (x^T's rows) gives the K-major operand of a GEMM that contracts over R: the
+dW = dy^T x of a linear layer needs dy and x per column, dx = dy W needs W per column. A layer
+needs x per row (forward) and per column (dW), so :func:`quantize_into` writes both layouts from
+two passes over x (the tiles' amax, then the tiles quantized each way), where two row-only
+quantizations of x and x^T read it four times. Tiles of BLOCK_R x BLOCK_C are spread over the whole
+GPU whatever the shape (a weight's 2048 rows are 32 programs as rows, 1024 as tiles).
 """
 
 from __future__ import annotations
@@ -34,17 +37,18 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 #: (mantissa bits, exponent of the smallest normal) of each format: its grid, for :func:`fp8_round`
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 #: rows and columns of a quantization tile (GPU; 32 x 32 under the interpreter)
-BLOCK_R, BLOCK_N = 32, 256
+BLOCK_R, BLOCK_C = 64, 64
 
 
 @triton.jit
 def fp8_scales(amax, fp8_max):
     """(multiplier F / amax, dequantization scale amax / F) of rows whose largest |value| is
-    ``amax`` (fp32); (1, 1) for an all-zero row."""
-    nonzero = amax > 0.0
-    safe = tl.where(nonzero, amax, 1.0)
-    inv = tl.where(nonzero, tl.math.div_rn(tl.full(amax.shape, fp8_max, tl.float32), safe), 1.0)
-    scale = tl.where(nonzero, tl.math.div_rn(safe, tl.full(amax.shape, fp8_max, tl.float32)), 1.0)
+    ``amax`` (fp32); (1, 1) for an all-zero row. A NaN amax gives NaN for both and an infinite one a
+    scale of inf, so a row holding inf or NaN comes out of the GEMM not finite (never silently finite)."""
+    zero = amax == 0.0
+    safe = tl.where(zero, 1.0, amax)
+    inv = tl.where(zero, 1.0, tl.math.div_rn(tl.full(amax.shape, fp8_max, tl.float32), safe))
+    scale = tl.where(zero, 1.0, tl.math.div_rn(safe, tl.full(amax.shape, fp8_max, tl.float32)))
     return inv, scale
 
 
@@ -67,68 +71,123 @@ def fp8_round(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(
-    x_ptr,  # [R, N] input, strides (stride_xr, stride_xn)
-    stride_xr, stride_xn,
-    q_ptr,  # [R, N] out: quantized values, strides (stride_qr, stride_qn)
-    stride_qr, stride_qn,
-    scale_ptr,  # [R] fp32 out: dequantization scale per row
-    R, N,
-    fp8_max,  # F of q's format
+def _amax_kernel(
+    x_ptr,  # [R, C] input, strides (stride_xr, stride_xc)
+    stride_xr, stride_xc,
+    amax_ptr,  # int32 [R + C], zeros in: max |x| of each row (first R), of each column (last C), as fp32 bits
+    R, C,
+    ROWS: tl.constexpr,  # the rows' amax
+    COLS: tl.constexpr,  # the columns' amax
     BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One BLOCK_R x BLOCK_C tile: its rows' and columns' max |x| merged into the totals by atomic max on
+    the fp32 bits (|x| >= 0 orders as its bits do; a NaN's bits are above inf's, so NaN wins: exact and
+    order-free, hence deterministic)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols.to(tl.int64)[None, :] * stride_xc,
+                mask=mask, other=0.0)
+    bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)
+    if ROWS:
+        tl.atomic_max(amax_ptr + rows, tl.max(bits, axis=1), mask=rows < R)
+    if COLS:
+        tl.atomic_max(amax_ptr + R + cols, tl.max(bits, axis=0), mask=cols < C)
+
+
+@triton.jit
+def _quantize_tile(x, amax_bits, stride_major, stride_minor, major, minor, n_major, mask, q_ptr, scale_ptr,
+                   store_scale, fp8_max, EMULATE: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """q[major, minor] = fp8(x * F / amax[major]) for a tile x [len(major), len(minor)] (transposed by the
+    caller for the columns); the scales of the ``n_major`` rows stored if ``store_scale`` (the first block)."""
+    inv, scale = fp8_scales(amax_bits.to(tl.float32, bitcast=True), fp8_max)
+    if store_scale:
+        tl.store(scale_ptr + major, scale, mask=major < n_major)
+    q = fp8_saturate(x, inv[:, None], fp8_max)
+    if EMULATE:
+        q = fp8_round(q, MANTISSA, MIN_EXP)
+    tl.store(q_ptr + major.to(tl.int64)[:, None] * stride_major + minor.to(tl.int64)[None, :] * stride_minor,
+             q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # [R, C] input, strides (stride_xr, stride_xc)
+    stride_xr, stride_xc,
+    amax_ptr,  # int32 [R + C]: _amax_kernel's totals
+    q_ptr,  # ROWS: [R, C] out, x quantized per row, strides (stride_qr, stride_qc)
+    stride_qr, stride_qc,
+    scale_ptr,  # ROWS: [R] fp32 out, the rows' dequantization scales
+    qt_ptr,  # COLS: [C, R] out, x^T quantized per row (x per column), strides (stride_tc, stride_tr)
+    stride_tc, stride_tr,
+    scale_t_ptr,  # COLS: [C] fp32 out, the columns' dequantization scales
+    R, C,
+    fp8_max,  # F of q's format
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     EMULATE: tl.constexpr,  # q is fp32: round its values to the fp8 grid of (MANTISSA, MIN_EXP) (fp8_round)
     MANTISSA: tl.constexpr,
     MIN_EXP: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rows < R
-    cols0 = tl.arange(0, BLOCK_N)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
-    q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qr
-    amax = tl.zeros((BLOCK_R,), tl.float32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + cols0
-        mask = mask_r[:, None] & (cols < N)[None, :]
-        x = tl.load(x_rows + cols.to(tl.int64)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    inv, scale = fp8_scales(amax, fp8_max)
-    tl.store(scale_ptr + rows, scale, mask=mask_r)
-    for start in range(0, N, BLOCK_N):
-        cols = start + cols0
-        mask = mask_r[:, None] & (cols < N)[None, :]
-        x = tl.load(x_rows + cols.to(tl.int64)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-        q = fp8_saturate(x, inv[:, None], fp8_max)
-        if EMULATE:
-            q = fp8_round(q, MANTISSA, MIN_EXP)
-        tl.store(q_rows + cols.to(tl.int64)[None, :] * stride_qn, q.to(q_ptr.dtype.element_ty), mask=mask)
+    """One tile read once, written quantized per row and/or per column (each in its own layout)."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols.to(tl.int64)[None, :] * stride_xc,
+                mask=mask, other=0.0).to(tl.float32)
+    if ROWS:
+        bits = tl.load(amax_ptr + rows, mask=rows < R, other=0)
+        _quantize_tile(x, bits, stride_qr, stride_qc, rows, cols, R, mask, q_ptr, scale_ptr, pid_c == 0, fp8_max,
+                       EMULATE, MANTISSA, MIN_EXP)
+    if COLS:
+        bits = tl.load(amax_ptr + R + cols, mask=cols < C, other=0)
+        _quantize_tile(tl.trans(x), bits, stride_tc, stride_tr, cols, rows, C, tl.trans(mask), qt_ptr, scale_t_ptr,
+                       pid_r == 0, fp8_max, EMULATE, MANTISSA, MIN_EXP)
 
 
-def quantize_rows_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fp8_max: float,
-                       emulate: torch.dtype | None = None) -> None:
-    """Quantize the rows of the 2-D ``x`` into ``q`` (same shape, any dtype and strides) with the
-    dequantization scales in ``scale`` [R] (fp32), for a format of largest value ``fp8_max``.
-    ``emulate`` (an fp8 dtype, q float32): q's values are also rounded to that format's grid."""
-    R, N = x.shape
-    if R == 0:
+def quantize_into(x: torch.Tensor, fp8_max: float, q: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                  qt: torch.Tensor | None = None, scale_t: torch.Tensor | None = None,
+                  emulate: torch.dtype | None = None) -> None:
+    """Quantize the 2-D ``x`` [R, C] for a format of largest value ``fp8_max``: per row into ``q`` [R, C]
+    with the dequantization scales in ``scale`` [R] (fp32), and/or per column into ``qt`` [C, R] (x^T's
+    rows) with ``scale_t`` [C]; q and qt of any dtype and strides. Two passes, each reading x once: the
+    rows' and columns' amax of every tile (atomic max), then every tile quantized both ways, so both
+    layouts cost what one did. ``emulate`` (an fp8 dtype, q float32): q's values are also rounded to
+    that format's grid."""
+    R, C = x.shape
+    rows, cols = q is not None, qt is not None
+    if R == 0 or C == 0 or not (rows or cols):
         return
-    block_r, block_n = (32, 32) if interpreting() else (BLOCK_R, BLOCK_N)
+    block_r, block_c = (32, 32) if interpreting() else (BLOCK_R, BLOCK_C)
     mantissa, min_exp = FP8_GRID[emulate] if emulate is not None else (0, 0)
-    _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
-        x, x.stride(0), x.stride(1), q, q.stride(0), q.stride(1), scale, R, N, float(fp8_max),
-        BLOCK_R=block_r, BLOCK_N=block_n, EMULATE=emulate is not None, MANTISSA=mantissa, MIN_EXP=min_exp)
+    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    amax = torch.zeros(R + C, dtype=torch.int32, device=x.device)
+    _amax_kernel[grid](x, x.stride(0), x.stride(1), amax, R, C, ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c)
+    q_args = (q, q.stride(0), q.stride(1), scale) if rows else (amax, 0, 0, amax)
+    t_args = (qt, qt.stride(0), qt.stride(1), scale_t) if cols else (amax, 0, 0, amax)
+    _quantize_kernel[grid](x, x.stride(0), x.stride(1), amax, *q_args, *t_args, R, C, float(fp8_max), ROWS=rows,
+                           COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c, EMULATE=emulate is not None,
+                           MANTISSA=mantissa, MIN_EXP=min_exp)
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: the 2-D ``x`` [R, N] quantized per row to the fp8 ``dtype`` (``float8_e4m3fn``
-    or ``float8_e5m2``), q [R, N] contiguous, scale [R] fp32 with ``x ~ scale[:, None] * q``.
-    A transposed view (``w.t()``) gives the quantized transpose, contiguous. Under the interpreter
-    (no fp8 conversions) q is float32 holding the fp8 values exactly (:func:`fp8_round`)."""
+def quantize(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, rows: bool = True, cols: bool = False):
+    """``(q, scale, qt, scale_t)``: the 2-D ``x`` [R, C] quantized to the fp8 ``dtype`` (``float8_e4m3fn``
+    or ``float8_e5m2``) per row (``rows``: q [R, C] contiguous, scale [R] fp32, ``x ~ scale[:, None] *
+    q``) and per column (``cols``: qt [C, R] contiguous, the quantized x^T, scale_t [C]); None for a
+    layout not asked for. Both from one pair of passes over x (:func:`quantize_into`). A transposed
+    view (``w.t()``) as x gives the quantized transpose as q. Under the interpreter (no fp8
+    conversions) q and qt are float32 holding the fp8 values exactly (:func:`fp8_round`)."""
     check_tensor("x", x, ndim=2)
     if dtype not in FP8_MAX:
         raise TypeError(f"dtype must be one of {[str(d) for d in FP8_MAX]}, got {dtype}")
     emulate = dtype if interpreting() else None
-    q = torch.empty(x.shape, dtype=torch.float32 if emulate else dtype, device=x.device)
-    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    quantize_rows_into(x, q, scale, FP8_MAX[dtype], emulate)
-    return q, scale
+    R, C = x.shape
+    out = dict(dtype=torch.float32 if emulate else dtype, device=x.device)
+    q, scale = (torch.empty((R, C), **out), torch.empty(R, dtype=torch.float32, device=x.device)) if rows else (None, None)
+    qt, scale_t = (torch.empty((C, R), **out), torch.empty(C, dtype=torch.float32, device=x.device)) if cols else (None, None)
+    quantize_into(x, FP8_MAX[dtype], q, scale, qt, scale_t, emulate)
+    return q, scale, qt, scale_t

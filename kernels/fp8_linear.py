@@ -12,9 +12,11 @@ GEMM's epilogue (``kernels.gemm.gemm`` with ``a_scale``/``b_scale``). For x [M, 
 
 x and W take e4m3 (``float8_e4m3fn``, 3 mantissa bits, largest 448); the gradient dy takes
 ``grad_dtype``, e4m3 by default (torchao's rowwise recipe) or e5m2 (2 mantissa bits, range to 57344).
-The transposed copies (W^T, dy^T, x^T) are written by the quantization kernel, which reads along the
-input's unit stride and writes K-major operands, the layout Hopper's fp8 tensor cores take. The bias
-gradient is the sum of dy's rows in dy's own precision; the residual's gradient is dy.
+Each of x, W and dy is quantized both ways from one pair of passes (``kernels.fp8.quantize``): the
+forward writes q(x) and q(W) for y, and the per-column copies q(x^T) and q(W^T), K-major as Hopper's
+fp8 tensor cores take them, which the backward keeps instead of x and W (one byte an element where x
+took two; only the copies a gradient needs). The bias gradient is the sum of dy's rows in dy's own
+precision; the residual's gradient is dy.
 
 Under Triton's interpreter (no fp8 conversions) the quantized operands are float32 holding the fp8
 values exactly (``kernels.fp8.fp8_round``), so the CPU runs the same math on the fp8 grid.
@@ -29,12 +31,10 @@ from torch import Tensor
 
 from ._interpreter import interpreting
 from .checks import needs_grad
-from .custom_op import absent, compilable, compiled, define, fake, register_formula
-from .fp8 import FP8_MAX, quantize_rows
+from .custom_op import absent, compilable, compiled, define, fake, given, n_rows, register_formula
+from .fp8 import FP8_MAX, quantize
 from .gemm import as_matrix, gemm
-from .linear import (_linear_backward, _linear_setup, _linear_swiglu_backward, _linear_swiglu_setup, check_bias_residual,
-                     check_linear_inputs, linear_bwd_fake, linear_fwd_fake, linear_swiglu_bwd_fake,
-                     linear_swiglu_fwd_fake, sum_rows)
+from .linear import check_bias_residual, check_linear_inputs, sum_rows
 from .swiglu import swiglu_bwd, swiglu_fwd
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -50,20 +50,17 @@ def _check_grad_dtype(grad_dtype: torch.dtype) -> None:
         raise TypeError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
 
 
-def _scaled_product(a: torch.Tensor, a_fmt: torch.dtype, b: torch.Tensor, b_fmt: torch.dtype,
-                    out: torch.Tensor, bias: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``out = a @ b^T`` (+ bias) (+ residual) for a [M, C] and b [N, C] (any strides), each quantized per
-    row over the contracted C to its fp8 format, the two row scales applied in the GEMM's epilogue."""
-    qa, sa = quantize_rows(a, a_fmt)
-    qb, sb = quantize_rows(b, b_fmt)
-    return gemm(qa, qb.t(), out, bias=bias, residual=residual, a_scale=sa, b_scale=sb)
+def _fp8_dtype(fmt: torch.dtype) -> torch.dtype:
+    """The dtype quantized operands of ``fmt`` have: float32 under the interpreter (kernels.fp8)."""
+    return torch.float32 if interpreting() else fmt
 
 
 def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N]) on e4m3 operands
-    scaled per row (module docstring), in x's dtype."""
+                   residual: torch.Tensor | None = None, keep_x: bool = False, keep_w: bool = False):
+    """``(y, xt, sxt, wt, swt)``: y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual
+    [..., N]) on e4m3 operands scaled per row (module docstring), in x's dtype; with ``keep_x`` the
+    per-column e4m3 copy of x that dW needs (xt = q(x^T) [K, M], sxt [K]), with ``keep_w`` W's that dx
+    needs (wt = q(W^T) [K, N], swt [K]); absent (0 elements) otherwise."""
     check_linear_inputs(x, weight)
     N, K = weight.shape
     out_shape = check_bias_residual(x, N, bias, residual)
@@ -71,40 +68,67 @@ def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"x is on {x.device}: fp8 linear layers need a GPU with fp8 tensor cores (compute "
                          "capability 8.9 or later), or Triton's interpreter on the CPU")
     x2 = as_matrix(x, K)
+    qx, sx, xt, sxt = quantize(x2, E4M3, rows=True, cols=keep_x)
+    qw, sw, wt, swt = quantize(weight, E4M3, rows=True, cols=keep_w)
     y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
-    _scaled_product(x2, E4M3, weight, E4M3, y, bias, None if residual is None else as_matrix(residual, N))
-    return y.view(out_shape)
+    gemm(qx, qw.t(), y, bias=bias, residual=None if residual is None else as_matrix(residual, N), a_scale=sx,
+         b_scale=sw)
+    return (y.view(out_shape), *(t if t is not None else absent(x) for t in (xt, sxt, wt, swt)))
 
 
-def fp8_linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool = True,
-                   need_dw: bool = True, need_db: bool = False, grad_dtype: torch.dtype = E4M3):
-    """(dx, dW, db) of :func:`fp8_linear_fwd` (None where not needed): dx = dy W and dW = dy^T x on fp8
-    operands (dy in ``grad_dtype``), db = the sum of dy's rows."""
+def fp8_linear_bwd(dy: torch.Tensor, xt: torch.Tensor, sxt: torch.Tensor, wt: torch.Tensor, swt: torch.Tensor,
+                   need_dx: bool = True, need_dw: bool = True, need_db: bool = False,
+                   grad_dtype: torch.dtype = E4M3, w_dtype: torch.dtype | None = None):
+    """(dx [M, K], dW [N, K], db [N]) of :func:`fp8_linear_fwd` from its kept copies xt [K, M] (for dW)
+    and wt [K, N] (for dx), None where not needed: dy [..., N] quantized to ``grad_dtype`` per row
+    (for dx = dy W) and per column (for dW = dy^T x) in one pair of passes; db = the sum of dy's rows.
+    dW and db in ``w_dtype`` (default dy's)."""
     _check_grad_dtype(grad_dtype)
-    N, K = weight.shape
-    dy2, x2 = as_matrix(dy, N), as_matrix(x, K)
+    N = dy.shape[-1]
+    dy2 = as_matrix(dy, N)
+    w_dtype = w_dtype or dy.dtype
+    qdy, sdy, qdyt, sdyt = quantize(dy2, grad_dtype, rows=need_dx, cols=need_dw)
     dx = dw = None
     if need_dx:
-        dx = _scaled_product(dy2, grad_dtype, weight.t(), E4M3,
-                             torch.empty((dy2.shape[0], K), dtype=x.dtype, device=x.device)).view(x.shape)
+        dx = gemm(qdy, wt.t(), torch.empty((dy2.shape[0], wt.shape[0]), dtype=dy.dtype, device=dy.device),
+                  a_scale=sdy, b_scale=swt)
     if need_dw:
-        dw = _scaled_product(dy2.t(), grad_dtype, x2.t(), E4M3,
-                             torch.empty((N, K), dtype=weight.dtype, device=weight.device))
-    return dx, dw, sum_rows(dy2, weight.dtype) if need_db else None
+        dw = gemm(qdyt, xt.t(), torch.empty((N, xt.shape[0]), dtype=w_dtype, device=dy.device), a_scale=sdyt,
+                  b_scale=sxt)
+    return dx, dw, sum_rows(dy2, w_dtype) if need_db else None
+
+
+def _fp8_setup(ctx, inputs, output):
+    """Saves the forward's kept fp8 copies ``output[1:]`` (the pre-activations too for linear_swiglu),
+    x's shape, the weight's dtype and ``grad_dtype`` (third from last input, before keep_x, keep_w)."""
+    x, weight = inputs[:2]
+    ctx.x_shape, ctx.w_dtype, ctx.grad_dtype = x.shape, weight.dtype, inputs[-3]
+    ctx.save_for_backward(*output[1:])
+
+
+def _fp8_linear_backward(ctx, dy, *_, bwd=fp8_linear_bwd):
+    """``(dx, dweight, dbias, dresidual, None, None, None)`` by ``bwd``: the launcher eagerly, the backward
+    op under torch.compile (``dresidual`` is ``dy`` itself)."""
+    need_dx, need_dw, need_db, need_dr = ctx.needs_input_grad[:4]
+    dx, dw, db = bwd(dy, *ctx.saved_tensors, need_dx, need_dw, need_db, ctx.grad_dtype, ctx.w_dtype)
+    return (dx.view(ctx.x_shape) if need_dx else None), given(dw, need_dw), given(db, need_db), \
+        (dy if need_dr else None), None, None, None
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """The launchers with kernels.linear's setup/backward pair (the launcher passed in), the custom op's formula too."""
+    """:func:`fp8_linear_fwd` keeping the copies the needed gradients take, with the pair the custom op's
+    formula has too; returns y."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, grad_dtype):
-        y = fp8_linear_fwd(x, weight, bias, residual)
-        _linear_setup(ctx, (x, weight, bias, residual, grad_dtype), y)
-        return y
+        inputs = (x, weight, bias, residual, grad_dtype, ctx.needs_input_grad[1], ctx.needs_input_grad[0])
+        out = fp8_linear_fwd(x, weight, bias, residual, *inputs[5:])
+        _fp8_setup(ctx, inputs, out)
+        return out[0]
 
     @staticmethod
     def backward(ctx, dy):
-        return _linear_backward(ctx, dy, bwd=fp8_linear_bwd)
+        return _fp8_linear_backward(ctx, dy)[:5]
 
 
 @compilable
@@ -121,40 +145,48 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _check_grad_dtype(grad_dtype)
     if needs_grad(x, weight, bias, residual):
         return Fp8LinearFunction.apply(x, weight, bias, residual, grad_dtype)
-    return fp8_linear_fwd(x, weight, bias, residual)
+    return fp8_linear_fwd(x, weight, bias, residual)[0]
 
 
-def fp8_linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h [..., F], gu [rows, 2F]): gu = x w13^T by :func:`fp8_linear_fwd` (the pre-activations, kept for
-    the backward), h = silu(gate) * up of its halves (``kernels.swiglu``)."""
+def fp8_linear_swiglu_fwd(x: torch.Tensor, w13: torch.Tensor, keep_x: bool = False, keep_w: bool = False):
+    """``(h [..., F], gu [rows, 2F], xt, sxt, wt, swt)``: gu = x w13^T by :func:`fp8_linear_fwd` (the
+    pre-activations, kept for the backward, with its fp8 copies), h = silu(gate) * up of its halves."""
     check_linear_inputs(x, w13, "w13")
     if w13.shape[0] % 2:
         raise ValueError(f"w13 must stack gate and up rows [2F, K]; got an odd first dimension {w13.shape[0]}")
-    gu = fp8_linear_fwd(as_matrix(x, w13.shape[1]), w13)
-    return swiglu_fwd(gu).view(*x.shape[:-1], w13.shape[0] // 2), gu
+    gu, *kept = fp8_linear_fwd(as_matrix(x, w13.shape[1]), w13, keep_x=keep_x, keep_w=keep_w)
+    return (swiglu_fwd(gu).view(*x.shape[:-1], w13.shape[0] // 2), gu, *kept)
 
 
-def fp8_linear_swiglu_bwd(dh: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, gu: torch.Tensor,
-                          need_dx: bool = True, need_dw: bool = True, grad_dtype: torch.dtype = E4M3):
-    """(dx, dw13) from the forward's pre-activations gu [rows, 2F]: dgu = [dgate, dup] by kernels.swiglu's
-    packed backward, then dx and dw13 by :func:`fp8_linear_bwd` (None where not needed)."""
-    dgu = swiglu_bwd(as_matrix(dh, w13.shape[0] // 2), gu)
-    return fp8_linear_bwd(dgu, x, w13, need_dx, need_dw, grad_dtype=grad_dtype)[:2]
+def fp8_linear_swiglu_bwd(dh: torch.Tensor, gu: torch.Tensor, xt: torch.Tensor, sxt: torch.Tensor, wt: torch.Tensor,
+                          swt: torch.Tensor, need_dx: bool = True, need_dw: bool = True,
+                          grad_dtype: torch.dtype = E4M3, w_dtype: torch.dtype | None = None):
+    """(dx [rows, K], dw13) from the forward's pre-activations gu [rows, 2F] and kept copies: dgu = [dgate,
+    dup] by kernels.swiglu's packed backward, then :func:`fp8_linear_bwd` (None where not needed)."""
+    dgu = swiglu_bwd(as_matrix(dh, gu.shape[1] // 2), gu)
+    return fp8_linear_bwd(dgu, xt, sxt, wt, swt, need_dx, need_dw, False, grad_dtype, w_dtype)[:2]
+
+
+def _fp8_linear_swiglu_backward(ctx, dh, *_, bwd=fp8_linear_swiglu_bwd):
+    """``(dx, dw13, None, None, None)`` by ``bwd`` from the saved pre-activations and copies."""
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = bwd(dh, *ctx.saved_tensors, need_dx, need_dw, ctx.grad_dtype, ctx.w_dtype)
+    return (dx.view(ctx.x_shape) if need_dx else None), given(dw, need_dw), None, None, None
 
 
 class Fp8LinearSwiGLUFunction(torch.autograd.Function):
-    """The launchers with kernels.linear's linear_swiglu setup/backward pair (the launcher passed in), the custom
-    op's formula too."""
+    """:func:`fp8_linear_swiglu_fwd` with the pair the custom op's formula has too; returns h."""
 
     @staticmethod
     def forward(ctx, x, w13, grad_dtype):
-        h, gu = fp8_linear_swiglu_fwd(x, w13)
-        _linear_swiglu_setup(ctx, (x, w13, grad_dtype), (h, gu))
-        return h
+        inputs = (x, w13, grad_dtype, ctx.needs_input_grad[1], ctx.needs_input_grad[0])
+        out = fp8_linear_swiglu_fwd(x, w13, *inputs[3:])
+        _fp8_setup(ctx, inputs, out)
+        return out[0]
 
     @staticmethod
     def backward(ctx, dh):
-        return _linear_swiglu_backward(ctx, dh, bwd=fp8_linear_swiglu_bwd)
+        return _fp8_linear_swiglu_backward(ctx, dh)[:3]
 
 
 @compilable
@@ -172,63 +204,88 @@ def fp8_linear_swiglu(x: torch.Tensor, w13: torch.Tensor, *, grad_dtype: torch.d
 # The ops a compiled graph keeps as single nodes, with their fakes and autograd formulas (kernels/custom_op.py);
 # @compilable sends the public functionals to the functions registered by @compiled while torch.compile traces.
 
+def _kept_fake(x: Tensor, K: int, N: int, keep_x: bool, keep_w: bool) -> list[Tensor]:
+    """(xt, sxt, wt, swt) of :func:`fp8_linear_fwd`, shaped, absent where not kept."""
+    q, rows = _fp8_dtype(E4M3), n_rows(x)
+    xt = [x.new_empty((K, rows), dtype=q), x.new_empty(K, dtype=torch.float32)] if keep_x else [absent(x)] * 2
+    wt = [x.new_empty((K, N), dtype=q), x.new_empty(K, dtype=torch.float32)] if keep_w else [absent(x)] * 2
+    return xt + wt
+
+
 @define("tritonllm::fp8_linear_fwd", mutates_args=())
 def fp8_linear_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
-                      grad_dtype: torch.dtype) -> Tensor:
+                      grad_dtype: torch.dtype, keep_x: bool, keep_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                                     Tensor]:
     """:func:`kernels.fp8_linear.fp8_linear_fwd` (``grad_dtype`` is the backward's, kept for its formula)."""
-    return fp8_linear_fwd(x, weight, bias, residual)
+    return fp8_linear_fwd(x, weight, bias, residual, keep_x, keep_w)
 
 
-fake(fp8_linear_fwd_op)(linear_fwd_fake)
+@fake(fp8_linear_fwd_op)
+def _(x, weight, bias, residual, grad_dtype, keep_x, keep_w):
+    N, K = weight.shape
+    return (x.new_empty((*x.shape[:-1], N)), *_kept_fake(x, K, N, keep_x, keep_w))
 
 
 @define("tritonllm::fp8_linear_bwd", mutates_args=())
-def fp8_linear_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool, need_dw: bool, need_db: bool,
-                      grad_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def fp8_linear_bwd_op(dy: Tensor, xt: Tensor, sxt: Tensor, wt: Tensor, swt: Tensor, need_dx: bool, need_dw: bool,
+                      need_db: bool, grad_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)`` of :func:`kernels.fp8_linear.fp8_linear_bwd`, absent where not needed."""
-    dx, dw, db = (g if g is not None else absent(x)
-                  for g in fp8_linear_bwd(dy, x, weight, need_dx, need_dw, need_db, grad_dtype))
+    dx, dw, db = (g if g is not None else absent(dy)
+                  for g in fp8_linear_bwd(dy, xt, sxt, wt, swt, need_dx, need_dw, need_db, grad_dtype, w_dtype))
     return dx, dw, db
 
 
-fake(fp8_linear_bwd_op)(linear_bwd_fake)
+@fake(fp8_linear_bwd_op)
+def _(dy, xt, sxt, wt, swt, need_dx, need_dw, need_db, grad_dtype, w_dtype):
+    N, rows = dy.shape[-1], n_rows(dy)
+    return (dy.new_empty((rows, wt.shape[0])) if need_dx else absent(dy),
+            dy.new_empty((N, xt.shape[0]), dtype=w_dtype) if need_dw else absent(dy),
+            dy.new_empty(N, dtype=w_dtype) if need_db else absent(dy))
 
 
-register_formula(fp8_linear_fwd_op, _linear_setup, _linear_backward, bwd=fp8_linear_bwd_op)
+register_formula(fp8_linear_fwd_op, _fp8_setup, _fp8_linear_backward, bwd=fp8_linear_bwd_op)
 
 
 @compiled("fp8_linear")
 def _compiled_fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, *,
                          grad_dtype: torch.dtype = E4M3) -> Tensor:
     _check_grad_dtype(grad_dtype)
-    return fp8_linear_fwd_op(x, weight, bias, residual, grad_dtype)
+    return fp8_linear_fwd_op(x, weight, bias, residual, grad_dtype, weight.requires_grad, x.requires_grad)[0]
 
 
 @define("tritonllm::fp8_linear_swiglu_fwd", mutates_args=())
-def fp8_linear_swiglu_fwd_op(x: Tensor, w13: Tensor, grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(h, gu)`` of :func:`kernels.fp8_linear.fp8_linear_swiglu_fwd`."""
-    return fp8_linear_swiglu_fwd(x, w13)
+def fp8_linear_swiglu_fwd_op(x: Tensor, w13: Tensor, grad_dtype: torch.dtype, keep_x: bool,
+                             keep_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(h, gu, xt, sxt, wt, swt)`` of :func:`kernels.fp8_linear.fp8_linear_swiglu_fwd`."""
+    return fp8_linear_swiglu_fwd(x, w13, keep_x, keep_w)
 
 
-fake(fp8_linear_swiglu_fwd_op)(linear_swiglu_fwd_fake)
+@fake(fp8_linear_swiglu_fwd_op)
+def _(x, w13, grad_dtype, keep_x, keep_w):
+    two_f, K = w13.shape
+    return (x.new_empty((*x.shape[:-1], two_f // 2)), x.new_empty((n_rows(x), two_f)),
+            *_kept_fake(x, K, two_f, keep_x, keep_w))
 
 
 @define("tritonllm::fp8_linear_swiglu_bwd", mutates_args=())
-def fp8_linear_swiglu_bwd_op(dh: Tensor, x: Tensor, w13: Tensor, gu: Tensor, need_dx: bool, need_dw: bool,
-                             grad_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def fp8_linear_swiglu_bwd_op(dh: Tensor, gu: Tensor, xt: Tensor, sxt: Tensor, wt: Tensor, swt: Tensor, need_dx: bool,
+                             need_dw: bool, grad_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(dx, dw13)`` of :func:`kernels.fp8_linear.fp8_linear_swiglu_bwd`, absent where not needed."""
-    dx, dw = (g if g is not None else absent(x)
-              for g in fp8_linear_swiglu_bwd(dh, x, w13, gu, need_dx, need_dw, grad_dtype))
+    dx, dw = (g if g is not None else absent(dh)
+              for g in fp8_linear_swiglu_bwd(dh, gu, xt, sxt, wt, swt, need_dx, need_dw, grad_dtype, w_dtype))
     return dx, dw
 
 
-fake(fp8_linear_swiglu_bwd_op)(linear_swiglu_bwd_fake)
+@fake(fp8_linear_swiglu_bwd_op)
+def _(dh, gu, xt, sxt, wt, swt, need_dx, need_dw, grad_dtype, w_dtype):
+    return (dh.new_empty((gu.shape[0], wt.shape[0])) if need_dx else absent(dh),
+            dh.new_empty((gu.shape[1], xt.shape[0]), dtype=w_dtype) if need_dw else absent(dh))
 
 
-register_formula(fp8_linear_swiglu_fwd_op, _linear_swiglu_setup, _linear_swiglu_backward, bwd=fp8_linear_swiglu_bwd_op)
+register_formula(fp8_linear_swiglu_fwd_op, _fp8_setup, _fp8_linear_swiglu_backward, bwd=fp8_linear_swiglu_bwd_op)
 
 
 @compiled("fp8_linear_swiglu")
 def _compiled_fp8_linear_swiglu(x: Tensor, w13: Tensor, *, grad_dtype: torch.dtype = E4M3) -> Tensor:
     _check_grad_dtype(grad_dtype)
-    return fp8_linear_swiglu_fwd_op(x, w13, grad_dtype)[0]
+    return fp8_linear_swiglu_fwd_op(x, w13, grad_dtype, w13.requires_grad, x.requires_grad)[0]

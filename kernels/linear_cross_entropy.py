@@ -57,7 +57,7 @@ from .checks import INDEX_DTYPES, check_same_device, check_tensor, needs_grad
 from .device import num_sms
 from .launch import Launch, Plans, next_pow2
 from .custom_op import absent, compilable, compiled, define, fake, given, n_rows, register_formula
-from .fp8 import FP8_MAX, fp8_saturate, fp8_scales, quantize_rows_into
+from .fp8 import FP8_MAX, fp8_saturate, fp8_scales, quantize_into
 from .gemm import as_matrix, gemm, split_fill, split_k_for
 from .linear import check_linear_inputs
 from .softcap import check_cap, softcap_math
@@ -339,13 +339,12 @@ def _fp8_operands(x2, weight, need_dx, chunk, dev):
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     ops = {"x": _fp8_empty(T, H, e4m3, dev), "sx": torch.empty(T, dtype=torch.float32, device=dev),
            "w": _fp8_empty(V, H, e4m3, dev), "sw": torch.empty(V, dtype=torch.float32, device=dev)}
-    quantize_rows_into(x2, ops["x"], ops["sx"], FP8_MAX[e4m3])
-    quantize_rows_into(weight, ops["w"], ops["sw"], FP8_MAX[e4m3])
     if need_dx:
         ops.update(wt=_fp8_empty(H, V, e4m3, dev), swt=torch.empty(H, dtype=torch.float32, device=dev),
                    g=_fp8_empty(min(chunk, T), V, e5m2, dev), sg=torch.empty(min(chunk, T), dtype=torch.float32,
                                                                             device=dev))
-        quantize_rows_into(weight.t(), ops["wt"], ops["swt"], FP8_MAX[e4m3])
+    quantize_into(x2, FP8_MAX[e4m3], ops["x"], ops["sx"])
+    quantize_into(weight, FP8_MAX[e4m3], ops["w"], ops["sw"], ops.get("wt"), ops.get("swt"))
     return ops
 
 

@@ -70,6 +70,23 @@ def test_each_gemm_is_the_product_of_its_dequantized_operands(shape, extras, gra
         assert torch.equal(grads[3], dy)
 
 
+@pytest.mark.parametrize("trained", ["both", "x", "weight"])
+def test_backward_keeps_the_fp8_copies_its_gradients_need(trained):
+    """The layer keeps q(x^T) (for dW) and q(W^T) (for dx), one byte an element on the GPU, not x or W, and
+    only those the gradients asked for need: a frozen weight keeps no q(x^T), an input without a gradient
+    no q(W^T)."""
+    x, w = randn(5, 70).to(DTYPE), (randn(33, 70) * 0.1).to(DTYPE)
+    x.requires_grad_(trained in ("both", "x"))
+    w.requires_grad_(trained in ("both", "weight"))
+    y = fp8_linear(x, w)
+    xt, sxt, wt, swt = y.grad_fn.saved_tensors
+    assert xt.shape == ((70, 5) if w.requires_grad else (0,)) and sxt.numel() == (70 if w.requires_grad else 0)
+    assert wt.shape == ((70, 33) if x.requires_grad else (0,)) and swt.numel() == (70 if x.requires_grad else 0)
+    assert all(t.dtype == (E4M3 if ON_GPU else torch.float32) for t in (xt, wt) if t.numel())
+    grads = torch.autograd.grad(y, [t for t in (x, w) if t.requires_grad], torch.ones_like(y))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def test_close_to_the_unquantized_layer():
     """The layer against float64 without quantization: e4m3 keeps 3 mantissa bits (relative rounding up to
     2^-4 per operand), which averages down over the K (or N, M) products of each output."""

@@ -15,7 +15,7 @@ import torch
 
 from _checks import DEVICE, ON_GPU, assert_close, randn
 from tritonllm.kernels import linear_cross_entropy
-from tritonllm.kernels.fp8 import FP8_MAX, quantize_rows, quantize_rows_into
+from tritonllm.kernels.fp8 import FP8_MAX, quantize, quantize_into
 from tritonllm.kernels.gemm import gemm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -47,20 +47,44 @@ SHAPES = [(1, 5), (5, 70), (37, 300), (64, 33)]
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("layout", ["rows", "transposed", "strided"])
 def test_quantize_scale_math(shape, fmt, layout, poisoned_empty):
-    """float32 output: q = clamp(x F / amax) and s = amax / F exactly, per row; an all-zero row gets
-    s = 1 and q = 0; the transposed view quantizes W^T's rows (W's columns)."""
+    """float32 output: q = clamp(x F / amax) and s = amax / F exactly, per row and (qt, x^T's rows) per
+    column; an all-zero row or column gets s = 1 and q = 0; a transposed view quantizes W^T's rows."""
     R, N = shape
     src = randn(N, R) if layout == "transposed" else randn(R, 2 * N if layout == "strided" else N) * 3
     x = {"rows": src, "transposed": src.t(), "strided": src[:, ::2]}[layout]
     if R > 2:
         x[1] = 0.0
-    q = torch.empty(R, N, device=DEVICE)
-    s = torch.empty(R, device=DEVICE)
-    quantize_rows_into(x, q, s, FP8_MAX[fmt])
-    q_ref, s_ref = quantize_ref(x, FP8_MAX[fmt])
-    assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
-    top = q.abs().amax(dim=1)[x.abs().amax(dim=1) > 0]  # each row's largest value lands on F (to an ulp)
-    assert ((top <= FP8_MAX[fmt]) & (top >= FP8_MAX[fmt] * (1 - 2 ** -22))).all()
+    if N > 3:
+        x[:, 2] = 0.0
+    q, qt = torch.empty(R, N, device=DEVICE), torch.empty(N, R, device=DEVICE)
+    s, st = torch.empty(R, device=DEVICE), torch.empty(N, device=DEVICE)
+    quantize_into(x, FP8_MAX[fmt], q, s, qt, st)
+    for name, got, scale, src_rows in (("rows", q, s, x), ("columns", qt, st, x.t())):
+        q_ref, s_ref = quantize_ref(src_rows, FP8_MAX[fmt])
+        assert torch.equal(scale, s_ref) and torch.equal(got, q_ref), name
+        top = got.abs().amax(dim=1)[src_rows.abs().amax(dim=1) > 0]  # each row's largest value lands on F (to an ulp)
+        assert ((top <= FP8_MAX[fmt]) & (top >= FP8_MAX[fmt] * (1 - 2 ** -22))).all(), name
+
+
+def test_quantize_one_layout_leaves_the_other():
+    """rows only or columns only: the same values as both at once, None for the layout not asked for."""
+    x = randn(37, 70)
+    both = quantize(x, E4M3, rows=True, cols=True)
+    rows, cols = quantize(x, E4M3, rows=True, cols=False), quantize(x, E4M3, rows=False, cols=True)
+    assert rows[2] is None and rows[3] is None and cols[0] is None and cols[1] is None
+    assert all(torch.equal(a, b) for a, b in zip(both, rows[:2] + cols[2:]))
+
+
+def test_quantize_non_finite_scales():
+    """A row (and column) holding NaN gets a NaN scale and one holding inf an infinite scale, so the GEMM's
+    output there is not finite; the other rows' scales are untouched."""
+    x = randn(6, 40)
+    clean = quantize(x, E4M3, cols=True)
+    x[1, 3], x[4, 7] = float("nan"), float("inf")
+    _, s, _, st = quantize(x, E4M3, cols=True)
+    assert s[1].isnan() and s[4].isinf() and st[3].isnan() and st[7].isinf()
+    keep_r, keep_c = [0, 2, 3, 5], [c for c in range(40) if c not in (3, 7)]
+    assert torch.equal(s[keep_r], clean[1][keep_r]) and torch.equal(st[keep_c], clean[3][keep_c])
 
 
 @pytest.mark.parametrize("shape", [(1, 17, 9), (37, 100, 23), (64, 48, 130)], ids=lambda s: "x".join(map(str, s)))
@@ -86,9 +110,9 @@ def test_fp8_refused_without_fp8_tensor_cores():
         linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.int64, device=DEVICE), fp8=True)
 
 
-def test_quantize_rows_bad_dtype():
+def test_quantize_bad_dtype():
     with pytest.raises(TypeError, match="dtype"):
-        quantize_rows(randn(3, 4), torch.float16)
+        quantize(randn(3, 4), torch.float16)
 
 
 # ----------------------------------------------------------------------------- GPU: fp8
@@ -106,13 +130,15 @@ needs_fp8 = pytest.mark.skipif(not fp8_capable(), reason="needs a GPU with fp8 t
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 def test_quantize_fp8_bits(fmt, transposed):
-    """fp8 output: the same bits as PyTorch's round-to-nearest-even cast of the float32 math."""
+    """fp8 output, per row and per column: the same bits as PyTorch's round-to-nearest-even cast of the
+    float32 math."""
     src = randn(300, 1000, dtype=torch.bfloat16) * 5
     x = src.t() if transposed else src
-    q, s = quantize_rows(x, fmt)
-    q_ref, s_ref = quantize_ref(x, FP8_MAX[fmt])
-    assert q.dtype == fmt and q.is_contiguous() and torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.to(fmt).view(torch.uint8))
+    q, s, qt, st = quantize(x, fmt, cols=True)
+    for got, scale, rows in ((q, s, x), (qt, st, x.t())):
+        q_ref, s_ref = quantize_ref(rows, FP8_MAX[fmt])
+        assert got.dtype == fmt and got.is_contiguous() and torch.equal(scale, s_ref)
+        assert torch.equal(got.view(torch.uint8), q_ref.to(fmt).view(torch.uint8))
 
 
 def row_losses(logits, t, label_smoothing=0.0, z_loss=0.0, softcap=None):

@@ -29,18 +29,40 @@ import torch.nn.functional as F
 from tritonllm.bench.harness import Case, compiled, liger_available
 from tritonllm.bench.ops_linear import SHAPES, gemm_flops, lce_liger, lce_torch, random_weight
 from tritonllm.kernels import linear, linear_cross_entropy
-from tritonllm.kernels.fp8 import quantize_rows
+from tritonllm.kernels.fp8 import quantize
 from tritonllm.kernels.fp8_linear import fp8_linear
 from tritonllm.kernels.gemm import gemm
 
-OPS = ["fp8_gemm", "fp8_linear", "linear_cross_entropy_fp8"]
+OPS = ["fp8_quantize", "fp8_gemm", "fp8_linear", "linear_cross_entropy_fp8"]
 E4M3 = torch.float8_e4m3fn
+
+
+def _rows_and_columns_torch(x: torch.Tensor):
+    """x [R, C] quantized to e4m3 per row and per column (its transpose's rows, contiguous) in PyTorch, the
+    casts torchao's rowwise recipe makes of an operand both GEMMs of a layer read."""
+    out = []
+    for t in (x, x.t()):
+        amax = t.abs().amax(dim=1, keepdim=True).float()
+        scale = torch.where(amax > 0, amax / 448.0, 1.0)
+        out += [(t.float() / scale).clamp(-448.0, 448.0).to(E4M3).contiguous(), scale]
+    return tuple(out)
+
+
+def _quantize_case(r: int, c: int, what: str) -> Case:
+    """One operand of a linear layer (x, W or dy of its shape) quantized both ways: ours in two passes over
+    x (kernels.fp8.quantize), against PyTorch's casts under torch.compile. Bytes: x read once, both copies
+    written (the least any kernel moves)."""
+    return Case("fp8_quantize", f"{r}x{c} ({what})", torch.bfloat16,
+                lambda: (torch.randn(r, c, device="cuda", dtype=torch.bfloat16),),
+                ours=lambda x: quantize(x, E4M3, rows=True, cols=True),
+                baselines={"torch.compile": compiled(_rows_and_columns_torch)},
+                bytes={"fwd": 4.0 * r * c}, passes=("fwd",))
 
 
 def _fp8_gemm_case(m: int, k: int, n: int, product: str) -> Case:
     def make_inputs():
-        qa, sa = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), E4M3)
-        qb, sb = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5, E4M3)
+        qa, sa, _, _ = quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), E4M3)
+        qb, sb, _, _ = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5, E4M3)
         return qa, sa, qb, sb
 
     def ours(qa, sa, qb, sb):
@@ -100,10 +122,14 @@ def _fp8_head_case(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> 
 
 
 def cases(size: str, dtype: torch.dtype):
-    """The FP8 GEMM at the three products of each ``linear`` shape of ``size`` ("default" or "large"), the
-    FP8 layer at those shapes, the FP8 head at the ``linear_cross_entropy`` shapes."""
+    """The quantization of each operand of each ``linear`` shape of ``size`` ("default" or "large"), the
+    FP8 GEMM at the three products of those shapes, the FP8 layer at those shapes, the FP8 head at the
+    ``linear_cross_entropy`` shapes."""
     if size not in SHAPES:
         raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
+    for m, k, n in SHAPES[size]["linear"]:
+        for shape, what in (((m, k), "x"), ((n, k), "W"), ((m, n), "dy")):
+            yield _quantize_case(*shape, what)
     for m, k, n in SHAPES[size]["linear"]:
         for shape, product in (((m, k, n), "fwd"), ((m, n, k), "dx"), ((n, m, k), "dW")):
             yield _fp8_gemm_case(*shape, product)
