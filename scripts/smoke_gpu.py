@@ -3,17 +3,19 @@ the GPU path, each under a deadline, so that a command whose code changed is see
 is published.
 
 Each case is a command, a deadline in seconds, the exit code it must end with and a regular expression a line
-of its output must match (the line checked). The cases run in order (later ones read what earlier ones
-wrote: the checkpoint of the training run). Results go to ``<out>/smoke-<gpu>.json``:
+of its output must match (the line checked). A case that reads what another wrote (the training run's
+checkpoint) runs after it (``AFTER``); the chains so formed run ``--jobs`` at a time (the tiny runs leave
+the GPU mostly idle, so the whole fits in minutes). Results go to ``<out>/smoke-<gpu>.json``:
 ``{"gpu", "host_cpu", "commit", "date", "results": [{"name", "command", "rc", "expected_rc", "seconds",
 "deadline_s", "ok", "line"}]}``; logs to ``<out>/smoke-logs/<name>.log``. Exit status 1 if any case failed.
 
-    python scripts/smoke_gpu.py [--out docs/perf] [--only name,name] [--work /tmp/tritonllm-smoke]
+    python scripts/smoke_gpu.py [--out docs/perf] [--only name,name] [--jobs 3] [--work /tmp/tritonllm-smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -21,6 +23,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +110,27 @@ finally:
 """
 
 
+#: case -> the case whose output it reads (it runs after it, in the same chain)
+AFTER = {"resume": "train", "generate": "resume", "hf_export": "generate", "studio": "hf_export",
+         "dist_export": "torchrun", "generate_hf": "hf_folder", "generate_chat": "generate_hf",
+         "lora_sft": "generate_chat"}
+
+
+def chains(names: list[str]) -> list[list[str]]:
+    """``names`` (in run order) as chains: each case after the one it reads (``AFTER``) where that one is among
+    ``names``, else at the head of a chain of its own."""
+    tail = {}
+    out: list[list[str]] = []
+    for name in names:
+        chain = tail.get(AFTER.get(name, ""))
+        if chain is None:
+            chain = []
+            out.append(chain)
+        chain.append(name)
+        tail[name] = chain
+    return out
+
+
 def cases(work: Path) -> list[tuple[str, list[str], int, int, str]]:
     """(name, argv, deadline s, expected rc, regex of the line checked) in run order."""
     run = work / "run"
@@ -187,6 +211,7 @@ def main() -> int:
     p.add_argument("--out", default="docs/perf", help="folder for smoke-<gpu>.json and smoke-logs/")
     p.add_argument("--work", default="/tmp/tritonllm-smoke", help="scratch folder for runs and checkpoints")
     p.add_argument("--only", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--jobs", type=int, default=3, help="chains of cases run at once (1: one case at a time)")
     args = p.parse_args()
     import torch
 
@@ -207,17 +232,32 @@ def main() -> int:
     doc = {"gpu": torch.cuda.get_device_name(), "host_cpu": host_cpu_model(), "torch": torch.__version__,
            "commit": commit, "date": datetime.date.today().isoformat(), "results": []}
     path = out / f"smoke-{gpu_slug()}.json"
+    selected = [c for c in cases(work) if not only or c[0] in only]
+    by_name = {c[0]: c for c in selected}
+    order = [c[0] for c in selected]
+    done: dict[str, dict] = {}
+    lock = threading.Lock()
+
+    def run_chain(chain: list[str]) -> None:
+        for name in chain:
+            r = run_case(*by_name[name], logs)
+            with lock:
+                done[name] = r
+                doc["results"] = [done[n] for n in order if n in done]
+                print(f"{'ok  ' if r['ok'] else 'FAIL'} {name:<26} rc {r['rc']:>3} {r['seconds']:7.1f} s  "
+                      f"{r['line'][:100]}", flush=True)
+                path.write_text(json.dumps(doc, indent=1) + "\n")  # after every case: a run cut short keeps what ran
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for future in [pool.submit(run_chain, chain) for chain in chains(order)]:
+            future.result()
+    doc["wall_s"] = round(time.perf_counter() - started, 1)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
     results = doc["results"]
-    for name, argv, deadline, expected, pattern in cases(work):
-        if only and name not in only:
-            continue
-        r = run_case(name, argv, deadline, expected, pattern, logs)
-        results.append(r)
-        print(f"{'ok  ' if r['ok'] else 'FAIL'} {name:<26} rc {r['rc']:>3} {r['seconds']:7.1f} s  {r['line'][:100]}",
-              flush=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")  # after every case: a run cut short keeps what ran
     failed = [r["name"] for r in results if not r["ok"]]
-    print(f"wrote {path}: {len(results) - len(failed)}/{len(results)} ok" + (f"; failed: {failed}" if failed else ""))
+    print(f"wrote {path}: {len(results) - len(failed)}/{len(results)} ok in {doc['wall_s']} s"
+          + (f"; failed: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +247,21 @@ def test_text_files_without_text_are_named(tmp_path, content, message):
     with pytest.raises(DataError) as e:
         load_corpus(cfg.data)
     assert str(e.value) == message.format(folder)
+
+
+def test_smoke_gpu_chains_keep_each_case_after_what_it_reads(tmp_path):
+    """scripts/smoke_gpu.py runs chains of cases at once: every case that reads another's output (AFTER) is
+    in that case's chain, after it; every case is in exactly one chain."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smoke_gpu", Path(__file__).parents[1] / "scripts" / "smoke_gpu.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    names = [c[0] for c in smoke.cases(tmp_path)]
+    assert set(smoke.AFTER) | set(smoke.AFTER.values()) <= set(names)
+    chains = smoke.chains(names)
+    assert sorted(n for c in chains for n in c) == sorted(names)
+    where = {n: (i, c.index(n)) for i, c in enumerate(chains) for n in c}
+    for case, before in smoke.AFTER.items():
+        assert where[case][0] == where[before][0] and where[case][1] > where[before][1], case
+    assert smoke.chains(["generate", "patch"]) == [["generate"], ["patch"]]
