@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [sm90] [contention] [train] [trainrun] [smoke] [finetune] [evolve]
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [sm90] [contention] [train] [trainrun] [smoke] [parity] [finetune] [evolve]
 #        (default: tests bench)
 # contention: scripts/sm_contention.py (CONTENTION_ARGS): our GEMM against cuBLAS with some SMs held
 # sm90: the Gluon kernels' GPU tests (-k sm90: attention forward and backward, the WS GEMM; spread over the
@@ -74,6 +74,10 @@ for stage in $stages; do
             timeout ${SMOKE_TIMEOUT:-560} python3 scripts/smoke_gpu.py --out "$OUT" ${SMOKE_ONLY:+--only $SMOKE_ONLY} 2>&1 \
                 | tee "$OUT/smoke.log" | tail -${TAIL:-40}
             tar czf "$OUT/smoke-logs.tar.gz" -C "$OUT" smoke-logs && rm -rf "$OUT/smoke-logs" ;;
+        parity)  # scripts/fp8_parity.py: MODEL trained PARITY_STEPS steps in bf16 and in fp8 on PARITY_DATA, curves compared
+            timeout ${PARITY_TIMEOUT:-560} python3 scripts/fp8_parity.py --model ${MODEL:-void125m} --steps ${PARITY_STEPS:-2000} \
+                --out "$OUT" -- ${PARITY_DATA:-data=stdlib data.packages=true data.max_bytes=300000000 data.tokenizer_bytes=20000000} \
+                2>&1 | tee "$OUT/parity.log" | tail -${TAIL:-20} ;;
         finetune)
             timeout ${FINETUNE_TIMEOUT:-500} python3 -m tritonllm.bench finetune ${FINETUNE_ARGS:---config tinyllama --batch 4 --seq-len 2048 --rank 16 --steps 10 --warmup 3} \
                 --out "$OUT" 2>&1 | tee "$OUT/finetune.log" | tail -${TAIL:-40} ;;

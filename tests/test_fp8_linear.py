@@ -183,3 +183,28 @@ def test_compiles_to_the_custom_ops_with_eager_values(swiglu):
         outs.append((y, *torch.autograd.grad(y, [x, w], torch.ones_like(y))))
     for name, a, b in zip(("y", "dx", "dW"), *outs):
         assert torch.equal(a, b), name
+
+
+def test_parity_script_compares_the_validation_curves(tmp_path):
+    """scripts/fp8_parity.py's summary of two runs' metrics.jsonl: the final ratio, the largest gap at a common
+    step, and divergence (a non-finite loss, or the last validation loss above the first)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("fp8_parity", Path(__file__).parents[1] / "scripts" / "fp8_parity.py")
+    parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parity)
+    curves = {}
+    for name, vals in (("bf16", [5.0, 4.0, 3.0]), ("fp8", [5.1, 4.0, 3.015])):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for step, v in zip((100, 200, 300), vals):
+                f.write(json.dumps({"kind": "train", "step": step, "loss": v + 0.1}) + "\n")
+                f.write(json.dumps({"kind": "val", "step": step, "val_loss": v}) + "\n")
+        curves[name], train = parity.read_curves(tmp_path / name)
+        assert train[0] == [100, vals[0] + 0.1]
+    got = parity.summarize(curves)
+    assert got["ratio"] == 1.005 and got["max_gap"] == 0.02 and got["within_1pct"] and not got["diverged"]
+    curves["fp8"][-1][1] = float("nan")
+    assert parity.summarize(curves)["diverged"]
