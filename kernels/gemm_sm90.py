@@ -40,10 +40,12 @@ CONFIGS = [(128, 256, 64, 3, False), (128, 128, 64, 4, False), (128, 128, 64, 5,
 #: the same for the gated (SwiGLU) forward: two accumulators (gate, up) of BLOCK_M x BLOCK_N each and
 #: a B ring twice as deep (4 stages of 128 x 128: 224 KiB with c_smem)
 GATED_CONFIGS = [(128, 128, 64, 3, False), (128, 128, 64, 4, False), (64, 128, 64, 4, True), (64, 128, 64, 3, True)]
-#: the same for fp8 operands: a BLOCK_K of 128 one-byte elements (a 128-byte swizzled row, the promotion
-#: interval); 128 x 128 tiles, since the promotion keeps a second fp32 accumulator in registers
+#: the same for fp8 operands: a BLOCK_K of 128 or 256 one-byte elements, the promotion interval (the wgmma's
+#: limited-precision sums go into the fp32 tile once per K step, and the compiler waits for each step's products
+#: before it adds them, ptxas C7517: 256 halves those waits); 128 x 128 tiles, since the promotion keeps a second
+#: fp32 accumulator in registers (128 x 256 spills, 464 bytes a thread)
 FP8_CONFIGS = [(128, 128, 128, 4, False), (128, 128, 128, 5, False), (128, 128, 128, 4, True),
-               (128, 128, 128, 3, True), (64, 128, 128, 5, True)]
+               (128, 128, 128, 3, True), (64, 128, 128, 5, True), (128, 128, 256, 3, False), (128, 128, 256, 2, True)]
 #: registers per thread of the producer warp (setmaxnreg; the consumers get what is left)
 LOAD_REGS = gl.constexpr(40)
 #: slots of the ring through which the producer hands tile indices to the consumers: how many tiles it
