@@ -208,6 +208,7 @@ RESUME_FREE_KEYS = ("out_dir", "device", "logger.", "data.cache_dir", "trainer.m
                     "trainer.log_interval", "trainer.eval_interval", "trainer.eval_batches", "trainer.progress",
                     "trainer.sample_", "trainer.gpu_telemetry", "trainer.control", "trainer.peak_flops",
                     "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel", "trainer.precision",
+                    "trainer.activation_checkpointing",
                     "trainer.gemm_")
 
 
@@ -401,6 +402,7 @@ def build_run(cfg, cleanup: contextlib.ExitStack) -> Run:
     from tritonllm.hf import init_run_model
     from tritonllm.models import build_model
     from tritonllm.nn.fp8 import apply_precision
+    from tritonllm.nn.recompute import apply_activation_checkpointing
 
     torch.manual_seed(cfg.seed)
     mode = resolve_parallel(tr.parallel, env, model_cfg.param_count())
@@ -408,6 +410,7 @@ def build_run(cfg, cleanup: contextlib.ExitStack) -> Run:
     model = build_model(model_cfg, device=env.device, dtype=torch.float32 if mode == "fsdp" else dtype)
     init_run_model(model, cfg)  # Hugging Face weights (model.path), LoRA (+lora=...)
     apply_precision(model, tr.precision)  # fp8 linear layers (trainer.precision=fp8)
+    apply_activation_checkpointing(model, tr.activation_checkpointing)
     parallel = parallelize(model, mode, env, compute_dtype=dtype, gemm_grid=tr.gemm_grid,
                            gemm_sm_margin=tr.gemm_sm_margin)
     master = cfg.optim.master_weights
