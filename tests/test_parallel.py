@@ -46,6 +46,7 @@ TWO = ["device=cpu", "trainer.batch_size=2", "trainer.grad_accum=2"]
 #: after ONE / TWO: Muon (lr 0.02) for the block matrices, AdamW (TINY's optim.lr) for the rest; three
 #: steps of one micro-batch (the accumulation is the AdamW runs' to test), checkpoints at 2 and 3
 MUON = ["optim=muon", "trainer.grad_accum=1", "trainer.max_steps=3"]
+FP8 = ["trainer.precision=fp8", "trainer.max_steps=3"]
 
 
 def free_port() -> int:
@@ -109,14 +110,16 @@ def runs(tmp_path_factory, data_overrides):
     ``ddp`` / ``fsdp`` (two ranks), ``fsdp_from1`` (two ranks resuming fsdp1's step 2), ``fsdp_from_plain``
     (two FSDP2 ranks resuming ref's single-process step 2) and ``plain_from2`` (one plain process
     resuming the two-rank FSDP2 step 2); with optim=muon: ``muon_ref``, ``muon_ddp``, ``muon_fsdp``,
-    ``muon_fsdp_from_plain`` (muon_ref's step 2) and ``muon_plain_from2`` (muon_fsdp's step 2)."""
+    ``muon_fsdp_from_plain`` (muon_ref's step 2) and ``muon_plain_from2`` (muon_fsdp's step 2); with
+    trainer.precision=fp8: ``fp8_ref``, ``fp8_ddp``, ``fp8_fsdp``."""
     tmp = tmp_path_factory.mktemp("parallel")
     base = [*TINY, *data_overrides]
     out = {name: tmp / name for name in ("ref", "fsdp1", "ddp", "fsdp", "fsdp_from1", "fsdp_from_plain",
                                          "plain_from2", "muon_ref", "muon_ddp", "muon_fsdp", "muon_fsdp_from_plain",
-                                         "muon_plain_from2")}
+                                         "muon_plain_from2", "fp8_ref", "fp8_ddp", "fp8_fsdp")}
     train(compose_train(*base, *ONE, f"out_dir={out['ref']}"))
     train(compose_train(*base, *ONE, *MUON, f"out_dir={out['muon_ref']}"))
+    train(compose_train(*base, *ONE, *FP8, f"out_dir={out['fp8_ref']}"))
     group_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(free_port())}
     saved = {k: os.environ.get(k) for k in group_env}
@@ -136,7 +139,9 @@ def runs(tmp_path_factory, data_overrides):
         [*base, *TWO, *MUON, "trainer.parallel=ddp", f"out_dir={out['muon_ddp']}"],
         [*base, *TWO, *MUON, "trainer.parallel=fsdp", f"out_dir={out['muon_fsdp']}"],
         [*base, *TWO, *MUON, "trainer.parallel=fsdp", f"out_dir={out['muon_fsdp_from_plain']}",
-         f"trainer.resume={out['muon_ref']}/checkpoints/step_00000002"]]}, tmp)
+         f"trainer.resume={out['muon_ref']}/checkpoints/step_00000002"],
+        [*base, *TWO, *FP8, "trainer.parallel=ddp", f"out_dir={out['fp8_ddp']}"],
+        [*base, *TWO, *FP8, "trainer.parallel=fsdp", f"out_dir={out['fp8_fsdp']}"]]}, tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     train(compose_train(*base, *ONE, f"out_dir={out['plain_from2']}",
                         f"trainer.resume={out['fsdp']}/checkpoints/step_00000002"))
@@ -238,6 +243,19 @@ def test_muon_under_ddp_and_fsdp_matches_one_process(runs):
         assert read_metrics(str(runs[name]), "train")[0]["tokens"] == 4 * 32
     assert_losses_close(losses(runs["muon_plain_from2"]), ref, [3])
     assert_losses_close(losses(runs["muon_fsdp_from_plain"]), ref, [3])
+
+
+@cpu_only
+def test_fp8_under_ddp_and_fsdp_matches_one_process(runs):
+    """trainer.precision=fp8 under DDP and FSDP2 (the all-gathered bf16 weights quantized by each rank): the
+    first loss is the one process's (rows quantize alike), the later ones differ only by the per-column
+    quantization of each rank's micro-batch of 2 sequences where the one process's holds 4."""
+    ref = losses(runs["fp8_ref"])
+    assert sorted(ref) == [1, 2, 3] and ref[3] < ref[1]
+    for name in ("fp8_ddp", "fp8_fsdp"):
+        got = losses(runs[name])
+        assert sorted(got) == [1, 2, 3] and abs(got[1] - ref[1]) <= 1e-5 * ref[1], (name, got, ref)
+        assert all(abs(got[s] - ref[s]) <= 5e-3 * ref[s] for s in (2, 3)), (name, got, ref)
 
 
 @cpu_only
