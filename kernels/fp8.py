@@ -167,8 +167,8 @@ def quantize_into(x: torch.Tensor, fp8_max: float, q: torch.Tensor | None = None
     grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
     amax = torch.zeros(R + C, dtype=torch.int32, device=x.device)
     _amax_kernel[grid](x, x.stride(0), x.stride(1), amax, R, C, ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c)
-    q_args = (q, q.stride(0), q.stride(1), scale) if rows else (amax, 0, 0, amax)
-    t_args = (qt, qt.stride(0), qt.stride(1), scale_t) if cols else (amax, 0, 0, amax)
+    q_args = (q, q.stride(0), q.stride(1), scale) if q is not None else (amax, 0, 0, amax)
+    t_args = (qt, qt.stride(0), qt.stride(1), scale_t) if qt is not None else (amax, 0, 0, amax)
     _quantize_kernel[grid](x, x.stride(0), x.stride(1), amax, *q_args, *t_args, R, C, float(fp8_max), ROWS=rows,
                            COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c, EMULATE=emulate is not None,
                            MANTISSA=mantissa, MIN_EXP=min_exp)
@@ -186,8 +186,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, rows: bo
         raise TypeError(f"dtype must be one of {[str(d) for d in FP8_MAX]}, got {dtype}")
     emulate = dtype if interpreting() else None
     R, C = x.shape
-    out = dict(dtype=torch.float32 if emulate else dtype, device=x.device)
-    q, scale = (torch.empty((R, C), **out), torch.empty(R, dtype=torch.float32, device=x.device)) if rows else (None, None)
-    qt, scale_t = (torch.empty((C, R), **out), torch.empty(C, dtype=torch.float32, device=x.device)) if cols else (None, None)
+    q_dtype = torch.float32 if emulate else dtype
+    q, scale = (torch.empty((R, C), dtype=q_dtype, device=x.device),
+                torch.empty(R, dtype=torch.float32, device=x.device)) if rows else (None, None)
+    qt, scale_t = (torch.empty((C, R), dtype=q_dtype, device=x.device),
+                   torch.empty(C, dtype=torch.float32, device=x.device)) if cols else (None, None)
     quantize_into(x, FP8_MAX[dtype], q, scale, qt, scale_t, emulate)
     return q, scale, qt, scale_t

@@ -128,8 +128,8 @@ def cases(size: str, dtype: torch.dtype):
     if size not in SHAPES:
         raise ValueError(f"size must be one of {sorted(SHAPES)}, got {size!r}")
     for m, k, n in SHAPES[size]["linear"]:
-        for shape, what in (((m, k), "x"), ((n, k), "W"), ((m, n), "dy")):
-            yield _quantize_case(*shape, what)
+        for (r, c), what in (((m, k), "x"), ((n, k), "W"), ((m, n), "dy")):
+            yield _quantize_case(r, c, what)
     for m, k, n in SHAPES[size]["linear"]:
         for shape, product in (((m, k, n), "fwd"), ((m, n, k), "dx"), ((n, m, k), "dW")):
             yield _fp8_gemm_case(*shape, product)
