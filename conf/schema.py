@@ -1,6 +1,6 @@
 """Typed schemas of the config groups (Hydra structured configs, registered in the ConfigStore).
 
-Each YAML option of ``trainer/``, ``optim/``, ``sched/``, ``data/``, ``logger/`` and ``generate.yaml``
+Each YAML option of ``trainer/``, ``optim/``, ``sched/``, ``data/``, ``logger/``, ``generate.yaml`` and ``export.yaml``
 starts its defaults list with its schema (``- /schema/<group>/<option>@_here_``), so a value of the
 wrong type (``trainer.max_steps=2.5``, ``optim.lr=abc``) or a key the schema lacks fails when Hydra
 composes the config, before anything runs. Ranges and allowed values, which OmegaConf does not
@@ -211,6 +211,19 @@ class GenerateConfig:
     dtype: str = _f("auto", choices=("auto", "bf16", "fp32"))
 
 
+# ----------------------------------------------------------------------------- export (conf/export.yaml)
+
+@dataclass
+class ExportConfig:
+    ckpt: Optional[str] = None
+    out: Optional[str] = None
+    adapters_only: bool = False
+    dtype: str = _f("auto", choices=("auto", "bf16", "fp16", "fp32"))
+    architecture: Optional[str] = None  # checked by tritonllm.hf.hf_config_from
+    overwrite: bool = False
+    device: str = "auto"
+
+
 # ----------------------------------------------------------------------------- evolve (conf/evolve.yaml)
 
 @dataclass
@@ -259,12 +272,13 @@ SCHEMAS = {
 
 def register() -> None:
     """Store every schema in Hydra's ConfigStore (``schema/<group>/<option>``, ``schema/generate``,
-    ``schema/evolve``)."""
+    ``schema/export``, ``schema/evolve``)."""
     cs = ConfigStore.instance()
     for group, options in SCHEMAS.items():
         for name, node in options.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
     cs.store(group="schema", name="generate", node=GenerateConfig)
+    cs.store(group="schema", name="export", node=ExportConfig)
     cs.store(group="schema", name="evolve", node=EvolveConfig)
 
 

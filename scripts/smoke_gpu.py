@@ -74,13 +74,15 @@ rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "con
 print(f"hf folder: {folder}")
 """
 
-#: our run's newest checkpoint as a Hugging Face folder, loaded by transformers: the same logits (argv: run, out)
+#: our run's newest checkpoint as a Hugging Face folder, loaded by transformers: the same logits (argv: run, out;
+#: a third argument: out was written by python -m tritonllm.export, only compared here)
 HF_EXPORT_SNIPPET = """
 import sys, torch, transformers
 from tritonllm.generate import load_newest_for_generation
 from tritonllm.hf import save_hf_model
 _, model, _ = load_newest_for_generation(sys.argv[1], torch.device("cuda"), torch.float32)
-save_hf_model(model, sys.argv[2])
+if len(sys.argv) < 4:
+    save_hf_model(model, sys.argv[2])
 hf = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2], torch_dtype=torch.float32).cuda()
 x = torch.randint(0, model.cfg.vocab_size, (2, 32), device="cuda")
 with torch.no_grad():
@@ -176,6 +178,10 @@ def cases(work: Path) -> list[tuple[str, list[str], int, int, str]]:
                       "trainer.seq_len=32", "trainer.max_steps=6", "trainer.eval_interval=3", "trainer.eval_batches=1",
                       "trainer.ckpt_interval=null", "trainer.progress=false", f"hydra.run.dir={work / 'sft'}"], 300, 0,
          r"done: validation loss"),
+        ("export", [PY, "-m", "tritonllm.export", f"ckpt={work / 'sft'}", f"out={work / 'sft_export'}", "dtype=fp32"],
+         180, 0, r"^exported .*LoRA adapters merged"),
+        ("export_check", [PY, "-c", HF_EXPORT_SNIPPET, str(work / "sft"), str(work / "sft_export"), "exported"], 180, 0,
+         r"^hf export"),
         ("hf_export", [PY, "-c", HF_EXPORT_SNIPPET, str(run), str(work / "hf_export")], 180, 0, r"^hf export"),
         ("dist_export", [PY, "-m", "tritonllm.train.dist_checkpoint", "export", str(work / "torchrun" / "checkpoints"),
                          str(work / "dist_export")], 120, 0, r"\S"),

@@ -36,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY_POINTS = {
     "tritonllm.train": "test_train.py (runs, resume, multirun), test_parallel.py (torchrun), test_robustness.py",
     "tritonllm.generate": "test_train.py::test_generate_cli, test_generate_hf.py",
+    "tritonllm.export": "test_export_cli.py (a run merged and its LoRA adapters, loaded by transformers and PEFT)",
     "tritonllm.evolve": "test_evolve.py (a search with a stand-in evaluator)",
     "tritonllm.evolve.sandbox": "test_evolve.py (each candidate's child process)",
     "tritonllm.studio": "test_studio.py (the server answering its API), test_studio_browser.py",
@@ -184,6 +185,7 @@ CHILD = [
     (["tritonllm.bench.finetune", "--config", "huge"], "argument --config: invalid choice: 'huge'"),
     (["tritonllm.train", "+model=void_tiny", "--lr", "3e-3"], "unrecognized arguments: --lr (settings are key=value"),
     (["tritonllm.generate", "ckpt=/nonexistent/run", "prompt=x"], "/nonexistent/run"),
+    (["tritonllm.export", "ckpt=/nonexistent/run", "out=export"], "ckpt='/nonexistent/run' does not exist"),
     (["tritonllm.evolve", "+model=void_tiny", "evolve.budget=lots"], "evolve.budget='lots'"),
     (["tritonllm.studio", "--port", "70000"], "--port must be 0 (any free port) to 65535, got 70000"),
     (["tritonllm.train.dist_checkpoint", "export", "/nonexistent/ckpt", "out"], "/nonexistent/ckpt holds no checkpoint"),

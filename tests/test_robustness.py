@@ -344,6 +344,7 @@ def test_every_config_option_composes_against_its_schema():
                 assert OmegaConf.get_type(cfg[group]) is schema
                 check_config(cfg)
         check_config(compose("generate", overrides=["ckpt=x"]))
+        check_config(compose("export", overrides=["ckpt=x", "out=y"]))
         check_config(compose("evolve", overrides=["+model=void_tiny", "out_dir=/tmp/x"]))
 
 

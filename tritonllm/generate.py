@@ -73,7 +73,7 @@ def open_tokenizer(path: str, field: str = "tokenizer"):
     return Tokenizer(path)
 
 
-def _run_config(path: str):
+def checkpoint_run_config(path: str):
     """The run's ``config.yaml`` saved in the checkpoint ``path`` (an empty config when absent)."""
     from omegaconf import OmegaConf
 
@@ -109,12 +109,19 @@ def _checkpoint_tokenizer(path: str, run_cfg):
 def load_for_generation(path: str, device: torch.device, dtype: torch.dtype, tokenizer: str | None = None):
     """``(model, tokenizer)`` from the checkpoint folder ``path``, the model in eval mode, with the
     LoRA adapters of its run's ``lora`` config; ``tokenizer`` replaces the checkpoint's tokenizer."""
+    run_cfg = checkpoint_run_config(path)
+    tok = open_tokenizer(tokenizer) if tokenizer is not None else _checkpoint_tokenizer(path, run_cfg)
+    return load_run_model(path, device, dtype, run_cfg), tok
+
+
+def load_run_model(path: str, device: torch.device, dtype: torch.dtype, run_cfg=None):
+    """The model of the checkpoint folder ``path`` in eval mode, with the LoRA adapters of its run's
+    ``lora`` config (``run_cfg``: its ``config.yaml``, read when None) and its weights (base and adapters)."""
     from tritonllm.models import ModelConfig, build_model
     from tritonllm.nn.lora import apply_lora
 
     state = read_state(path)
-    run_cfg = _run_config(path)
-    tok = open_tokenizer(tokenizer) if tokenizer is not None else _checkpoint_tokenizer(path, run_cfg)
+    run_cfg = checkpoint_run_config(path) if run_cfg is None else run_cfg
     try:
         model_cfg = ModelConfig.from_dict(state["model_config"])
     except (KeyError, TypeError, ValueError) as e:
@@ -126,7 +133,7 @@ def load_for_generation(path: str, device: torch.device, dtype: torch.dtype, tok
         except ConfigError as e:
             raise CheckpointError(f"checkpoint {path}: the lora section of its {CONFIG_FILE}: {e}") from None
     load_checkpoint(path, model, restore_rng=False, model_config=model_cfg.to_dict())
-    return model.eval(), tok
+    return model.eval()
 
 
 def load_hf_for_generation(path: str, device: torch.device, dtype: torch.dtype, tokenizer: str | None = None):
