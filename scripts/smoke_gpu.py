@@ -115,7 +115,7 @@ finally:
 #: case -> the case whose output it reads (it runs after it, in the same chain)
 AFTER = {"resume": "train", "generate": "resume", "hf_export": "generate", "studio": "hf_export",
          "dist_export": "torchrun", "generate_hf": "hf_folder", "generate_chat": "generate_hf",
-         "lora_sft": "generate_chat"}
+         "lora_sft": "generate_chat", "export": "lora_sft", "export_check": "export"}
 
 
 def chains(names: list[str]) -> list[list[str]]:
