@@ -37,7 +37,7 @@ from ._interpreter import interpreting
 from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor, needs_grad
 from .device import smem_budget
 from .launch import next_pow2
-from .custom_op import absent, compilable, compiled, define, fake, given, n_rows
+from .custom_op import absent, compilable, compiled, define, fake, given, n_rows, register_formula
 from .gemm import SMEM_RESERVE, as_matrix, gemm
 from .linear import linear_bwd, linear_fwd
 
@@ -195,26 +195,30 @@ def _b_rows(segments) -> list[int]:
     return offs
 
 
-def lora_forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
-    """``(y [M, N], xd, U)`` of the forward for x2 [M, K]: base GEMM, then the adapters' GEMMs
-    accumulating into y's column segments."""
+def lora_forward(x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
+    """``(y [..., N], xd, U)`` of the forward for x [..., K] (viewed as x2 [M, K]): base GEMM, then the
+    adapters' GEMMs accumulating into y's column segments; ``xd [M, K]`` the dropped-out input (None
+    without dropout), ``U [M, S r]`` the scaled down projection. ``segments``: ``(start, width)`` pairs."""
     N, K = weight.shape
     S, r, _ = a.shape
+    x2 = as_matrix(x, K)
     y = linear_fwd(x2, weight, bias, None if residual is None else as_matrix(residual, N), allow_tf32)
-    xd = dropout(x2, p, seed) if p > 0 else x2
-    u = lora_down(xd, a.reshape(S * r, K).t(), scale, allow_tf32=allow_tf32)
+    xd = dropout(x2, p, seed) if p > 0 else None
+    u = lora_down(x2 if xd is None else xd, a.reshape(S * r, K).t(), scale, allow_tf32=allow_tf32)
     for j, ((start, size), row) in enumerate(zip(segments, _b_rows(segments))):
         gemm(u[:, j * r:(j + 1) * r], b[row:row + size].t(), y[:, start:start + size], accumulate=True,
              allow_tf32=allow_tf32)
-    return y, xd, u
+    return y.view(*x.shape[:-1], N), xd, u
 
 
-def lora_backward(dy, x2, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, needs):
-    """``(dx [M, K], dweight, dbias, dlora_a, dlora_b)`` from dy [..., N], None where ``needs``
-    (x, weight, bias, lora_a, lora_b) says not needed; ``xd`` is the dropped-out input (``x2`` when p = 0)."""
-    need_x, need_w, need_bias, need_a, need_b = needs
+def lora_backward(dy, x, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, need_x, need_w, need_bias,
+                  need_a, need_b):
+    """``(dx [x's shape], dweight, dbias, dlora_a, dlora_b)`` from dy [..., N], None where ``need_*`` (x,
+    weight, bias, lora_a, lora_b) says not needed; ``xd`` is the dropped-out input (None without dropout),
+    ``segments`` the ``(start, width)`` pairs."""
     N, K = weight.shape
     S, r, _ = a.shape
+    x2 = as_matrix(x, K)
     dy2 = as_matrix(dy, N)
     rows = _b_rows(segments)
     g = torch.empty((dy2.shape[0], S * r), dtype=dy.dtype, device=dy.device)
@@ -223,7 +227,7 @@ def lora_backward(dy, x2, xd, weight, a, b, u, seed, segments, scale, p, allow_t
                   allow_tf32=allow_tf32)
     da = db = None
     if need_a:
-        da = gemm(g.t(), xd, torch.empty((S * r, K), dtype=a.dtype, device=a.device),
+        da = gemm(g.t(), x2 if xd is None else xd, torch.empty((S * r, K), dtype=a.dtype, device=a.device),
                   allow_tf32=allow_tf32).view(S, r, K)
     if need_b:
         db = torch.empty_like(b)
@@ -238,27 +242,46 @@ def lora_backward(dy, x2, xd, weight, a, b, u, seed, segments, scale, p, allow_t
                     accumulate=True)
         else:
             gemm(g, a.reshape(S * r, K), dx, accumulate=True, allow_tf32=allow_tf32)
+        dx = dx.view(x.shape)
     return dx, dw, dbias, da, db
 
 
+def _lora_setup(ctx, inputs, output):
+    """Of the forward's inputs and ``(y, xd, u)``: saves x, the weight, the adapters, ``u`` and, with dropout,
+    ``xd`` and the seed; keeps ``segments`` as the forward got them (``(start, width)`` pairs eagerly,
+    the op's flattened list, which the backward op takes, under torch.compile) and the scalars."""
+    x, weight, _, _, a, b, segments, scale, p, seed, allow_tf32 = inputs
+    ctx.options = (segments, scale, p, allow_tf32)
+    _, xd, u = output
+    ctx.save_for_backward(x, xd if p > 0 else None, weight, a, b, u, seed if p > 0 else None)
+
+
+def _lora_backward(ctx, dy, _dxd=None, _du=None, *, bwd=lora_backward):
+    """``(dx, dweight, dbias, dresidual, dlora_a, dlora_b, None x 5)`` by ``bwd``: :func:`lora_backward`
+    eagerly, the backward op under torch.compile (``dresidual`` is ``dy`` itself)."""
+    x, xd, weight, a, b, u, seed = ctx.saved_tensors
+    segments, scale, p, allow_tf32 = ctx.options
+    need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
+    dx, dw, dbias, da, db = bwd(dy, x, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, need_x, need_w,
+                                need_bias, need_a, need_b)
+    return (given(dx, need_x), given(dw, need_w), given(dbias, need_bias), (dy if need_res else None),
+            given(da, need_a), given(db, need_b), None, None, None, None, None)
+
+
 class LoRALinearFunction(torch.autograd.Function):
+    """:func:`lora_forward` with :func:`_lora_setup` and :func:`_lora_backward`, the custom op's formula too;
+    returns ``y`` (the op returns ``(y, xd, u)``)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
-        x2 = as_matrix(x, weight.shape[1])
-        y, xd, u = lora_forward(x2, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32)
-        ctx.save_for_backward(x2, xd if p > 0 else None, weight, a, b, u, seed if p > 0 else None)
-        ctx.meta = (x.shape, segments, scale, p, allow_tf32)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        inputs = (x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32)
+        output = lora_forward(*inputs)
+        _lora_setup(ctx, inputs, output)
+        return output[0]
 
     @staticmethod
     def backward(ctx, dy):
-        x2, xd, weight, a, b, u, seed = ctx.saved_tensors
-        x_shape, segments, scale, p, allow_tf32 = ctx.meta
-        need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
-        dx, dw, dbias, da, db = lora_backward(dy, x2, x2 if xd is None else xd, weight, a, b, u, seed, segments, scale,
-                                          p, allow_tf32, (need_x, need_w, need_bias, need_a, need_b))
-        dx = None if dx is None else dx.view(x_shape)
-        return dx, dw, dbias, (dy if need_res else None), da, db, None, None, None, None, None
+        return _lora_backward(ctx, dy)
 
 
 def _segment_pairs(segments: list[int]) -> tuple[tuple[int, int], ...]:
@@ -274,13 +297,11 @@ def _segment_pairs(segments: list[int]) -> tuple[tuple[int, int], ...]:
 def lora_linear_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], lora_a: Tensor,
                        lora_b: Tensor, segments: list[int], scale: float, dropout_p: float, seed: Optional[Tensor],
                        allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, xd, u)`` of :func:`kernels.lora.lora_linear`'s forward: the output, the dropped-out input
-    ``[M, K]`` (absent without dropout) and the scaled down projection ``[M, S r]`` the backward reads;
-    ``segments`` is the flattened list of ``(start, width)`` pairs."""
-    x2 = as_matrix(x, weight.shape[1])
-    y, xd, u = lora_forward(x2, weight, bias, residual, lora_a, lora_b, _segment_pairs(segments), scale, dropout_p,
+    """``(y, xd or absent, u)`` of :func:`kernels.lora.lora_forward`; ``segments`` is the flattened list of
+    ``(start, width)`` pairs."""
+    y, xd, u = lora_forward(x, weight, bias, residual, lora_a, lora_b, _segment_pairs(segments), scale, dropout_p,
                             seed, allow_tf32)
-    return y.view(*x.shape[:-1], weight.shape[0]), (xd if dropout_p > 0 else absent(x)), u
+    return y, (xd if xd is not None else absent(x)), u
 
 
 @fake(lora_linear_fwd_op)
@@ -295,12 +316,9 @@ def lora_linear_bwd_op(dy: Tensor, x: Tensor, xd: Optional[Tensor], weight: Tens
                        u: Tensor, seed: Optional[Tensor], segments: list[int], scale: float, dropout_p: float,
                        allow_tf32: bool, need_x: bool, need_w: bool, need_bias: bool, need_a: bool,
                        need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dx, dweight, dbias, dlora_a, dlora_b)`` of :func:`kernels.lora.lora_linear`, absent where not needed."""
-    x2 = as_matrix(x, weight.shape[1])
-    dx, *rest = lora_backward(dy, x2, x2 if xd is None else xd, weight, lora_a, lora_b, u, seed,
-                              _segment_pairs(segments), scale, dropout_p, allow_tf32,
-                              (need_x, need_w, need_bias, need_a, need_b))
-    grads = (None if dx is None else dx.view(x.shape), *rest)
+    """``(dx, dweight, dbias, dlora_a, dlora_b)`` of :func:`kernels.lora.lora_backward`, absent where not needed."""
+    grads = lora_backward(dy, x, xd, weight, lora_a, lora_b, u, seed, _segment_pairs(segments), scale, dropout_p,
+                          allow_tf32, need_x, need_w, need_bias, need_a, need_b)
     dx, dw, db, da, dlb = (g if g is not None else absent(x) for g in grads)
     return dx, dw, db, da, dlb
 
@@ -313,24 +331,7 @@ def _(dy, x, xd, weight, lora_a, lora_b, u, seed, segments, scale, dropout_p, al
     return tuple(t.new_empty(shape) if needed else absent(x) for t, shape, needed in like)
 
 
-def _lora_setup(ctx, inputs, output):
-    x, weight, _, _, a, b, segments, scale, p, seed, allow_tf32 = inputs
-    ctx.options = (segments, scale, p, allow_tf32)
-    _, xd, u = output
-    ctx.save_for_backward(x, xd if p > 0 else None, weight, a, b, u, seed if p > 0 else None)
-
-
-def _lora_backward(ctx, dy, _dxd, _du):
-    x, xd, weight, a, b, u, seed = ctx.saved_tensors
-    segments, scale, p, allow_tf32 = ctx.options
-    need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
-    dx, dw, dbias, da, db = lora_linear_bwd_op(dy, x, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, need_x,
-                                               need_w, need_bias, need_a, need_b)
-    return (given(dx, need_x), given(dw, need_w), given(dbias, need_bias), (dy if need_res else None),
-            given(da, need_a), given(db, need_b), None, None, None, None, None)
-
-
-lora_linear_fwd_op.register_autograd(_lora_backward, setup_context=_lora_setup)
+register_formula(lora_linear_fwd_op, _lora_setup, _lora_backward, bwd=lora_linear_bwd_op)
 
 
 @compiled("lora_linear")
@@ -362,6 +363,5 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if needs_grad(x, weight, bias, residual, lora_a, lora_b):
         return LoRALinearFunction.apply(x, weight, bias, residual, lora_a, lora_b, segments, float(scale),
                                         float(dropout_p), seed, allow_tf32)
-    y, _, _ = lora_forward(as_matrix(x, weight.shape[1]), weight, bias, residual, lora_a, lora_b, segments,
-                       float(scale), float(dropout_p), seed, allow_tf32)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return lora_forward(x, weight, bias, residual, lora_a, lora_b, segments, float(scale), float(dropout_p), seed,
+                        allow_tf32)[0]

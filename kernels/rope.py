@@ -61,6 +61,7 @@ integer) before the fp32 cosine and sine, so entries are accurate to fp32 roundi
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Optional
 
@@ -72,7 +73,9 @@ import triton.language as tl
 from ._interpreter import interpreting
 from .checks import check_same_device, check_tensor
 from .launch import next_pow2
-from .custom_op import compilable, compiled, define, fake
+from .custom_op import compilable, compiled, define, fake, register_formula
+
+log = logging.getLogger(__name__)
 
 #: A rope program's tile holds _ROPE_TILE elements of each half (rows x heads x D/2), rotated by
 #: _ROPE_NUM_WARPS warps (fixed config: the autotuner's per-call key building cost host time on a
@@ -241,36 +244,86 @@ def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def rope_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              position_offset: int | torch.Tensor = 0, in_place: bool = False) -> torch.Tensor:
-    """Gradient of :func:`rope_fwd` with respect to ``x``: ``dy`` rotated by the opposite angle.
+    """Gradient of :func:`rope_fwd` with respect to ``x``, its arguments checked: :func:`rope_grad`.
     ``in_place``: ``dy`` itself is rotated and returned (it needs a unit last stride and must own its
     elements: no zero strides)."""
     check_tensor("dy", dy, ndim=4)
-    if in_place and (dy.stride(-1) != 1 or 0 in dy.stride()):
+    if in_place and not _owns_elements(dy):
         raise ValueError(f"dy: in_place needs a unit last stride and no zero strides, got strides {dy.stride()}")
     dy = _unit_last(dy)  # a gradient may arrive in any layout (x itself is never copied)
     _check_rope_args("dy", dy, cos, sin, position_offset)
-    return _rope_launch(dy, _unit_last(cos), _unit_last(sin), position_offset, inverse=True, in_place=in_place)
+    return rope_grad(dy, cos, sin, *_split_offset(position_offset), in_place)
+
+
+def _owns_elements(dy: Tensor) -> bool:
+    """``dy`` can be rotated where it lies: a unit last stride and no element shared between rows (no
+    zero stride, as the expanded gradient of a sum has)."""
+    return dy.stride(-1) == 1 and 0 not in dy.stride()
+
+
+@functools.lru_cache(maxsize=None)
+def _say_not_in_place(strides: tuple[int, ...]) -> None:
+    log.info("rope: in_place_backward asked for, but the gradient's strides %s share elements or have a strided "
+             "last dimension: dx goes to a new buffer (logged once per layout)", strides)
+
+
+def rope_grad(dy: Tensor, cos: Tensor, sin: Tensor, position_offset: int, offset: Optional[Tensor],
+              in_place: bool = False) -> Tensor:
+    """The backward launcher of :func:`rope` (its autograd Function's and its custom op's): ``dx [B, T, H, D]``,
+    ``dy`` rotated by the opposite angle at ``offset`` (a 0-d int device tensor) or else ``position_offset``.
+    Unchecked: ``dy`` has the forward output's shape, dtype and device (autograd sees to it) and the
+    forward checked the tables and the offset; ``dy`` or a table without a unit last stride is copied to
+    one. ``in_place`` (eager only: an op may not overwrite its input): ``dy`` is rotated where it lies and
+    returned, its layout kept, when :func:`_owns_elements` allows it; otherwise into a new buffer, said
+    once per layout in a log line."""
+    if in_place and not _owns_elements(dy):
+        _say_not_in_place(tuple(dy.stride()))
+        in_place = False
+    return _rope_launch(_unit_last(dy), _unit_last(cos), _unit_last(sin),
+                        offset if offset is not None else position_offset, inverse=True, in_place=in_place)
+
+
+def _split_offset(position_offset: int | Tensor) -> tuple[int, Optional[Tensor]]:
+    """``position_offset`` as the ops' pair ``(int, 0-d tensor or None)``."""
+    if isinstance(position_offset, Tensor):
+        return 0, position_offset
+    return position_offset, None
+
+
+def _rope_setup(ctx, inputs, output):
+    """Of the forward op's inputs ``(x, cos, sin, position_offset, offset)``: saves the tables and the
+    tensor offset, keeps the int one."""
+    _, cos, sin, ctx.position_offset, offset = inputs
+    ctx.save_for_backward(cos, sin, offset)
+
+
+def _rope_backward(ctx, dy, *, bwd=rope_grad):
+    """``(dx, None x 4)`` by ``bwd``: :func:`rope_grad` eagerly (the Function binds its ``in_place``), the
+    backward op under torch.compile."""
+    cos, sin, offset = ctx.saved_tensors
+    return bwd(dy, cos, sin, ctx.position_offset, offset), None, None, None, None
 
 
 class RopeFunction(torch.autograd.Function):
-    """Autograd wrapper of :func:`rope_fwd` / :func:`rope_bwd` (no gradient for the tables). The
-    forward checks the inputs; the backward launches unchecked."""
+    """:func:`rope_fwd` with :func:`_rope_setup` and :func:`_rope_backward`, the custom op's formula too
+    (no gradient for the tables); ``in_place_backward`` (not an op input) reaches the backward launcher.
+    The forward checks the inputs and passes the tables on with a unit last stride, so that the
+    backward launcher copies nothing."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, position_offset, in_place_backward):
-        _check_rope_args("x", x, cos, sin, position_offset)
+    def forward(ctx, x, cos, sin, position_offset, offset, in_place_backward):
+        at = offset if offset is not None else position_offset
+        _check_rope_args("x", x, cos, sin, at)
         cos, sin = _unit_last(cos), _unit_last(sin)
-        ctx.save_for_backward(cos, sin)
-        ctx.position_offset, ctx.in_place_backward = position_offset, in_place_backward
-        return _rope_launch(x, cos, sin, position_offset, inverse=False)
+        out = _rope_launch(x, cos, sin, at, inverse=False)
+        _rope_setup(ctx, (x, cos, sin, position_offset, offset), out)
+        ctx.in_place = in_place_backward
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        cos, sin = ctx.saved_tensors
-        # in place only into memory dy owns alone (an expanded gradient shares elements between rows)
-        in_place = ctx.in_place_backward and dy.stride(-1) == 1 and 0 not in dy.stride()
-        dx = _rope_launch(_unit_last(dy), cos, sin, ctx.position_offset, inverse=True, in_place=in_place)
-        return dx, None, None, None, None
+        bwd = functools.partial(rope_grad, in_place=ctx.in_place)
+        return *_rope_backward(ctx, dy, bwd=bwd), None  # None for in_place_backward
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -286,34 +339,22 @@ def rope_fwd_op(x: Tensor, cos: Tensor, sin: Tensor, position_offset: int, offse
 
 @define("tritonllm::rope_bwd", mutates_args=())
 def rope_bwd_op(dy: Tensor, cos: Tensor, sin: Tensor, position_offset: int, offset: Optional[Tensor]) -> Tensor:
-    """:func:`kernels.rope.rope_bwd`, offsets as :func:`rope_fwd_op`."""
-    return rope_bwd(dy, cos, sin, offset if offset is not None else position_offset)
+    """:func:`kernels.rope.rope_grad` (into a new tensor), offsets as :func:`rope_fwd_op`."""
+    return rope_grad(dy, cos, sin, position_offset, offset)
 
 
 for _op in (rope_fwd_op, rope_bwd_op):
     fake(_op)(lambda x, cos, sin, position_offset, offset: x.new_empty(x.shape))
 
 
-def _rope_setup(ctx, inputs, output):
-    _, cos, sin, ctx.position_offset, offset = inputs
-    ctx.save_for_backward(cos, sin, offset)
-
-
-def _rope_backward(ctx, dy):
-    cos, sin, offset = ctx.saved_tensors
-    return rope_bwd_op(dy, cos, sin, ctx.position_offset, offset), None, None, None, None
-
-
-rope_fwd_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+register_formula(rope_fwd_op, _rope_setup, _rope_backward, bwd=rope_bwd_op)
 
 
 @compiled("rope")
 def _compiled_rope(x: Tensor, cos: Tensor, sin: Tensor, *, position_offset: int | Tensor = 0,
                    in_place_backward: bool = False) -> Tensor:
     # in_place_backward is not honoured: an op may not overwrite the gradient the graph hands it
-    if isinstance(position_offset, Tensor):
-        return rope_fwd_op(x, cos, sin, 0, position_offset)
-    return rope_fwd_op(x, cos, sin, position_offset, None)
+    return rope_fwd_op(x, cos, sin, *_split_offset(position_offset))
 
 
 @define("tritonllm::rope_cos_sin_fwd", mutates_args=())
@@ -359,7 +400,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
         ``out[..., :D/2] = x1 c - x2 s`` and ``out[..., D/2:] = x2 c + x1 s`` (fp32 math).
         Differentiable in ``x``; the tables get no gradient.
     """
-    return RopeFunction.apply(x, cos, sin, position_offset, in_place_backward)
+    return RopeFunction.apply(x, cos, sin, *_split_offset(position_offset), in_place_backward)
 
 
 _SCALING_KEYS = {

@@ -137,6 +137,25 @@ def test_rope_bwd_in_place(poisoned_empty):
             rope_bwd(dy, cos, sin, in_place=True)
 
 
+def test_rope_in_place_backward(caplog, poisoned_empty):
+    """rope(in_place_backward=True) gives the reference dx both ways: rotating the gradient it is handed where
+    it lies, and, for a gradient that shares elements (the expanded one of out.sum()), into a new buffer,
+    said in a log line."""
+    cos, sin = tables(5, 8)
+    x = randn(2, 5, 3, 16, requires_grad=True)
+    x64 = leaf(x, torch.float64)
+    dy = randn(2, 5, 3, 16)
+    (g64,) = torch.autograd.grad(reference(x64, cos, sin), [x64], dy.double())
+    (dx,) = torch.autograd.grad(rope(x, cos, sin, in_place_backward=True), [x], dy.clone())
+    assert_close("dx", dx, g64)
+    (g64,) = torch.autograd.grad(reference(x64, cos, sin).sum(), [x64])
+    rope_module._say_not_in_place.cache_clear()
+    with caplog.at_level("INFO", logger="tritonllm.kernels.rope"):
+        (dx,) = torch.autograd.grad(rope(x, cos, sin, in_place_backward=True).sum(), [x])
+    assert_close("dx of a sum", dx, g64)
+    assert "dx goes to a new buffer" in caplog.text
+
+
 # ---- rope_cos_sin -------------------------------------------------------------------------------
 
 def inv_freq_reference(D, theta, scaling):

@@ -67,13 +67,14 @@ gradient. Reference: Dao,
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..checks import check_tensor, needs_grad
-from ..custom_op import compilable, compiled, define, eager, fake
+from ..custom_op import compilable, compiled, define, eager, fake, register_formula
 from ..rope import rope, rope_bwd, rope_fwd
 from ..split_heads import split_heads
 from .backward import flash_attention_bwd, flash_attention_bwd_packed
@@ -89,24 +90,37 @@ __all__ = ["flash_attention", "rope_flash_attention", "rope_qkv", "flash_attenti
 
 # ----------------------------------------------------------------------------- autograd + functional
 
+def _flash_attention_setup(ctx, inputs, output):
+    """Of the forward's inputs ``(q, k, v, causal, window, softmax_scale, deterministic, documents)`` and
+    ``(o, lse)``: saves q, k, v, the output, the fp32 log-sum-exp and the documents, keeps the options."""
+    q, k, v, *ctx.options, documents = inputs
+    ctx.save_for_backward(q, k, v, *output, documents)
+
+
+def _flash_attention_backward(ctx, do, _dlse=None, *, bwd=flash_attention_bwd):
+    """``(dq, dk, dv, None x 5)`` by ``bwd``: :func:`flash_attention_bwd` eagerly (the Function binds its
+    ``packed``), the backward op under torch.compile."""
+    *saved, documents = ctx.saved_tensors
+    dq, dk, dv = bwd(do, *saved, *ctx.options, documents)
+    return dq, dk, dv, None, None, None, None, None
+
+
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward saves q, k, v, the output and the fp32 log-sum-exp only."""
+    """:func:`flash_attention_fwd` with :func:`_flash_attention_setup` and :func:`_flash_attention_backward`,
+    the custom op's formula too; returns ``o``. Where q, k, v share the ``(B, T)`` of a packed projection,
+    the backward writes the three gradients as slices of one buffer (``packed``, which an op's outputs may
+    not be: they may not alias one another)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, window, softmax_scale, deterministic, documents):
         o, lse = flash_attention_fwd(q, k, v, causal, window, softmax_scale, documents=documents)
-        ctx.save_for_backward(q, k, v, o, lse, documents)
-        ctx.causal, ctx.window, ctx.softmax_scale, ctx.deterministic = causal, window, softmax_scale, deterministic
-        # one gradient buffer for q, k, v when they share the (B, T) of a packed projection
+        _flash_attention_setup(ctx, (q, k, v, causal, window, softmax_scale, deterministic, documents), (o, lse))
         ctx.packed = q.shape[:2] == k.shape[:2]
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, documents = ctx.saved_tensors
-        dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.window, ctx.softmax_scale,
-                                         ctx.deterministic, ctx.packed, documents)
-        return dq, dk, dv, None, None, None, None, None
+        return _flash_attention_backward(ctx, do, bwd=functools.partial(flash_attention_bwd, packed=ctx.packed))
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -134,8 +148,7 @@ def flash_attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
                            deterministic: bool, documents: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of :func:`kernels.flash_attention.flash_attention_bwd`, each in a tensor of its
     own (not its ``packed`` form: an op's outputs may not alias one another)."""
-    return flash_attention_bwd(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic=deterministic,
-                               documents=documents)
+    return flash_attention_bwd(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documents)
 
 
 @fake(flash_attention_bwd_op)
@@ -143,18 +156,7 @@ def _(do, q, k, v, o, lse, causal, window, softmax_scale, deterministic, documen
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _flash_attention_setup(ctx, inputs, output):
-    q, k, v, *ctx.options, documents = inputs
-    ctx.save_for_backward(q, k, v, *output, documents)
-
-
-def _flash_attention_backward(ctx, do, _dlse):
-    *saved, documents = ctx.saved_tensors
-    dq, dk, dv = flash_attention_bwd_op(do, *saved, *ctx.options, documents)
-    return dq, dk, dv, None, None, None, None, None
-
-
-flash_attention_fwd_op.register_autograd(_flash_attention_backward, setup_context=_flash_attention_setup)
+register_formula(flash_attention_fwd_op, _flash_attention_setup, _flash_attention_backward, bwd=flash_attention_bwd_op)
 
 
 @compiled("flash_attention")

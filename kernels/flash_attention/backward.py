@@ -301,8 +301,8 @@ _dq_kernel = tuned(
 def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, causal: bool = True, window: int | None = None,
                         softmax_scale: float | None = None, deterministic: bool = True,
-                        packed: bool = False,
-                        documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        documents: torch.Tensor | None = None, *,
+                        packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward attention from the forward's ``o`` and ``lse``: ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``.
 
     ``deterministic=True`` (the default, and the faster of the two measured: see
