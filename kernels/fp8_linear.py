@@ -115,20 +115,26 @@ def _fp8_linear_backward(ctx, dy, *_, bwd=fp8_linear_bwd):
         (dy if need_dr else None), None, None, None
 
 
-class Fp8LinearFunction(torch.autograd.Function):
-    """:func:`fp8_linear_fwd` keeping the copies the needed gradients take, with the pair the custom op's
-    formula has too; returns y."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, grad_dtype):
-        inputs = (x, weight, bias, residual, grad_dtype, ctx.needs_input_grad[1], ctx.needs_input_grad[0])
-        out = fp8_linear_fwd(x, weight, bias, residual, *inputs[5:])
-        _fp8_setup(ctx, inputs, out)
+def _fp8_function(name: str, fwd, backward) -> type[torch.autograd.Function]:
+    """The eager autograd Function ``name`` of an fp8 op, called as ``(*inputs, grad_dtype)``: its forward runs
+    ``fwd(*inputs, keep_x, keep_w)``, keeping the copies the needed gradients take (x's for dW when the weight
+    needs one, W's for dx when x does), and :func:`_fp8_setup`; returns the op's first output. Its backward is
+    ``backward``, the pair the custom op's formula has too (the grads of the Function's inputs)."""
+    def forward(ctx, *args):
+        *inputs, grad_dtype = args
+        keep = (ctx.needs_input_grad[1], ctx.needs_input_grad[0])
+        out = fwd(*inputs, *keep)
+        _fp8_setup(ctx, (*inputs, grad_dtype, *keep), out)
         return out[0]
 
-    @staticmethod
-    def backward(ctx, dy):
-        return _fp8_linear_backward(ctx, dy)[:5]
+    def backward_(ctx, grad):
+        return backward(ctx, grad)[:len(ctx.needs_input_grad)]
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_),
+                                                   "__doc__": f"``{fwd.__name__}`` with the custom op's formula pair."})
+
+
+Fp8LinearFunction = _fp8_function("Fp8LinearFunction", fp8_linear_fwd, _fp8_linear_backward)
 
 
 @compilable
@@ -174,19 +180,7 @@ def _fp8_linear_swiglu_backward(ctx, dh, *_, bwd=fp8_linear_swiglu_bwd):
     return (dx.view(ctx.x_shape) if need_dx else None), given(dw, need_dw), None, None, None
 
 
-class Fp8LinearSwiGLUFunction(torch.autograd.Function):
-    """:func:`fp8_linear_swiglu_fwd` with the pair the custom op's formula has too; returns h."""
-
-    @staticmethod
-    def forward(ctx, x, w13, grad_dtype):
-        inputs = (x, w13, grad_dtype, ctx.needs_input_grad[1], ctx.needs_input_grad[0])
-        out = fp8_linear_swiglu_fwd(x, w13, *inputs[3:])
-        _fp8_setup(ctx, inputs, out)
-        return out[0]
-
-    @staticmethod
-    def backward(ctx, dh):
-        return _fp8_linear_swiglu_backward(ctx, dh)[:3]
+Fp8LinearSwiGLUFunction = _fp8_function("Fp8LinearSwiGLUFunction", fp8_linear_swiglu_fwd, _fp8_linear_swiglu_backward)
 
 
 @compilable
