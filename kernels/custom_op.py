@@ -211,14 +211,16 @@ def register_formula(fwd_op, setup_context, backward, **ops) -> None:
     fwd_op.register_autograd(functools.partial(backward, **ops), setup_context=setup_context)
 
 
-def formula_function(name: str, fwd, setup_context, backward) -> type[torch.autograd.Function]:
+def formula_function(name: str, fwd, setup_context, backward, *, first: bool = False) -> type[torch.autograd.Function]:
     """The eager autograd Function ``name`` of an op registered with the pair ``(setup_context, backward)``
     (:func:`register_formula`): its forward runs the launcher ``fwd(*inputs)`` and ``setup_context(ctx,
-    inputs, output)``, its backward ``backward(ctx, *grads)`` with the launchers of its keyword defaults."""
+    inputs, output)``, its backward ``backward(ctx, *grads)`` with the launchers of its keyword defaults.
+    ``first``: the Function returns only the first of the launcher's outputs (the others, kept for the
+    backward as the op returns them, get no gradient buffer), and the backward sees that one's gradient."""
     def forward(ctx, *inputs):
         output = fwd(*inputs)
         setup_context(ctx, inputs, output)
-        return output
+        return output[0] if first else output
 
     def backward_(ctx, *grads):
         return backward(ctx, *grads)

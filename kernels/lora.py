@@ -37,7 +37,7 @@ from ._interpreter import interpreting
 from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_tensor, needs_grad
 from .device import smem_budget
 from .launch import next_pow2
-from .custom_op import absent, compilable, compiled, define, fake, given, n_rows, register_formula
+from .custom_op import absent, compilable, compiled, define, fake, formula_function, given, n_rows, register_formula
 from .gemm import SMEM_RESERVE, as_matrix, gemm
 from .linear import linear_bwd, linear_fwd
 
@@ -268,20 +268,9 @@ def _lora_backward(ctx, dy, _dxd=None, _du=None, *, bwd=lora_backward):
             given(da, need_a), given(db, need_b), None, None, None, None, None)
 
 
-class LoRALinearFunction(torch.autograd.Function):
-    """:func:`lora_forward` with :func:`_lora_setup` and :func:`_lora_backward`, the custom op's formula too;
-    returns ``y`` (the op returns ``(y, xd, u)``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
-        inputs = (x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32)
-        output = lora_forward(*inputs)
-        _lora_setup(ctx, inputs, output)
-        return output[0]
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _lora_backward(ctx, dy)
+#: :func:`lora_forward` with :func:`_lora_setup` and :func:`_lora_backward`, the custom op's formula too;
+#: returns ``y`` (the op returns ``(y, xd, u)``)
+LoRALinearFunction = formula_function("LoRALinearFunction", lora_forward, _lora_setup, _lora_backward, first=True)
 
 
 def _segment_pairs(segments: list[int]) -> tuple[tuple[int, int], ...]:

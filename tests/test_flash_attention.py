@@ -267,9 +267,9 @@ def test_flash_attention_packed_gradient():
     (2, 19, 4, 2, 32, None, None), (1, 33, 2, 2, 64, 7, None), (1, 1, 4, 1, 32, None, None),
     (2, 24, 4, 2, 32, None, [5, 1, 18])], ids=["gqa", "mha-window7", "one-token", "documents"])
 def test_rope_flash_attention(B, T, Hq, Hkv, D, window, lengths, dtype):
-    """RoPE + attention over a packed qkv against the float64 reference, eagerly (split_heads, RoPE with
-    its in-place backward, flash_attention) and as the op pair torch.compile calls (one buffer for the
-    qkv gradient, rotated back in place): both the reference's values, and bitwise equal to each other."""
+    """RoPE + attention over a packed qkv against the float64 reference, eagerly (its autograd Function) and
+    as the op pair torch.compile calls, with the same setup/backward pair (one buffer for the qkv gradient,
+    rotated back in place): both the reference's values, and bitwise equal to each other."""
     from tritonllm.data.sft import document_bounds
     from tritonllm.kernels.custom_op import COMPILED
     from tritonllm.kernels.flash_attention import rope_flash_attention

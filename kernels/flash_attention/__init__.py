@@ -74,8 +74,8 @@ import torch
 from torch import Tensor
 
 from ..checks import check_tensor, needs_grad
-from ..custom_op import compilable, compiled, define, eager, fake, register_formula
-from ..rope import rope, rope_bwd, rope_fwd
+from ..custom_op import compilable, compiled, define, eager, fake, formula_function, register_formula
+from ..rope import rope, rope_fwd, rope_grad
 from ..split_heads import split_heads
 from .backward import flash_attention_bwd, flash_attention_bwd_packed
 from .forward import flash_attention_decode, flash_attention_fwd
@@ -121,6 +121,56 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         return _flash_attention_backward(ctx, do, bwd=functools.partial(flash_attention_bwd, packed=ctx.packed))
+
+
+def rope_flash_attention_fwd(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int, causal: bool = True,
+                             window: Optional[int] = None, softmax_scale: Optional[float] = None,
+                             deterministic: bool = True,
+                             documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(o, lse, qk)`` of :func:`rope_flash_attention`: RoPE on the query and key heads of ``qkv``
+    (:func:`kernels.rope.rope_fwd` into ``qk [B, T, n_heads + n_kv_heads, D]``, kept for the backward), then
+    :func:`flash_attention_fwd` on its head slices and ``qkv``'s value heads. ``deterministic`` is the
+    backward's switch, carried here for the pair."""
+    qk = rope_fwd(qkv[:, :, :n_heads + n_kv_heads], cos, sin)
+    q, k = qk.split((n_heads, n_kv_heads), dim=2)
+    o, lse = flash_attention_fwd(q, k, qkv[:, :, n_heads + n_kv_heads:], causal, window, softmax_scale,
+                                 documents=documents)
+    return o, lse, qk
+
+
+def rope_flash_attention_bwd(do: Tensor, qk: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, cos: Tensor, sin: Tensor,
+                             n_heads: int, n_kv_heads: int, causal: bool, window: Optional[int],
+                             softmax_scale: Optional[float], deterministic: bool, documents: Optional[Tensor]) -> Tensor:
+    """The gradient of ``qkv`` ``[B, T, n_heads + 2 n_kv_heads, D]``: the attention backward into one packed
+    buffer (:func:`flash_attention_bwd_packed`), its query and key heads then rotated back where they lie
+    (:func:`kernels.rope.rope_grad` in place: a head slice of a fresh buffer owns its elements), so nothing
+    is copied."""
+    q, k = qk.split((n_heads, n_kv_heads), dim=2)
+    dqkv = flash_attention_bwd_packed(do, q, k, qkv[:, :, n_heads + n_kv_heads:], o, lse, causal, window,
+                                      softmax_scale, deterministic, documents)
+    rope_grad(dqkv[:, :, :n_heads + n_kv_heads], cos, sin, 0, None, in_place=True)
+    return dqkv
+
+
+def _rope_flash_attention_setup(ctx, inputs, output):
+    """Of the forward's inputs and ``(o, lse, qk)``: saves the rotated ``qk``, ``qkv`` (its value heads), the
+    output, the log-sum-exp, the tables and the documents; keeps the options."""
+    qkv, cos, sin, *ctx.options, documents = inputs
+    o, lse, qk = output
+    ctx.save_for_backward(qk, qkv, o, lse, cos, sin, documents)
+
+
+def _rope_flash_attention_backward(ctx, do, _dlse=None, _dqk=None, *, bwd=rope_flash_attention_bwd):
+    """``(dqkv, None x 9)`` by ``bwd``: :func:`rope_flash_attention_bwd` eagerly, the backward op under
+    torch.compile."""
+    *saved, documents = ctx.saved_tensors
+    return (bwd(do, *saved, *ctx.options, documents),) + (None,) * 9
+
+
+#: :func:`rope_flash_attention_fwd` with :func:`_rope_flash_attention_setup` and
+#: :func:`_rope_flash_attention_backward`, the custom op's formula too; returns ``o``
+RopeFlashAttentionFunction = formula_function("RopeFlashAttentionFunction", rope_flash_attention_fwd,
+                                              _rope_flash_attention_setup, _rope_flash_attention_backward, first=True)
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -170,13 +220,9 @@ def _compiled_flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = Tr
 def rope_flash_attention_fwd_op(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int, causal: bool,
                                 window: Optional[int], softmax_scale: Optional[float], deterministic: bool,
                                 documents: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """``(o, lse, qk)`` of :func:`kernels.flash_attention.rope_flash_attention`: ``qk`` the rotated query
-    and key heads ``[B, T, n_heads + n_kv_heads, D]``, kept for the backward."""
-    qk = rope_fwd(qkv[:, :, :n_heads + n_kv_heads], cos, sin)
-    q, k = qk.split((n_heads, n_kv_heads), dim=2)
-    o, lse = flash_attention_fwd(q, k, qkv[:, :, n_heads + n_kv_heads:], causal, window, softmax_scale,
-                                 documents=documents)
-    return o, lse, qk
+    """``(o, lse, qk)`` of :func:`kernels.flash_attention.rope_flash_attention_fwd`."""
+    return rope_flash_attention_fwd(qkv, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic,
+                                    documents)
 
 
 @fake(rope_flash_attention_fwd_op)
@@ -191,14 +237,10 @@ def rope_flash_attention_bwd_op(do: Tensor, qk: Tensor, qkv: Tensor, o: Tensor, 
                                 n_heads: int, n_kv_heads: int, causal: bool, window: Optional[int],
                                 softmax_scale: Optional[float], deterministic: bool,
                                 documents: Optional[Tensor]) -> Tensor:
-    """The gradient of ``qkv``: the attention backward into one packed buffer, its query and key heads
-    then rotated back in place (:func:`kernels.flash_attention.flash_attention_bwd_packed`,
-    :func:`kernels.rope.rope_bwd`)."""
-    q, k = qk.split((n_heads, n_kv_heads), dim=2)
-    dqkv = flash_attention_bwd_packed(do, q, k, qkv[:, :, n_heads + n_kv_heads:], o, lse, causal, window,
-                                      softmax_scale, deterministic, documents)
-    rope_bwd(dqkv[:, :, :n_heads + n_kv_heads], cos, sin, in_place=True)
-    return dqkv
+    """The gradient of ``qkv``: :func:`kernels.flash_attention.rope_flash_attention_bwd` (its buffer is the
+    op's own output, rotated in place inside the op)."""
+    return rope_flash_attention_bwd(do, qk, qkv, o, lse, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale,
+                                    deterministic, documents)
 
 
 @fake(rope_flash_attention_bwd_op)
@@ -206,18 +248,8 @@ def _(do, qk, qkv, o, lse, cos, sin, n_heads, n_kv_heads, causal, window, softma
     return qkv.new_empty(qkv.shape)
 
 
-def _rope_flash_attention_setup(ctx, inputs, output):
-    qkv, cos, sin, *ctx.options, documents = inputs
-    o, lse, qk = output
-    ctx.save_for_backward(qk, qkv, o, lse, cos, sin, documents)
-
-
-def _rope_flash_attention_backward(ctx, do, _dlse, _dqk):
-    *saved, documents = ctx.saved_tensors
-    return (rope_flash_attention_bwd_op(do, *saved, *ctx.options, documents),) + (None,) * 9
-
-
-rope_flash_attention_fwd_op.register_autograd(_rope_flash_attention_backward, setup_context=_rope_flash_attention_setup)
+register_formula(rope_flash_attention_fwd_op, _rope_flash_attention_setup, _rope_flash_attention_backward,
+                 bwd=rope_flash_attention_bwd_op)
 
 
 @compiled("rope_flash_attention")
@@ -311,13 +343,16 @@ def rope_flash_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     Returns:
         ``[B, T, n_heads, D]``, the same as ``flash_attention(rope(q), rope(k), v, ...)``. The gradient
         of ``qkv`` is one buffer: the attention backward writes dq, dk and dv into its head slices and
-        the RoPE backward rotates dq and dk there in place, so nothing is copied, eagerly (through
-        ``split_heads`` views and ``rope(in_place_backward=True)``) and under ``torch.compile`` (one op
-        each way, where the separate ops would return three gradients to be packed by a copy).
+        the RoPE backward rotates dq and dk there in place, so nothing is copied, eagerly (one autograd
+        Function) and under ``torch.compile`` (one op each way, with the Function's setup/backward pair,
+        where the separate ops would return three gradients to be packed by a copy).
     """
     check_packed_heads(qkv, n_heads, n_kv_heads)
-    q, k, v = rope_qkv(qkv, cos, sin, n_heads, n_kv_heads)
-    return flash_attention(q, k, v, causal, window, softmax_scale, deterministic, documents)
+    if needs_grad(qkv):
+        return RopeFlashAttentionFunction.apply(qkv, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale,
+                                                deterministic, documents)
+    return rope_flash_attention_fwd(qkv, cos, sin, n_heads, n_kv_heads, causal, window, softmax_scale, deterministic,
+                                    documents)[0]  # nothing to differentiate: no autograd node
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
