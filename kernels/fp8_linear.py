@@ -45,6 +45,13 @@ def fp8_supported(device: torch.device) -> bool:
     return interpreting() if device.type != "cuda" else torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def check_fp8_device(x: torch.Tensor) -> None:
+    """A ValueError unless x's device has fp8 tensor cores (or the interpreter emulates them)."""
+    if not fp8_supported(x.device):
+        raise ValueError(f"x is on {x.device}: fp8 linear layers need a GPU with fp8 tensor cores (compute "
+                         "capability 8.9 or later), or Triton's interpreter on the CPU")
+
+
 def _check_grad_dtype(grad_dtype: torch.dtype) -> None:
     if grad_dtype not in FP8_MAX:
         raise TypeError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
@@ -64,9 +71,7 @@ def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     check_linear_inputs(x, weight)
     N, K = weight.shape
     out_shape = check_bias_residual(x, N, bias, residual)
-    if not fp8_supported(x.device):
-        raise ValueError(f"x is on {x.device}: fp8 linear layers need a GPU with fp8 tensor cores (compute "
-                         "capability 8.9 or later), or Triton's interpreter on the CPU")
+    check_fp8_device(x)
     x2 = as_matrix(x, K)
     qx, sx, xt, sxt = quantize(x2, E4M3, rows=True, cols=keep_x)
     qw, sw, wt, swt = quantize(weight, E4M3, rows=True, cols=keep_w)
@@ -201,8 +206,8 @@ def fp8_linear_swiglu(x: torch.Tensor, w13: torch.Tensor, *, grad_dtype: torch.d
 def _kept_fake(x: Tensor, K: int, N: int, keep_x: bool, keep_w: bool) -> list[Tensor]:
     """(xt, sxt, wt, swt) of :func:`fp8_linear_fwd`, shaped, absent where not kept."""
     q, rows = _fp8_dtype(E4M3), n_rows(x)
-    xt = [x.new_empty((K, rows), dtype=q), x.new_empty(K, dtype=torch.float32)] if keep_x else [absent(x)] * 2
-    wt = [x.new_empty((K, N), dtype=q), x.new_empty(K, dtype=torch.float32)] if keep_w else [absent(x)] * 2
+    xt = [x.new_empty((K, rows), dtype=q), x.new_empty(K, dtype=torch.float32)] if keep_x else [absent(x), absent(x)]
+    wt = [x.new_empty((K, N), dtype=q), x.new_empty(K, dtype=torch.float32)] if keep_w else [absent(x), absent(x)]
     return xt + wt
 
 

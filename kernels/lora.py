@@ -15,6 +15,9 @@ when p = 0)::
                dx = dy W + (G A) * m / (1 - p)     (the adapters' part through the dropout mask)
                dW = dy^T x, dbias = sum of dy's rows (only when W or bias needs a gradient)
 
+With ``fp8`` the frozen layer's own products (``x W^T`` and ``dy W``; ``dy^T x`` when W is trained) are
+:mod:`kernels.fp8_linear`'s, on e4m3 operands scaled per row, the adapters' stay in x's dtype.
+
 The GEMMs with a long output (``y``, ``dx``, ``dA``, ``dB``) are :func:`kernels.gemm.gemm`; the
 two with an ``r``-wide output (``U`` and ``G``) are ``_lora_down_kernel``: one program per
 ``BLOCK_M`` rows holds the whole ``[BLOCK_M, r]`` output tile and sweeps K, scaling by ``s`` in
@@ -38,6 +41,8 @@ from .checks import check_dot_dtype, check_same_device, check_same_dtype, check_
 from .device import smem_budget
 from .launch import next_pow2
 from .custom_op import absent, compilable, compiled, define, fake, formula_function, given, n_rows, register_formula
+from .fp8 import quantize
+from .fp8_linear import E4M3, check_fp8_device, fp8_linear_bwd, fp8_linear_fwd
 from .gemm import SMEM_RESERVE, as_matrix, gemm
 from .linear import linear_bwd, linear_fwd
 
@@ -195,14 +200,16 @@ def _b_rows(segments) -> list[int]:
     return offs
 
 
-def lora_forward(x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32):
-    """``(y [..., N], xd, U)`` of the forward for x [..., K] (viewed as x2 [M, K]): base GEMM, then the
-    adapters' GEMMs accumulating into y's column segments; ``xd [M, K]`` the dropped-out input (None
-    without dropout), ``U [M, S r]`` the scaled down projection. ``segments``: ``(start, width)`` pairs."""
+def lora_forward(x, weight, bias, residual, a, b, segments, scale, p, seed, allow_tf32, fp8=False):
+    """``(y [..., N], xd, U)`` of the forward for x [..., K] (viewed as x2 [M, K]): base GEMM (``fp8``: on
+    fp8 operands), then the adapters' GEMMs accumulating into y's column segments; ``xd [M, K]`` the
+    dropped-out input (None without dropout), ``U [M, S r]`` the scaled down projection. ``segments``:
+    ``(start, width)`` pairs."""
     N, K = weight.shape
     S, r, _ = a.shape
     x2 = as_matrix(x, K)
-    y = linear_fwd(x2, weight, bias, None if residual is None else as_matrix(residual, N), allow_tf32)
+    res2 = None if residual is None else as_matrix(residual, N)
+    y = fp8_linear_fwd(x2, weight, bias, res2)[0] if fp8 else linear_fwd(x2, weight, bias, res2, allow_tf32)
     xd = dropout(x2, p, seed) if p > 0 else None
     u = lora_down(x2 if xd is None else xd, a.reshape(S * r, K).t(), scale, allow_tf32=allow_tf32)
     for j, ((start, size), row) in enumerate(zip(segments, _b_rows(segments))):
@@ -211,11 +218,19 @@ def lora_forward(x, weight, bias, residual, a, b, segments, scale, p, seed, allo
     return y.view(*x.shape[:-1], N), xd, u
 
 
+def _fp8_base_bwd(dy2, x2, weight, need_x, need_w, need_bias):
+    """(dx, dW, dbias) of the frozen layer's fp8 product: W's per-column copy for dx (and x's for dW) quantized
+    here, from the weight and the input the backward keeps anyway."""
+    _, _, xt, sxt = quantize(x2, E4M3, rows=False, cols=need_w)
+    _, _, wt, swt = quantize(weight, E4M3, rows=False, cols=need_x)
+    return fp8_linear_bwd(dy2, xt, sxt, wt, swt, need_x, need_w, need_bias, E4M3, weight.dtype)
+
+
 def lora_backward(dy, x, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, need_x, need_w, need_bias,
-                  need_a, need_b):
+                  need_a, need_b, fp8=False):
     """``(dx [x's shape], dweight, dbias, dlora_a, dlora_b)`` from dy [..., N], None where ``need_*`` (x,
     weight, bias, lora_a, lora_b) says not needed; ``xd`` is the dropped-out input (None without dropout),
-    ``segments`` the ``(start, width)`` pairs."""
+    ``segments`` the ``(start, width)`` pairs; ``fp8``: the frozen layer's products on fp8 operands."""
     N, K = weight.shape
     S, r, _ = a.shape
     x2 = as_matrix(x, K)
@@ -234,7 +249,8 @@ def lora_backward(dy, x, xd, weight, a, b, u, seed, segments, scale, p, allow_tf
         for j, ((start, size), row) in enumerate(zip(segments, rows)):
             gemm(dy2[:, start:start + size].t(), u[:, j * r:(j + 1) * r], db[row:row + size],
                  allow_tf32=allow_tf32)
-    dx, dw, dbias = linear_bwd(dy2, x2, weight, need_x, need_w, need_bias, allow_tf32)
+    dx, dw, dbias = (_fp8_base_bwd(dy2, x2, weight, need_x, need_w, need_bias) if fp8
+                     else linear_bwd(dy2, x2, weight, need_x, need_w, need_bias, allow_tf32))
     if need_x:
         dx = dx.view(-1, K)
         if p > 0:
@@ -250,8 +266,8 @@ def _lora_setup(ctx, inputs, output):
     """Of the forward's inputs and ``(y, xd, u)``: saves x, the weight, the adapters, ``u`` and, with dropout,
     ``xd`` and the seed; keeps ``segments`` as the forward got them (``(start, width)`` pairs eagerly,
     the op's flattened list, which the backward op takes, under torch.compile) and the scalars."""
-    x, weight, _, _, a, b, segments, scale, p, seed, allow_tf32 = inputs
-    ctx.options = (segments, scale, p, allow_tf32)
+    x, weight, _, _, a, b, segments, scale, p, seed, allow_tf32, fp8 = inputs
+    ctx.options = (segments, scale, p, allow_tf32, fp8)
     _, xd, u = output
     ctx.save_for_backward(x, xd if p > 0 else None, weight, a, b, u, seed if p > 0 else None)
 
@@ -260,12 +276,12 @@ def _lora_backward(ctx, dy, _dxd=None, _du=None, *, bwd=lora_backward):
     """``(dx, dweight, dbias, dresidual, dlora_a, dlora_b, None x 5)`` by ``bwd``: :func:`lora_backward`
     eagerly, the backward op under torch.compile (``dresidual`` is ``dy`` itself)."""
     x, xd, weight, a, b, u, seed = ctx.saved_tensors
-    segments, scale, p, allow_tf32 = ctx.options
+    segments, scale, p, allow_tf32, fp8 = ctx.options
     need_x, need_w, need_bias, need_res, need_a, need_b = ctx.needs_input_grad[:6]
     dx, dw, dbias, da, db = bwd(dy, x, xd, weight, a, b, u, seed, segments, scale, p, allow_tf32, need_x, need_w,
-                                need_bias, need_a, need_b)
+                                need_bias, need_a, need_b, fp8)
     return (given(dx, need_x), given(dw, need_w), given(dbias, need_bias), (dy if need_res else None),
-            given(da, need_a), given(db, need_b), None, None, None, None, None)
+            given(da, need_a), given(db, need_b), None, None, None, None, None, None)
 
 
 #: :func:`lora_forward` with :func:`_lora_setup` and :func:`_lora_backward`, the custom op's formula too;
@@ -285,16 +301,16 @@ def _segment_pairs(segments: list[int]) -> tuple[tuple[int, int], ...]:
 @define("tritonllm::lora_linear_fwd", mutates_args=())
 def lora_linear_fwd_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], lora_a: Tensor,
                        lora_b: Tensor, segments: list[int], scale: float, dropout_p: float, seed: Optional[Tensor],
-                       allow_tf32: bool) -> tuple[Tensor, Tensor, Tensor]:
+                       allow_tf32: bool, fp8: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, xd or absent, u)`` of :func:`kernels.lora.lora_forward`; ``segments`` is the flattened list of
     ``(start, width)`` pairs."""
     y, xd, u = lora_forward(x, weight, bias, residual, lora_a, lora_b, _segment_pairs(segments), scale, dropout_p,
-                            seed, allow_tf32)
+                            seed, allow_tf32, fp8)
     return y, (xd if xd is not None else absent(x)), u
 
 
 @fake(lora_linear_fwd_op)
-def _(x, weight, bias, residual, lora_a, lora_b, segments, scale, dropout_p, seed, allow_tf32):
+def _(x, weight, bias, residual, lora_a, lora_b, segments, scale, dropout_p, seed, allow_tf32, fp8):
     (S, r, K), M = lora_a.shape, n_rows(x)
     return (x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty((M, K)) if dropout_p > 0 else absent(x),
             x.new_empty((M, S * r)))
@@ -304,17 +320,17 @@ def _(x, weight, bias, residual, lora_a, lora_b, segments, scale, dropout_p, see
 def lora_linear_bwd_op(dy: Tensor, x: Tensor, xd: Optional[Tensor], weight: Tensor, lora_a: Tensor, lora_b: Tensor,
                        u: Tensor, seed: Optional[Tensor], segments: list[int], scale: float, dropout_p: float,
                        allow_tf32: bool, need_x: bool, need_w: bool, need_bias: bool, need_a: bool,
-                       need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       need_b: bool, fp8: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias, dlora_a, dlora_b)`` of :func:`kernels.lora.lora_backward`, absent where not needed."""
     grads = lora_backward(dy, x, xd, weight, lora_a, lora_b, u, seed, _segment_pairs(segments), scale, dropout_p,
-                          allow_tf32, need_x, need_w, need_bias, need_a, need_b)
+                          allow_tf32, need_x, need_w, need_bias, need_a, need_b, fp8)
     dx, dw, db, da, dlb = (g if g is not None else absent(x) for g in grads)
     return dx, dw, db, da, dlb
 
 
 @fake(lora_linear_bwd_op)
 def _(dy, x, xd, weight, lora_a, lora_b, u, seed, segments, scale, dropout_p, allow_tf32, need_x, need_w, need_bias,
-      need_a, need_b):
+      need_a, need_b, fp8):
     like = ((x, x.shape, need_x), (weight, weight.shape, need_w), (weight, weight.shape[:1], need_bias),
             (lora_a, lora_a.shape, need_a), (lora_b, lora_b.shape, need_b))
     return tuple(t.new_empty(shape) if needed else absent(x) for t, shape, needed in like)
@@ -326,18 +342,20 @@ register_formula(lora_linear_fwd_op, _lora_setup, _lora_backward, bwd=lora_linea
 @compiled("lora_linear")
 def _compiled_lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, segments,
                           scale: float, *, dropout_p: float = 0.0, seed: Tensor | None = None, residual: Tensor | None = None,
-                          allow_tf32: bool = True) -> Tensor:
+                          allow_tf32: bool = True, fp8: bool = False) -> Tensor:
     pairs = tuple((int(s), int(n)) for s, n in segments)
     check_lora_args(x, weight, bias, lora_a, lora_b, pairs, scale, float(dropout_p), seed, residual)
+    if fp8:
+        check_fp8_device(x)
     return lora_linear_fwd_op(x, weight, bias, residual, lora_a, lora_b, [v for pair in pairs for v in pair],
-                              float(scale), float(dropout_p), seed, allow_tf32)[0]
+                              float(scale), float(dropout_p), seed, allow_tf32, fp8)[0]
 
 
 @compilable
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, segments, scale: float, *, dropout_p: float = 0.0,
                 seed: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                allow_tf32: bool = True) -> torch.Tensor:
+                allow_tf32: bool = True, fp8: bool = False) -> torch.Tensor:
     """``x W^T + bias (+ residual)`` with LoRA updates ``s * dropout(x) A_j^T B_j^T`` added to the
     output columns ``segments[j] = (start_j, n_j)``; the math is in this module's docstring.
 
@@ -345,12 +363,15 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     stacked by rows in segment order); scale s (``alpha / r``); ``dropout_p`` with ``seed`` (a
     1-element int64 tensor on x's device, needed when ``dropout_p > 0``). All tensors in x's
     floating dtype; returns [..., N]. Gradients flow to every input that requires one (a frozen
-    ``weight`` gets none and costs no GEMM).
+    ``weight`` gets none and costs no GEMM). ``fp8``: the frozen layer's products on e4m3 operands
+    scaled per row (:mod:`kernels.fp8_linear`; fp8 tensor cores or the interpreter), the adapters' in x's dtype.
     """
     segments = tuple((int(s), int(n)) for s, n in segments)
     check_lora_args(x, weight, bias, lora_a, lora_b, segments, scale, float(dropout_p), seed, residual)
+    if fp8:
+        check_fp8_device(x)
     if needs_grad(x, weight, bias, residual, lora_a, lora_b):
         return LoRALinearFunction.apply(x, weight, bias, residual, lora_a, lora_b, segments, float(scale),
-                                        float(dropout_p), seed, allow_tf32)
+                                        float(dropout_p), seed, allow_tf32, fp8)
     return lora_forward(x, weight, bias, residual, lora_a, lora_b, segments, float(scale), float(dropout_p), seed,
-                        allow_tf32)[0]
+                        allow_tf32, fp8)[0]

@@ -435,13 +435,17 @@ def _lora_op_cases(g):
     x, w, bias = randn(5, 32, **g), randn(24, 32, scale=0.2, **g), randn(24, **g)
     a, b = randn(2, 4, 32, **g), randn(16, 4, **g)
     segments, seed = [0, 8, 16, 8], torch.tensor([3], dtype=torch.int64, device=DEVICE)
-    _, xd, u = OPS.lora_linear_fwd(x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True)
+    _, xd, u = OPS.lora_linear_fwd(x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True, False)
     saved = (x.detach(), xd.detach(), w.detach(), a.detach(), b.detach(), u.detach(), seed, segments, 0.5, 0.25, True)
     return {
-        "lora_linear_fwd": (OPS.lora_linear_fwd, (x, w, bias, randn(5, 24, **g), a, b, segments, 0.5, 0.0, None, True)),
-        "lora_linear_fwd_dropout": (OPS.lora_linear_fwd, (x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True)),
-        "lora_linear_bwd": (OPS.lora_linear_bwd, (randn(5, 24), *saved, True, True, True, True, True)),
-        "lora_linear_bwd_adapters": (OPS.lora_linear_bwd, (randn(5, 24), *saved, False, False, False, True, True)),
+        "lora_linear_fwd": (OPS.lora_linear_fwd, (x, w, bias, randn(5, 24, **g), a, b, segments, 0.5, 0.0, None, True,
+                                                  False)),
+        "lora_linear_fwd_dropout": (OPS.lora_linear_fwd, (x, w, bias, None, a, b, segments, 0.5, 0.25, seed, True, False)),
+        "lora_linear_fwd_fp8": (OPS.lora_linear_fwd, (x, w, bias, None, a, b, segments, 0.5, 0.0, None, True, True)),
+        "lora_linear_bwd": (OPS.lora_linear_bwd, (randn(5, 24), *saved, True, True, True, True, True, False)),
+        "lora_linear_bwd_adapters": (OPS.lora_linear_bwd, (randn(5, 24), *saved, False, False, False, True, True,
+                                                           False)),
+        "lora_linear_bwd_fp8": (OPS.lora_linear_bwd, (randn(5, 24), *saved, True, False, False, True, True, True)),
     }
 
 
@@ -528,6 +532,8 @@ def _op_cases():
     _, _, dx_l, dw_l, scale = OPS.linear_cross_entropy_fwd(*lce, "mean", None, True, True, True, None)
     dy, d4 = randn(5, 32), randn(2, 8, 2, 32)
     lce_opts = (None, True, True, True, None)
+    kept = [t.detach() for t in OPS.fp8_linear_fwd(x, wl, None, None, torch.float8_e4m3fn, True, True)[1:]]
+    kept13 = [t.detach() for t in OPS.fp8_linear_swiglu_fwd(x, w13, torch.float8_e4m3fn, True, True)[2:]]
     return {
         "rms_norm_fwd": (OPS.rms_norm_fwd, (x, w, 1e-6, None)),
         "rms_norm_fwd_residual": (OPS.rms_norm_fwd, (x, w, 1e-6, randn(5, 32, **g))),
@@ -541,12 +547,14 @@ def _op_cases():
         "swiglu_fwd_packed": (OPS.swiglu_fwd, (packed, None)),
         "swiglu_bwd": (OPS.swiglu_bwd, (randn(5, 12), gate.detach(), up.detach())),
         "swiglu_bwd_packed": (OPS.swiglu_bwd, (randn(5, 12), packed.detach(), None)),
-        "fp8_linear_fwd": (OPS.fp8_linear_fwd, (x, wl, bias, randn(5, 16, **g), torch.float8_e4m3fn)),
-        "fp8_linear_bwd": (OPS.fp8_linear_bwd, (randn(5, 16), x.detach(), wl.detach(), True, True, True,
-                                                torch.float8_e5m2)),
-        "fp8_linear_swiglu_fwd": (OPS.fp8_linear_swiglu_fwd, (x, w13, torch.float8_e4m3fn)),
-        "fp8_linear_swiglu_bwd": (OPS.fp8_linear_swiglu_bwd, (randn(5, 12), x.detach(), w13.detach(), gu.detach(),
-                                                              True, True, torch.float8_e4m3fn)),
+        "fp8_linear_fwd": (OPS.fp8_linear_fwd, (x, wl, bias, randn(5, 16, **g), torch.float8_e4m3fn, True, True)),
+        "fp8_linear_fwd_no_grad": (OPS.fp8_linear_fwd, (x.detach(), wl.detach(), None, None, torch.float8_e4m3fn, False,
+                                                        False)),
+        "fp8_linear_bwd": (OPS.fp8_linear_bwd, (randn(5, 16), *kept, True, True, True, torch.float8_e5m2,
+                                                torch.float32)),
+        "fp8_linear_swiglu_fwd": (OPS.fp8_linear_swiglu_fwd, (x, w13, torch.float8_e4m3fn, True, True)),
+        "fp8_linear_swiglu_bwd": (OPS.fp8_linear_swiglu_bwd, (randn(5, 12), gu.detach(), *kept13, True, True,
+                                                              torch.float8_e4m3fn, torch.float32)),
         "relu2_fwd": (OPS.relu2_fwd, (x,)),
         "relu2_bwd": (OPS.relu2_bwd, (x.detach(), dy)),
         "gelu_tanh_fwd": (OPS.gelu_tanh_fwd, (x,)),

@@ -142,6 +142,32 @@ def test_bad_input():
         fp8_linear_swiglu(x, randn(9, 32).to(DTYPE))
 
 
+def test_lora_with_an_fp8_base():
+    """lora_linear(fp8=True): the frozen product is fp8_linear's (y and dx), the adapters' part and their
+    gradients are those of the bf16 layer exactly (they read the same x and dy)."""
+    from tritonllm.kernels.linear import linear
+    from tritonllm.kernels.lora import lora_linear
+
+    x = randn(6, 64).to(DTYPE).requires_grad_()
+    w = (randn(40, 64) * 0.1).to(DTYPE)
+    a = (randn(2, 4, 64) * 0.1).to(DTYPE).requires_grad_()
+    b = (randn(24, 4) * 0.1).to(DTYPE).requires_grad_()
+    segments = [(0, 16), (24, 8)]
+    dy = randn(6, 40).to(DTYPE)
+    out = {}
+    for fp8 in (False, True):
+        y = lora_linear(x, w, None, a, b, segments, 2.0, fp8=fp8)
+        out[fp8] = (y, *torch.autograd.grad(y, [x, a, b], dy))
+    base = {True: fp8_linear(x, w), False: linear(x, w)}
+    base_dx = {fp8: torch.autograd.grad(base[fp8], [x], dy)[0] for fp8 in (False, True)}
+    tol = 1e-5 if not ON_GPU else 2e-2
+    for i, name in ((0, "y"), (1, "dx")):
+        got = out[True][i] - (base[True] if i == 0 else base_dx[True])
+        ref = out[False][i] - (base[False] if i == 0 else base_dx[False])
+        assert (got - ref).abs().max().item() <= tol * ref.abs().max().item(), name
+    assert torch.equal(out[True][2], out[False][2]) and torch.equal(out[True][3], out[False][3])
+
+
 def test_convert_to_fp8_keeps_parameters_and_skips_the_head():
     from tritonllm.models import ModelConfig, build_model
     from tritonllm.nn.fp8 import Fp8Linear, Fp8LinearSwiGLU, apply_precision
@@ -158,6 +184,14 @@ def test_convert_to_fp8_keeps_parameters_and_skips_the_head():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ConfigError, match="trainer.precision"):
         apply_precision(model, "fp4")
+    from tritonllm.nn.lora import LoRAConfig, LoRALinear, apply_lora
+
+    lora = apply_lora(build_model(ModelConfig(name="t", vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                              d_ff=64, max_seq_len=16), device=torch.device(DEVICE), dtype=DTYPE),
+                      LoRAConfig(rank=2, alpha=4.0))
+    apply_precision(lora, "fp8")
+    layers = [m for m in lora.modules() if isinstance(m, LoRALinear)]
+    assert layers and all(m.fp8 for m in layers)
 
 
 def test_training_in_fp8_lowers_the_loss(tmp_path, data_overrides):  # noqa: F811

@@ -5,8 +5,9 @@
 MLPs and the MoE shared experts) into their FP8 forms in place: same parameters, same state dict, the
 forward and both backward GEMMs on fp8 operands (``tritonllm.kernels.fp8_linear``). The weights stay
 in the model's dtype (AdamW's fp32 master weights are unchanged) and nothing fp8 is saved in a
-checkpoint. The LM head and the embedding stay as they are (``model.lm_head_fp8`` puts the head's GEMMs in
-fp8), and so do the routed MoE experts (grouped GEMM) and LoRA layers.
+checkpoint. A LoRA layer's frozen weight computes in FP8 too, its adapters in the model's dtype. The LM head
+and the embedding stay as they are (``model.lm_head_fp8`` puts the head's GEMMs in fp8), and so do the routed
+MoE experts (grouped GEMM).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from tritonllm.errors import ConfigError
 from tritonllm.kernels.fp8_linear import E4M3, fp8_linear, fp8_linear_swiglu, fp8_supported
 from tritonllm.nn.linear import Linear, LinearSwiGLU
+from tritonllm.nn.lora import LoRALinear
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,8 @@ class Fp8LinearSwiGLU(LinearSwiGLU):
 
 def convert_to_fp8(model: nn.Module, grad_dtype: torch.dtype = E4M3, skip: tuple[str, ...] = ("lm_head",)) -> int:
     """Make every Linear and LinearSwiGLU of ``model`` (but those whose name is in ``skip``) compute in FP8,
-    gradients quantized to ``grad_dtype``; returns how many were converted. Raises ValueError on a device
-    without fp8 tensor cores."""
+    gradients quantized to ``grad_dtype``, and every LoRA layer's frozen product (its gradients in e4m3);
+    returns how many were converted. Raises ValueError on a device without fp8 tensor cores."""
     device = next(model.parameters()).device
     if not fp8_supported(device):
         raise ValueError(f"fp8 needs a GPU with fp8 tensor cores (compute capability 8.9 or later: Ada, Hopper, "
@@ -55,6 +57,10 @@ def convert_to_fp8(model: nn.Module, grad_dtype: torch.dtype = E4M3, skip: tuple
     converted = 0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in skip:
+            continue
+        if isinstance(module, LoRALinear):
+            module.fp8 = True
+            converted += 1
             continue
         kind = {Linear: Fp8Linear, LinearSwiGLU: Fp8LinearSwiGLU}.get(type(module))
         if kind is not None:

@@ -84,7 +84,10 @@ class LoRAConfig:
 class LoRALinear(nn.Module):
     """A frozen linear layer (``weight`` [out, in], optional ``bias``) with LoRA adapters on the
     output column ranges ``segments`` (``(name, start, width)`` each); ``swiglu`` applies the SwiGLU
-    to the packed [gate; up] output (the base was a ``LinearSwiGLU``)."""
+    to the packed [gate; up] output (the base was a ``LinearSwiGLU``). ``fp8`` (set by
+    :func:`tritonllm.nn.fp8.convert_to_fp8`): the frozen layer's GEMMs on fp8 operands, the adapters' in bf16."""
+
+    fp8: bool = False
 
     def __init__(self, base: Linear | LinearSwiGLU, segments: list[tuple[str, int, int]], cfg: LoRAConfig, swiglu: bool = False):
         super().__init__()
@@ -110,7 +113,7 @@ class LoRALinear(nn.Module):
         # the mask's seed is drawn on the device: a captured step draws a new one per replay
         seed = torch.randint(0, 2 ** 62, (1,), device=x.device) if p > 0 else None
         y = lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, [s[1:] for s in self.segments],
-                        self.scale, dropout_p=p, seed=seed, residual=residual)
+                        self.scale, dropout_p=p, seed=seed, residual=residual, fp8=self.fp8)
         return swiglu(y) if self.swiglu else y
 
     def adapters(self):
@@ -131,7 +134,7 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         names = ",".join(s[0] for s in self.segments)
         return (f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, targets={names}, rank={self.rank}, "
-                f"scale={self.scale:g}, dropout={self.dropout:g}, swiglu={self.swiglu}")
+                f"scale={self.scale:g}, dropout={self.dropout:g}, swiglu={self.swiglu}" + (", fp8" if self.fp8 else ""))
 
 
 def _slots(cfg_model) -> list[tuple[str, list[tuple[str, int, int]], bool]]:
