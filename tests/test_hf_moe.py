@@ -1,4 +1,4 @@
-"""Hugging Face MoE import/export (tritonllm.hf: Mixtral, Qwen3-MoE) against transformers' own tiny
+"""Hugging Face MoE import/export (tritonllm.hf: Mixtral, Qwen3-MoE, OLMoE) against transformers' own tiny
 random models, fp32: logits, LM loss, gradients, the load-balancing loss and the export round trip."""
 
 import pytest
@@ -15,14 +15,14 @@ from test_hf import HF_ATOL, VOCAB, _ids, assert_logits, check_export_round_trip
 
 MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.02)
 #: family -> (config class, model class, extra config): Mixtral always renormalises the top-k
-#: weights, Qwen3-MoE when norm_topk_prob
+#: weights, Qwen3-MoE and OLMoE when norm_topk_prob; OLMoE's QK-norm spans all heads
 FAMILIES = {
     "mixtral_window_untied": ("MixtralConfig", "MixtralForCausalLM", dict(
         MOE, num_local_experts=4, sliding_window=6, tie_word_embeddings=False)),
     "qwen3moe_qknorm_renorm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         MOE, num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=True)),
-    "qwen3moe_qknorm_raw": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        MOE, num_experts=4, moe_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False)),
+    "olmoe_qknorm_all_raw": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        MOE, num_experts=4, norm_topk_prob=False, tie_word_embeddings=False)),
 }
 
 
@@ -50,9 +50,10 @@ def test_config_mapping(hf_folder):
     cfg = config_from_hf(read_hf_config(path))
     k, n_layers = hf.config.num_experts_per_tok, hf.config.num_hidden_layers
     assert (cfg.n_experts, cfg.moe_top_k, cfg.moe_score, cfg.n_shared_experts) == (4, k, "softmax", 0)
-    assert cfg.d_expert == (80 if family.startswith("mixtral") else 48)
+    assert cfg.d_expert == (48 if family.startswith("qwen3") else 80)
     assert cfg.moe_normalize == (family.startswith("mixtral") or hf.config.norm_topk_prob)
-    assert cfg.qk_norm == family.startswith("qwen3")
+    assert cfg.qk_norm == (not family.startswith("mixtral"))
+    assert cfg.qk_norm_span == ("all" if family.startswith("olmoe") else "head")
     assert cfg.window == (6 if family.startswith("mixtral") else None)
     assert cfg.moe_aux_loss_coef == pytest.approx(0.02 * k / n_layers)
 
@@ -120,13 +121,14 @@ def test_export_round_trip(hf_folder, tmp_path):
         assert getattr(back.config, field, None) == pytest.approx(getattr(hf.config, field, None)), field
 
 
-@pytest.mark.parametrize("qk_norm,normalize,architecture", [(False, True, "MixtralForCausalLM"),
-                                                            (True, False, "Qwen3MoeForCausalLM")])
-def test_export_native_moe_model(tmp_path, qk_norm, normalize, architecture):
+@pytest.mark.parametrize("qk_norm,span,normalize,architecture", [
+    (False, "head", True, "MixtralForCausalLM"), (True, "head", False, "Qwen3MoeForCausalLM"),
+    (True, "all", False, "OlmoeForCausalLM")])
+def test_export_native_moe_model(tmp_path, qk_norm, span, normalize, architecture):
     """A tritonllm MoE model (not from a Hugging Face folder) exports to the family with its features."""
     cfg = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=80, max_seq_len=64,
                       n_experts=4, moe_top_k=2, d_expert=48, moe_normalize=normalize, qk_norm=qk_norm,
-                      tie_embeddings=False)
+                      qk_norm_span=span, tie_embeddings=False)
     torch.manual_seed(3)
     model = build_model(cfg, device=DEVICE)
     save_hf_model(model, str(tmp_path))
@@ -154,8 +156,9 @@ def test_hub_style_qwen3_moe_config():
     (dict(mlp_only_layers=[0]), "mlp_only_layers"),
     (dict(num_experts=0), "num_experts"),
     (dict(model_type="mixtral", router_jitter_noise=0.1), "router_jitter_noise"),
-    (dict(model_type="olmoe"), "model_type"),
-], ids=["sparse_step", "mlp_only_layers", "no_experts", "jitter", "olmoe"])
+    (dict(model_type="olmoe", clip_qkv=8.0), "clip_qkv"),
+    (dict(model_type="deepseek_v3"), "model_type"),
+], ids=["sparse_step", "mlp_only_layers", "no_experts", "jitter", "olmoe_clip", "deepseek"])
 def test_unsupported_moe_config_names_field(change, field):
     with pytest.raises(HFConfigError, match=field):
         config_from_hf({**QWEN3_MOE, **change})
@@ -167,8 +170,10 @@ def test_unsupported_moe_config_names_field(change, field):
     (dict(moe_normalize=False), "mixtral", "moe_normalize"),
     (dict(), "qwen3_moe", "qk_norm"),
     (dict(), "llama", "n_experts"),
-], ids=["shared", "sigmoid", "mixtral_raw", "qwen3moe_no_qknorm", "dense_arch"])
+    (dict(qk_norm=True, qk_norm_span="all"), "qwen3_moe", "qk_norm_span"),
+    (dict(n_experts=0, qk_norm=True, qk_norm_span="all"), None, "qk_norm_span"),
+], ids=["shared", "sigmoid", "mixtral_raw", "qwen3moe_no_qknorm", "dense_arch", "qwen3moe_span_all", "dense_span_all"])
 def test_unexportable_moe_config_names_field(change, architecture, field):
-    cfg = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2, d_ff=80, n_experts=4, **change)
+    cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2, d_ff=80, n_experts=4), **change})
     with pytest.raises(HFConfigError, match=field):
         hf_config_from(cfg, architecture)

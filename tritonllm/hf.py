@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out of tritonllm: Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE.
+"""Hugging Face checkpoints in and out of tritonllm: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and OLMoE.
 
 Import (:func:`load_hf_model`) reads a model folder (``config.json``; ``model.safetensors`` or
 the shards named by ``model.safetensors.index.json``), maps its config onto a
@@ -18,18 +18,20 @@ the shards named by ``model.safetensors.index.json``), maps its config onto a
     lm_head.weight                                  -> lm_head.weight (absent when tied)
 
 MoE families (Mixtral: ``{moe}`` = ``block_sparse_moe``, ``{gate,up,down}`` = ``w1, w3, w2``;
-Qwen3-MoE: ``{moe}`` = ``mlp``, ``{gate,up,down}`` = ``{gate,up,down}_proj``), E experts of width F,
-in place of the two ``mlp`` rows::
+Qwen3-MoE and OLMoE: ``{moe}`` = ``mlp``, ``{gate,up,down}`` = ``{gate,up,down}_proj``), E experts of
+width F, in place of the two ``mlp`` rows::
 
     model.layers.{i}.{moe}.gate.weight              -> blocks.{i}.mlp.router.weight [E, D]
     model.layers.{i}.{moe}.experts.{e}.{gate,up}.weight -> blocks.{i}.mlp.w13[e]   [E, 2F, D], rows [gate; up]
     model.layers.{i}.{moe}.experts.{e}.{down}.weight  -> blocks.{i}.mlp.w2[e]      [E, D, F]
 
 (the per-expert tensors ``save_pretrained`` writes; transformers fuses them into ``gate_up_proj``
-``[E, 2F, D]`` and ``down_proj`` ``[E, D, F]`` in memory, the same layouts as tritonllm's). Both
+``[E, 2F, D]`` and ``down_proj`` ``[E, D, F]`` in memory, the same layouts as tritonllm's). All
 route as :func:`tritonllm.kernels.moe_router.moe_router` with ``score="softmax"``: softmax over the
 E router logits, the top ``num_experts_per_tok``, renormalised to sum to 1 always for Mixtral and
-when ``norm_topk_prob`` for Qwen3-MoE. Every layer must be an MoE layer (``decoder_sparse_step``
+when ``norm_topk_prob`` for Qwen3-MoE and OLMoE. OLMoE's QK-norm spans all heads of a token
+(``q_norm.weight [Hq D]``, ``k_norm.weight [Hkv D]``: ``qk_norm_span="all"``), and its
+``clip_qkv`` must be unset. Every layer must be an MoE layer (``decoder_sparse_step``
 1, no ``mlp_only_layers``) and the router noise-free (``router_jitter_noise`` 0).
 
 Load balancing: transformers adds ``router_aux_loss_coef * E sum_i fbar_i Pbar_i`` when run with
@@ -49,7 +51,8 @@ the config field.
 
 Export (:func:`save_hf_model`) writes the inverse: ``config.json`` (LlamaForCausalLM, or
 Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, MistralForCausalLM with a
-sliding window; with experts MixtralForCausalLM, or Qwen3MoeForCausalLM with QK-norm),
+sliding window; with experts MixtralForCausalLM, or Qwen3MoeForCausalLM with per-head QK-norm,
+OlmoeForCausalLM with QK-norm over all heads),
 ``model.safetensors`` and the tokenizer files of a source folder, which
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads. A model with LoRA adapters
 (:mod:`tritonllm.nn.lora`) is exported with the adapters merged into the weights.
@@ -69,10 +72,12 @@ from tritonllm.models.config import ModelConfig
 
 #: model_type -> architecture name written on export
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "olmoe": "OlmoeForCausalLM"}
 #: MoE model_type -> (prefix of the MoE block in a layer, names of an expert's gate, up and down projections)
 MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
-             "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "olmoe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 INDEX_FILE, WEIGHTS_FILE = "model.safetensors.index.json", "model.safetensors"
 
 
@@ -167,6 +172,8 @@ def _moe(hf: dict, model_type: str) -> dict:
     n_experts = hf.get("num_local_experts") or hf.get("num_experts")
     if not n_experts:
         raise HFConfigError(f"num_experts={n_experts!r}: a {model_type} model without experts is not supported")
+    if hf.get("clip_qkv") is not None:
+        raise HFConfigError(f"clip_qkv={hf['clip_qkv']}: clamping q, k and v is not supported")
     if hf.get("router_jitter_noise"):
         raise HFConfigError(f"router_jitter_noise={hf['router_jitter_noise']}: router noise is not supported")
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers")
@@ -214,7 +221,8 @@ def config_from_hf(hf: dict, max_seq_len: int | None = None, name: str | None = 
             n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
             d_ff=hf["intermediate_size"],
             max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
-            rope_theta=theta, rope_scaling=scaling, qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            rope_theta=theta, rope_scaling=scaling, qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_span="all" if model_type == "olmoe" else "head",
             qkv_bias=model_type == "qwen2", window=_window(hf, model_type), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **_moe(hf, model_type))
     except KeyError as e:
@@ -261,11 +269,18 @@ def _layer_names(i: int) -> dict[str, str | list[str]]:
     }
 
 
+def _moe_family(cfg: ModelConfig) -> str:
+    """The Hugging Face MoE family of an MoE config: OLMoE with QK-norm over all heads, Qwen3-MoE with
+    per-head QK-norm, else Mixtral."""
+    if cfg.qk_norm:
+        return "olmoe" if cfg.qk_norm_span == "all" else "qwen3_moe"
+    return "mixtral"
+
+
 def _moe_layer_names(i: int, cfg: ModelConfig) -> dict[str, str | list[str]]:
     """tritonllm parameter -> Hugging Face tensor names of the MoE block ``i``: the experts' tensors
-    in expert order (gate, up of each for ``w13``), concatenated by rows then viewed ``[E, -1, D_in]``.
-    The family is Qwen3-MoE with QK-norm, else Mixtral (as :func:`hf_config_from` decides)."""
-    prefix, (gate, up, down) = MOE_NAMES["qwen3_moe" if cfg.qk_norm else "mixtral"]
+    in expert order (gate, up of each for ``w13``), concatenated by rows then viewed ``[E, -1, D_in]``."""
+    prefix, (gate, up, down) = MOE_NAMES[_moe_family(cfg)]
     hf = f"model.layers.{i}.{prefix}"
     experts = [f"{hf}experts.{e}." for e in range(cfg.n_experts)]
     return {f"blocks.{i}.mlp.router.weight": hf + "gate.weight",
@@ -349,15 +364,17 @@ def hf_config_from(cfg: ModelConfig, architecture: str | None = None, dtype: tor
         if on:
             raise HFConfigError(f"{field}={getattr(cfg, field)!r}: no supported Hugging Face family has it")
     if cfg.n_experts:
-        auto = "qwen3_moe" if cfg.qk_norm else "mixtral"
+        auto = _moe_family(cfg)
     else:
         auto = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.window else "llama"
     model_type = architecture or auto
     if model_type not in ARCHITECTURES:
         raise HFConfigError(f"architecture={model_type!r}: expected one of {sorted(ARCHITECTURES)}")
-    needs = {"qk_norm": ("qwen3", "qwen3_moe"), "qkv_bias": ("qwen2",), "n_experts": tuple(MOE_NAMES)}
-    for field, families in needs.items():
-        if (model_type in families) != bool(getattr(cfg, field)):
+    needs = {"qk_norm": (cfg.qk_norm, ("qwen3", "qwen3_moe", "olmoe")), "qkv_bias": (cfg.qkv_bias, ("qwen2",)),
+             "n_experts": (cfg.n_experts > 0, tuple(MOE_NAMES)),
+             "qk_norm_span": (cfg.qk_norm and cfg.qk_norm_span == "all", ("olmoe",))}
+    for field, (has, families) in needs.items():
+        if (model_type in families) != has:
             raise HFConfigError(f"architecture={model_type!r} does not fit {field}={getattr(cfg, field)}")
     if cfg.window and model_type not in ("mistral", "mixtral"):
         raise HFConfigError(f"window={cfg.window}: only the mistral and mixtral architectures have one sliding "
@@ -397,6 +414,8 @@ def hf_config_from(cfg: ModelConfig, architecture: str | None = None, dtype: tor
                    router_aux_loss_coef=cfg.moe_aux_loss_coef * cfg.n_layers / cfg.moe_top_k)
     if model_type == "mixtral":
         out.update(intermediate_size=cfg.d_expert, router_jitter_noise=0.0)
+    if model_type == "olmoe":
+        out.update(intermediate_size=cfg.d_expert, norm_topk_prob=cfg.moe_normalize, clip_qkv=None)
     if model_type == "qwen3_moe":
         out.update(use_sliding_window=False, sliding_window=None, moe_intermediate_size=cfg.d_expert,
                    norm_topk_prob=cfg.moe_normalize, decoder_sparse_step=1, mlp_only_layers=[])
