@@ -31,8 +31,8 @@ route as :func:`tritonllm.kernels.moe_router.moe_router` with ``score="softmax"`
 E router logits, the top ``num_experts_per_tok``, renormalised to sum to 1 always for Mixtral and
 when ``norm_topk_prob`` for Qwen3-MoE and OLMoE. OLMoE's QK-norm spans all heads of a token
 (``q_norm.weight [Hq D]``, ``k_norm.weight [Hkv D]``: ``qk_norm_span="all"``), and its
-``clip_qkv`` must be unset. Every layer must be an MoE layer (``decoder_sparse_step``
-1, no ``mlp_only_layers``) and the router noise-free (``router_jitter_noise`` 0).
+``clip_qkv`` must be unset. Every layer must be an MoE layer (``decoder_sparse_step`` 1, no
+``mlp_only_layers``) and the router noise-free (``router_jitter_noise`` 0).
 
 Load balancing: transformers adds ``router_aux_loss_coef * E sum_i fbar_i Pbar_i`` when run with
 ``output_router_logits``, ``fbar_i`` the assignments to expert i per token (summing to k) and
@@ -41,7 +41,7 @@ always adds, per layer, ``moe_aux_loss_coef * E sum_i f_i P_i`` with ``f_i = c_i
 to 1). Import sets ``moe_aux_loss_coef = router_aux_loss_coef * k / L``, export the inverse: the two
 losses agree for one layer, and for L layers whose routing statistics are the same.
 
-Both use the half-split ("rotate_half") RoPE layout, so q and k rows are copied as they are.
+All use the half-split ("rotate_half") RoPE layout, so q and k rows are copied as they are.
 RoPE: ``rope_theta`` and the ``default``, ``linear``, ``llama3`` and ``yarn`` rope types (the
 config's ``rope_parameters``, or ``rope_theta`` + ``rope_scaling`` as transformers 4 wrote them).
 Anything the Transformer cannot compute the same way (another architecture, an activation other
@@ -52,9 +52,8 @@ the config field.
 Export (:func:`save_hf_model`) writes the inverse: ``config.json`` (LlamaForCausalLM, or
 Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, MistralForCausalLM with a
 sliding window; with experts MixtralForCausalLM, or Qwen3MoeForCausalLM with per-head QK-norm,
-OlmoeForCausalLM with QK-norm over all heads),
-``model.safetensors`` and the tokenizer files of a source folder, which
-``transformers.AutoModelForCausalLM.from_pretrained`` loads. A model with LoRA adapters
+OlmoeForCausalLM with QK-norm over all heads), ``model.safetensors`` and the tokenizer files of a
+source folder, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. A model with LoRA adapters
 (:mod:`tritonllm.nn.lora`) is exported with the adapters merged into the weights.
 """
 
