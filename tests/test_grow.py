@@ -121,6 +121,7 @@ def test_grown_model_learns_in_its_new_parameters(name):
     (dict(n_heads=4, n_kv_heads=4), dict(n_kv_heads=2), r"KV heads can be split, not merged"),
     (dict(unet_skips=True), dict(n_layers=4), r"with unet_skips=True: the layers depend on their index"),
     (dict(n_experts=4, moe_top_k=2), dict(n_experts=8), r"n_experts 4 -> 8"),
+    (dict(qk_norm=True, qk_norm_span="all"), dict(n_heads=4), r"qk_norm_span='all'"),
 ])
 def test_what_is_not_a_growth_is_refused(parent, child, match):
     cfg = ModelConfig(**{**BASE, **parent})

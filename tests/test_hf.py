@@ -37,8 +37,9 @@ def _randomize(model) -> None:
                 p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
 
 
-def make_hf(family: str, **overrides):
-    config_cls, model_cls, extra = FAMILIES[family]
+def make_hf(family: str, families: dict = FAMILIES, **overrides):
+    """The transformers model of ``families[family]`` (COMMON sizes, ``overrides`` on top), randomized."""
+    config_cls, model_cls, extra = families[family]
     torch.manual_seed(zlib.crc32(family.encode()))  # the same in every process
     cfg = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     model = getattr(transformers, model_cls)(cfg).eval()
@@ -46,12 +47,19 @@ def make_hf(family: str, **overrides):
     return model
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def hf_folder(request, tmp_path_factory):
-    model = make_hf(request.param)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return request.param, model, str(path)
+def hf_folder_fixture(families: dict, make=make_hf):
+    """A module-scoped fixture over the keys of ``families``: ``(family, model, folder)``, the model
+    made by ``make(family)`` and saved by transformers into ``folder``."""
+    @pytest.fixture(scope="module", params=list(families))
+    def hf_folder(request, tmp_path_factory):
+        model = make(request.param)
+        path = tmp_path_factory.mktemp(request.param)
+        model.save_pretrained(path)
+        return request.param, model, str(path)
+    return hf_folder
+
+
+hf_folder = hf_folder_fixture(FAMILIES)
 
 
 def _ids(T=11, B=2, seed=0):
@@ -103,6 +111,12 @@ def test_import_greedy_generation_equal(hf_folder):
 
 
 def test_export_round_trip(hf_folder, tmp_path):
+    check_export_round_trip(hf_folder, tmp_path)
+
+
+def check_export_round_trip(hf_folder, tmp_path):
+    """Import the folder, export it to ``tmp_path``: transformers loads the same class with the same
+    logits, and so does our re-import; returns the transformers model loaded back."""
     family, hf, path = hf_folder
     model = load_hf_model(path, device=DEVICE)
     save_hf_model(model, str(tmp_path))
@@ -113,6 +127,7 @@ def test_export_round_trip(hf_folder, tmp_path):
         ref = hf(idx).logits
         assert_logits(family + " exported", back(idx).logits, ref, tol=1e-5)  # transformers on both sides
         assert_logits(family + " re-imported", load_hf_model(str(tmp_path), device=DEVICE)(idx.to(DEVICE)), ref)
+    return back
 
 
 def test_sharded_checkpoint(tmp_path):

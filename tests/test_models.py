@@ -163,6 +163,7 @@ def test_from_dict_accepts_dictconfig_and_resolves_defaults():
     (dict(window=0), "window"),
     (dict(rope_scaling={"type": "dynamic"}), "rope_scaling"),
     (dict(moe_score="relu"), "moe_score"),
+    (dict(qk_norm=True, qk_norm_span="token"), "qk_norm_span"),
     (dict(n_experts=4, moe_top_k=5), "moe_top_k"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_config_names_the_field(bad, field):
@@ -188,9 +189,10 @@ def test_init_scales_output_projections():
         assert abs(p.std().item() - expected) < 0.05 * expected, (name, p.std().item(), expected)
 
 
+@pytest.mark.parametrize("span", ["head", "all"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_param_counts_and_flops(tied):
-    cfg = tiny_cfg(tie_embeddings=tied, qk_norm=True)
+def test_param_counts_and_flops(tied, span):
+    cfg = tiny_cfg(tie_embeddings=tied, qk_norm=True, qk_norm_span=span)
     model = build_model(cfg)
     embed = cfg.vocab_size * cfg.d_model
     assert model.num_params() == cfg.param_count() == sum(p.numel() for p in model.parameters())
@@ -424,8 +426,8 @@ SPEEDRUN = dict(n_layers=2, window=None, window_schedule=[4, None], mlp_act="rel
                 value_embeddings=1, unet_skips=True)
 
 
-@pytest.mark.parametrize("tied, options", [(False, {}), (True, {}), (True, SPEEDRUN)],
-                         ids=["untied", "tied", "tied-speedrun-options"])
+@pytest.mark.parametrize("tied, options", [(False, {}), (True, {}), (True, SPEEDRUN), (False, dict(qk_norm_span="all"))],
+                         ids=["untied", "tied", "tied-speedrun-options", "untied-qknorm-all"])
 def test_training_step_calls_no_pytorch_math(tied, options, monkeypatch):
     """Forward + backward with every feature on. PyTorch may only allocate, view and copy storage;
     beyond that it may touch integer tensors (the embedding's token-id checks and sort), 0-d floats

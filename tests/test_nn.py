@@ -42,8 +42,10 @@ def attention_reference(m: Attention, cos, sin):
         B, T, _ = x.shape
         qkv = ref.linear(x, p["qkv.weight"], p.get("qkv.bias")).view(B, T, -1, m.head_dim)
         q, k, v = qkv.split([m.n_heads, m.n_kv_heads, m.n_kv_heads], dim=2)
-        if m.q_norm is not None:
-            q, k = ref.rms_norm(q, p["q_norm.weight"], m.q_norm.eps), ref.rms_norm(k, p["k_norm.weight"], m.k_norm.eps)
+        if m.q_norm is not None:  # span "all": over each token's heads together
+            flat = (lambda t: t.flatten(2)) if m.qk_norm_span == "all" else (lambda t: t)
+            q = ref.rms_norm(flat(q), p["q_norm.weight"], m.q_norm.eps).view(q.shape)
+            k = ref.rms_norm(flat(k), p["k_norm.weight"], m.k_norm.eps).view(k.shape)
         q, k = ref.rope(q, cos, sin), ref.rope(k, cos, sin)
         if ve is not None:
             v = ref.weighted_add(v, ve.view(v.shape), p["value_mix"])
@@ -55,6 +57,7 @@ def attention_reference(m: Attention, cos, sin):
 ATTENTION = {"mha": dict(n_heads=2, n_kv_heads=None, head_dim=None),
              "gqa-qknorm-bias-window": dict(n_heads=4, n_kv_heads=2, head_dim=32, qk_norm=True, qkv_bias=True,
                                             window=3),
+             "gqa-qknorm-all": dict(n_heads=4, n_kv_heads=2, head_dim=32, qk_norm=True, qk_norm_span="all"),
              "mqa-value-mix": dict(n_heads=2, n_kv_heads=1, head_dim=32, value_mix=True)}
 
 
@@ -216,6 +219,8 @@ def test_bad_arguments():
         Attention(60, 8)
     with pytest.raises(ValueError, match="head_dim"):
         Attention(64, 2, head_dim=15)
+    with pytest.raises(ValueError, match="qk_norm_span"):
+        Attention(64, 2, qk_norm=True, qk_norm_span="token")
     with pytest.raises(ValueError, match="act"):
         MLP(8, 16, "gelu")
     with pytest.raises(ValueError, match="top_k"):

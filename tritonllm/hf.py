@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out of tritonllm: Llama, Mistral, Qwen2 and Qwen3.
+"""Hugging Face checkpoints in and out of tritonllm: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and OLMoE.
 
 Import (:func:`load_hf_model`) reads a model folder (``config.json``; ``model.safetensors`` or
 the shards named by ``model.safetensors.index.json``), maps its config onto a
@@ -17,7 +17,31 @@ the shards named by ``model.safetensors.index.json``), maps its config onto a
     model.norm.weight                               -> norm.weight
     lm_head.weight                                  -> lm_head.weight (absent when tied)
 
-Both use the half-split ("rotate_half") RoPE layout, so q and k rows are copied as they are.
+MoE families (Mixtral: ``{moe}`` = ``block_sparse_moe``, ``{gate,up,down}`` = ``w1, w3, w2``;
+Qwen3-MoE and OLMoE: ``{moe}`` = ``mlp``, ``{gate,up,down}`` = ``{gate,up,down}_proj``), E experts of
+width F, in place of the two ``mlp`` rows::
+
+    model.layers.{i}.{moe}.gate.weight              -> blocks.{i}.mlp.router.weight [E, D]
+    model.layers.{i}.{moe}.experts.{e}.{gate,up}.weight -> blocks.{i}.mlp.w13[e]   [E, 2F, D], rows [gate; up]
+    model.layers.{i}.{moe}.experts.{e}.{down}.weight  -> blocks.{i}.mlp.w2[e]      [E, D, F]
+
+(the per-expert tensors ``save_pretrained`` writes; transformers fuses them into ``gate_up_proj``
+``[E, 2F, D]`` and ``down_proj`` ``[E, D, F]`` in memory, the same layouts as tritonllm's). All
+route as :func:`tritonllm.kernels.moe_router.moe_router` with ``score="softmax"``: softmax over the
+E router logits, the top ``num_experts_per_tok``, renormalised to sum to 1 always for Mixtral and
+when ``norm_topk_prob`` for Qwen3-MoE and OLMoE. OLMoE's QK-norm spans all heads of a token
+(``q_norm.weight [Hq D]``, ``k_norm.weight [Hkv D]``: ``qk_norm_span="all"``), and its
+``clip_qkv`` must be unset. Every layer must be an MoE layer (``decoder_sparse_step`` 1, no
+``mlp_only_layers``) and the router noise-free (``router_jitter_noise`` 0).
+
+Load balancing: transformers adds ``router_aux_loss_coef * E sum_i fbar_i Pbar_i`` when run with
+``output_router_logits``, ``fbar_i`` the assignments to expert i per token (summing to k) and
+``Pbar_i`` its mean router probability, both pooled over the L layers; tritonllm's training loss
+always adds, per layer, ``moe_aux_loss_coef * E sum_i f_i P_i`` with ``f_i = c_i / (T k)`` (summing
+to 1). Import sets ``moe_aux_loss_coef = router_aux_loss_coef * k / L``, export the inverse: the two
+losses agree for one layer, and for L layers whose routing statistics are the same.
+
+All use the half-split ("rotate_half") RoPE layout, so q and k rows are copied as they are.
 RoPE: ``rope_theta`` and the ``default``, ``linear``, ``llama3`` and ``yarn`` rope types (the
 config's ``rope_parameters``, or ``rope_theta`` + ``rope_scaling`` as transformers 4 wrote them).
 Anything the Transformer cannot compute the same way (another architecture, an activation other
@@ -27,8 +51,9 @@ the config field.
 
 Export (:func:`save_hf_model`) writes the inverse: ``config.json`` (LlamaForCausalLM, or
 Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, MistralForCausalLM with a
-sliding window), ``model.safetensors`` and the tokenizer files of a source folder, which
-``transformers.AutoModelForCausalLM.from_pretrained`` loads. A model with LoRA adapters
+sliding window; with experts MixtralForCausalLM, or Qwen3MoeForCausalLM with per-head QK-norm,
+OlmoeForCausalLM with QK-norm over all heads), ``model.safetensors`` and the tokenizer files of a
+source folder, which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. A model with LoRA adapters
 (:mod:`tritonllm.nn.lora`) is exported with the adapters merged into the weights.
 """
 
@@ -46,7 +71,12 @@ from tritonllm.models.config import ModelConfig
 
 #: model_type -> architecture name written on export
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "olmoe": "OlmoeForCausalLM"}
+#: MoE model_type -> (prefix of the MoE block in a layer, names of an expert's gate, up and down projections)
+MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+             "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "olmoe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 INDEX_FILE, WEIGHTS_FILE = "model.safetensors.index.json", "model.safetensors"
 
 
@@ -119,18 +149,42 @@ def _window(hf: dict, model_type: str) -> int | None:
     if layer_types is not None and len(set(layer_types)) > 1:
         raise HFConfigError(f"layer_types={sorted(set(layer_types))}: mixed full and sliding-window layers are "
                             f"not supported")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if hf.get("use_sliding_window"):
             raise HFConfigError("use_sliding_window=true: Qwen's per-layer sliding windows (max_window_layers) are "
                                 "not supported")
         return None
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         if layer_types and layer_types[0] == "full_attention":
             return None
         return hf.get("sliding_window")
     if layer_types and layer_types[0] != "full_attention":
         raise HFConfigError(f"layer_types={layer_types[0]!r}: only full attention is supported for {model_type}")
     return None
+
+
+def _moe(hf: dict, model_type: str) -> dict:
+    """The MoE fields of :class:`ModelConfig` for an MoE family (none for a dense one); see the module
+    docstring for the routing and the aux-loss coefficient."""
+    if model_type not in MOE_NAMES:
+        return {}
+    n_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not n_experts:
+        raise HFConfigError(f"num_experts={n_experts!r}: a {model_type} model without experts is not supported")
+    if hf.get("clip_qkv") is not None:
+        raise HFConfigError(f"clip_qkv={hf['clip_qkv']}: clamping q, k and v is not supported")
+    if hf.get("router_jitter_noise"):
+        raise HFConfigError(f"router_jitter_noise={hf['router_jitter_noise']}: router noise is not supported")
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers")
+    if step != 1 or dense:
+        raise HFConfigError(f"decoder_sparse_step={step}, mlp_only_layers={dense}: dense MLP layers between the "
+                            f"MoE layers are not supported")
+    top_k = hf["num_experts_per_tok"]
+    return dict(n_experts=n_experts, moe_top_k=top_k, moe_score="softmax",
+                d_expert=hf["moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"],
+                moe_normalize=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+                moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) * top_k / hf["num_hidden_layers"],
+                moe_z_loss_coef=0.0)
 
 
 def config_from_hf(hf: dict, max_seq_len: int | None = None, name: str | None = None) -> ModelConfig:
@@ -166,9 +220,10 @@ def config_from_hf(hf: dict, max_seq_len: int | None = None, name: str | None = 
             n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
             d_ff=hf["intermediate_size"],
             max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
-            rope_theta=theta, rope_scaling=scaling, qk_norm=model_type == "qwen3", qkv_bias=model_type == "qwen2",
-            window=_window(hf, model_type), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+            rope_theta=theta, rope_scaling=scaling, qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_span="all" if model_type == "olmoe" else "head",
+            qkv_bias=model_type == "qwen2", window=_window(hf, model_type), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **_moe(hf, model_type))
     except KeyError as e:
         raise HFConfigError(f"config.json lacks the field {e.args[0]}") from None
 
@@ -213,6 +268,25 @@ def _layer_names(i: int) -> dict[str, str | list[str]]:
     }
 
 
+def _moe_family(cfg: ModelConfig) -> str:
+    """The Hugging Face MoE family of an MoE config: OLMoE with QK-norm over all heads, Qwen3-MoE with
+    per-head QK-norm, else Mixtral."""
+    if cfg.qk_norm:
+        return "olmoe" if cfg.qk_norm_span == "all" else "qwen3_moe"
+    return "mixtral"
+
+
+def _moe_layer_names(i: int, cfg: ModelConfig) -> dict[str, str | list[str]]:
+    """tritonllm parameter -> Hugging Face tensor names of the MoE block ``i``: the experts' tensors
+    in expert order (gate, up of each for ``w13``), concatenated by rows then viewed ``[E, -1, D_in]``."""
+    prefix, (gate, up, down) = MOE_NAMES[_moe_family(cfg)]
+    hf = f"model.layers.{i}.{prefix}"
+    experts = [f"{hf}experts.{e}." for e in range(cfg.n_experts)]
+    return {f"blocks.{i}.mlp.router.weight": hf + "gate.weight",
+            f"blocks.{i}.mlp.w13": [x + f"{p}.weight" for x in experts for p in (gate, up)],
+            f"blocks.{i}.mlp.w2": [x + f"{down}.weight" for x in experts]}
+
+
 def _names(cfg: ModelConfig) -> dict[str, str | list[str]]:
     """The whole name map of a model of config ``cfg`` (parameters it does not have left out)."""
     names: dict[str, str | list[str]] = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
@@ -225,11 +299,15 @@ def _names(cfg: ModelConfig) -> dict[str, str | list[str]]:
             del names[f"blocks.{i}.attn.q_norm.weight"], names[f"blocks.{i}.attn.k_norm.weight"]
         if not cfg.qkv_bias:
             del names[f"blocks.{i}.attn.qkv.bias"]
+        if cfg.n_experts:
+            del names[f"blocks.{i}.mlp.w13.weight"], names[f"blocks.{i}.mlp.w2.weight"]
+            names.update(_moe_layer_names(i, cfg))
     return names
 
 
 def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A Transformer state dict from Hugging Face tensors (q/k/v and gate/up concatenated by rows)."""
+    """A Transformer state dict from Hugging Face tensors (q/k/v and gate/up concatenated by rows, the
+    experts' tensors stacked into ``[E, rows, D_in]``)."""
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
     names = _names(cfg)
     used = {n for v in names.values() for n in ([v] if isinstance(v, str) else v)}
@@ -240,8 +318,12 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     if missing or unexpected:
         raise CheckpointError(f"the checkpoint does not match its config: missing {missing[:8]}, "
                               f"unexpected {unexpected[:8]}")
-    return {tl: hf_state[src] if isinstance(src, str) else torch.cat([hf_state[s] for s in src])
-            for tl, src in names.items()}
+    state = {}
+    for tl, src in names.items():
+        state[tl] = hf_state[src] if isinstance(src, str) else torch.cat([hf_state[s] for s in src])
+        if tl.endswith(("mlp.w13", "mlp.w2")):
+            state[tl] = state[tl].view(cfg.n_experts, -1, state[tl].shape[-1])
+    return state
 
 
 def load_hf_model(path: str, device=None, dtype=None, max_seq_len: int | None = None):
@@ -272,8 +354,6 @@ def load_hf_weights(model, path: str) -> None:
 def hf_config_from(cfg: ModelConfig, architecture: str | None = None, dtype: torch.dtype = torch.float32) -> dict:
     """A Hugging Face ``config.json`` dict for a model of config ``cfg``. ``architecture`` (a
     model_type of :data:`ARCHITECTURES`) defaults to the family that has the model's features."""
-    if cfg.n_experts:
-        raise HFConfigError("n_experts > 0: MoE models have no Hugging Face export")
     if cfg.qk_norm and cfg.qkv_bias:
         raise HFConfigError("qk_norm with qkv_bias matches no supported Hugging Face family")
     speedrun = {"mlp_act": cfg.mlp_act != "swiglu", "window_schedule": cfg.window_schedule is not None,
@@ -282,16 +362,27 @@ def hf_config_from(cfg: ModelConfig, architecture: str | None = None, dtype: tor
     for field, on in speedrun.items():
         if on:
             raise HFConfigError(f"{field}={getattr(cfg, field)!r}: no supported Hugging Face family has it")
-    auto = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.window else "llama"
+    if cfg.n_experts:
+        auto = _moe_family(cfg)
+    else:
+        auto = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.window else "llama"
     model_type = architecture or auto
     if model_type not in ARCHITECTURES:
         raise HFConfigError(f"architecture={model_type!r}: expected one of {sorted(ARCHITECTURES)}")
-    needs = {"qwen3": ("qk_norm", True), "qwen2": ("qkv_bias", True)}
-    for mt, (field, value) in needs.items():
-        if (model_type == mt) != (getattr(cfg, field) == value):
+    needs = {"qk_norm": (cfg.qk_norm, ("qwen3", "qwen3_moe", "olmoe")), "qkv_bias": (cfg.qkv_bias, ("qwen2",)),
+             "n_experts": (cfg.n_experts > 0, tuple(MOE_NAMES)),
+             "qk_norm_span": (cfg.qk_norm and cfg.qk_norm_span == "all", ("olmoe",))}
+    for field, (has, families) in needs.items():
+        if (model_type in families) != has:
             raise HFConfigError(f"architecture={model_type!r} does not fit {field}={getattr(cfg, field)}")
-    if cfg.window and model_type != "mistral":
-        raise HFConfigError(f"window={cfg.window}: only the mistral architecture has one sliding window")
+    if cfg.window and model_type not in ("mistral", "mixtral"):
+        raise HFConfigError(f"window={cfg.window}: only the mistral and mixtral architectures have one sliding "
+                            f"window")
+    moe_fits = {"n_shared_experts": cfg.n_shared_experts == 0, "moe_score": cfg.moe_score == "softmax",
+                "moe_normalize": model_type != "mixtral" or cfg.moe_normalize}
+    for field, fits in moe_fits.items():
+        if cfg.n_experts and not fits:
+            raise HFConfigError(f"{field}={getattr(cfg, field)!r}: the {model_type} architecture cannot express it")
     rope = {"rope_type": "default"}
     if cfg.rope_scaling is not None:
         s = dict(cfg.rope_scaling)
@@ -313,24 +404,35 @@ def hf_config_from(cfg: ModelConfig, architecture: str | None = None, dtype: tor
         "rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling is None else rope,
         "torch_dtype": str(dtype).replace("torch.", ""),
     }
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.window
     if model_type in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if cfg.n_experts:
+        out.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k, output_router_logits=False,
+                   router_aux_loss_coef=cfg.moe_aux_loss_coef * cfg.n_layers / cfg.moe_top_k)
+    if model_type == "mixtral":
+        out.update(intermediate_size=cfg.d_expert, router_jitter_noise=0.0)
+    if model_type == "olmoe":
+        out.update(intermediate_size=cfg.d_expert, norm_topk_prob=cfg.moe_normalize, clip_qkv=None)
+    if model_type == "qwen3_moe":
+        out.update(use_sliding_window=False, sliding_window=None, moe_intermediate_size=cfg.d_expert,
+                   norm_topk_prob=cfg.moe_normalize, decoder_sparse_step=1, mlp_only_layers=[])
     return out
 
 
 def state_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors from a Transformer state dict (packed rows split back)."""
+    """Hugging Face tensors from a Transformer state dict (packed rows split back: q/k/v by their
+    widths, the others, gate/up and the experts' stacks, into equal parts of their rows)."""
     q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    splits = {"qkv": [q, kv, kv], "w13": [cfg.d_ff, cfg.d_ff]}
     out = {}
     for tl, src in _names(cfg).items():
         tensor = state[tl]
         if isinstance(src, str):
             out[src] = tensor.contiguous()
         else:
-            parts = torch.split(tensor, splits["qkv" if ".qkv." in tl else "w13"])
+            parts = (torch.split(tensor, [q, kv, kv]) if ".qkv." in tl
+                     else tensor.reshape(-1, tensor.shape[-1]).chunk(len(src)))
             out.update({name: part.contiguous() for name, part in zip(src, parts)})
     return out
 

@@ -33,7 +33,8 @@ Each part can be turned off by its keyword; on by default:
 Refused, with an error naming the field (the checks of :func:`tritonllm.hf.config_from_hf`,
 shared with the Hugging Face import): another architecture, rope types other than default,
 linear, llama3 and yarn, attention or MLP biases other than Qwen2's q/k/v, dropout, per-layer
-sliding windows, head dims flash attention lacks.
+sliding windows, head dims flash attention lacks; and MoE models (Mixtral, Qwen3-MoE, OLMoE), which
+:func:`tritonllm.hf.load_hf_model` imports instead.
 
 Inputs, with ``attention`` or ``rope`` on: ``attention_mask`` None or all ones (then the attention
 is causal); a mask with zeros (padding) raises a ValueError: padded batches are not handled, pack
@@ -301,6 +302,9 @@ def patch(model, *, rms_norm: bool = True, linear: bool = True, mlp: bool = True
     naming the config field it cannot reproduce, a ValueError when the model was patched already."""
     hf = _hf_model(model)
     cfg = config_from_hf(hf.config.to_dict())
+    if cfg.n_experts:
+        raise HFConfigError(f"{type(hf).__name__}: num_experts={cfg.n_experts}: MoE models are not patched; "
+                            f"tritonllm.hf.load_hf_model imports them onto tritonllm's MoE layer")
     if getattr(hf, "tritonllm_patched", None) is not None:
         raise ValueError(f"model: already patched by tritonllm ({hf.tritonllm_patched})")
     base = hf.base_model

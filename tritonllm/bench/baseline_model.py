@@ -125,6 +125,8 @@ class Attention(nn.Module):
         self.window, self.eps = cfg.layer_window(layer), cfg.norm_eps
         self.block_mask = block_mask  # FlexAttention mask of the window at the training length, or None
         self.qkv = _Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.d_model, std=cfg.init_std)
+        if cfg.qk_norm and cfg.qk_norm_span != "head":
+            raise ValueError(f"qk_norm_span={cfg.qk_norm_span!r} is not supported by the baseline (only 'head')")
         self.q_norm = _Weight(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _Weight(cfg.head_dim) if cfg.qk_norm else None
         self.proj = _Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))

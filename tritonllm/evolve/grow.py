@@ -121,6 +121,10 @@ def growth_steps(parent: ModelConfig, child: ModelConfig) -> list[str]:
             raise GrowthError(f"{field} {a[field]} -> {b[field]} shrinks the model")
         if b[field] > a[field]:
             steps.append(f"{field} {a[field]} -> {b[field]}")
+    heads = (child.n_heads, child.kv_heads) != (parent.n_heads, parent.kv_heads)
+    if heads and parent.qk_norm and parent.qk_norm_span == "all":
+        raise GrowthError("n_heads / n_kv_heads change with qk_norm_span='all': the QK-norm's mean spans the heads, "
+                          "new heads would change it")
     if child.n_kv_heads != parent.n_kv_heads:
         _kv_sources(parent, child.n_heads, child.kv_heads)
         steps.append(f"n_kv_heads {parent.n_kv_heads} -> {child.n_kv_heads}")

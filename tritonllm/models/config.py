@@ -20,6 +20,7 @@ from tritonllm.errors import ConfigError
 MOE_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = ("ntk", "yarn", "linear", "llama3")
 MLP_ACTS = ("swiglu", "relu2")
+QK_NORM_SPANS = ("head", "all")
 
 
 class ModelConfigError(ConfigError, ValueError):
@@ -39,7 +40,8 @@ class ModelConfig:
     max_seq_len: int = 2048  # longest sequence: size of the RoPE tables and of the KV cache
     rope_theta: float = 10000.0  # RoPE base frequency
     rope_scaling: dict | None = None  # None | {"type": "ntk"|"yarn"|"linear"|"llama3", "factor": f, ...} (rope_cos_sin)
-    qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE
+    qk_norm: bool = False  # RMSNorm on queries and keys before RoPE
+    qk_norm_span: str = "head"  # qk_norm over each head's head_dim ("head", Qwen3) or all heads of a token ("all", OLMoE)
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     window: int | None = None  # sliding-window attention span in tokens; None = full causal
     window_schedule: list | None = None  # per-layer windows (int, or null: full causal), cycled over the layers
@@ -86,6 +88,8 @@ class ModelConfig:
                     for w in self.window_schedule):
                 raise ModelConfigError(f"window_schedule must be a non-empty list of ints >= 1 or nulls, "
                                        f"got {self.window_schedule}")
+        if self.qk_norm_span not in QK_NORM_SPANS:
+            raise ModelConfigError(f"qk_norm_span must be one of {QK_NORM_SPANS}, got {self.qk_norm_span!r}")
         if self.mlp_act not in MLP_ACTS:
             raise ModelConfigError(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
         if self.mlp_act != "swiglu" and self.n_experts:
@@ -186,7 +190,8 @@ class ModelConfig:
         """
         d, hd, kv = self.d_model, self.head_size, self.kv_heads
         attn = d * (self.n_heads + 2 * kv) * hd + self.n_heads * hd * d
-        attn += 2 * hd if self.qk_norm else 0
+        if self.qk_norm:
+            attn += (self.n_heads + kv) * hd if self.qk_norm_span == "all" else 2 * hd
         attn += (self.n_heads + 2 * kv) * hd if self.qkv_bias else 0
         if self.n_experts:
             experts = self.moe_top_k if active else self.n_experts

@@ -67,7 +67,7 @@ def build_attention(cfg: ModelConfig, layer_idx: int) -> Attention:
     """Block ``layer_idx``'s :class:`tritonllm.nn.Attention`: its window (``cfg.layer_window``) and, when
     the layer mixes in a value embedding, ``value_mix``."""
     return Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size, qkv_bias=cfg.qkv_bias,
-                     qk_norm=cfg.qk_norm, eps=cfg.norm_eps, window=cfg.layer_window(layer_idx),
+                     qk_norm=cfg.qk_norm, qk_norm_span=cfg.qk_norm_span, eps=cfg.norm_eps, window=cfg.layer_window(layer_idx),
                      value_mix=cfg.layer_value_embedding(layer_idx) is not None, layer_idx=layer_idx,
                      init_std=cfg.init_std, out_std=_out_std(cfg))
 

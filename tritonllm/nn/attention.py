@@ -20,6 +20,8 @@ from tritonllm.kernels.split_heads import split_heads
 from tritonllm.nn.linear import Linear
 from tritonllm.nn.norm import RMSNorm
 
+QK_NORM_SPANS = ("head", "all")
+
 
 class KVCache:
     """Static keys and values, ``[B, max_len, n_kv_heads, head_dim]`` per layer, and how many positions
@@ -72,8 +74,10 @@ class Attention(nn.Module):
         n_heads: query heads; ``n_kv_heads`` key/value heads (None: ``n_heads``; 1: MQA), dividing it.
         head_dim: width of a head (None: ``d_model // n_heads``); even (RoPE rotates pairs).
         qkv_bias: biases on the packed QKV projection (Qwen2).
-        qk_norm: RMSNorm over ``head_dim`` (weights ``q_norm``, ``k_norm``, epsilon ``eps``) on queries
-            and keys before RoPE (Qwen3).
+        qk_norm: RMSNorm (weights ``q_norm``, ``k_norm``, epsilon ``eps``) on queries and keys before
+            RoPE, over ``qk_norm_span``: ``"head"``, each head's ``D`` values (Qwen3), or ``"all"``,
+            each token's ``Hq D`` query and ``Hkv D`` key values (OLMoE), for a query row ``q``
+            ``q <- q / sqrt(mean(q^2) + eps) * q_norm`` with the mean over that span.
         window: sliding-window span in tokens (query t sees keys ``t - window < s <= t``); None: full.
         causal: causal mask (bottom-right aligned with a cache).
         value_mix: learn ``value_mix = [a, b]`` (init 0.5, 0.5) mixing a value embedding ``ve`` into
@@ -89,9 +93,9 @@ class Attention(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None, *,
-                 qkv_bias: bool = False, qk_norm: bool = False, eps: float = 1e-6, window: int | None = None,
-                 causal: bool = True, value_mix: bool = False, layer_idx: int = 0, init_std: float = 0.02,
-                 out_std: float | None = None, device=None, dtype=None):
+                 qkv_bias: bool = False, qk_norm: bool = False, qk_norm_span: str = "head", eps: float = 1e-6,
+                 window: int | None = None, causal: bool = True, value_mix: bool = False, layer_idx: int = 0,
+                 init_std: float = 0.02, out_std: float | None = None, device=None, dtype=None):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_kv_heads < 1 or n_heads % n_kv_heads:
@@ -106,8 +110,12 @@ class Attention(nn.Module):
         self.window, self.causal, self.layer_idx = window, causal, layer_idx
         kw = dict(device=device, dtype=dtype)
         self.qkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * head_dim, bias=qkv_bias, init_std=init_std, **kw)
-        self.q_norm = RMSNorm(head_dim, eps, **kw) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps, **kw) if qk_norm else None
+        if qk_norm_span not in QK_NORM_SPANS:
+            raise ValueError(f"qk_norm_span must be one of {QK_NORM_SPANS}, got {qk_norm_span!r}")
+        self.qk_norm_span = qk_norm_span
+        q_width, k_width = (n_heads * head_dim, n_kv_heads * head_dim) if qk_norm_span == "all" else (head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, eps, **kw) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps, **kw) if qk_norm else None
         self.proj = Linear(n_heads * head_dim, d_model, init_std=init_std if out_std is None else out_std, **kw)
         self.value_mix = nn.Parameter(torch.full((2,), 0.5, **kw)) if value_mix else None  # [a, b]: v = a v + b ve
 
@@ -124,11 +132,18 @@ class Attention(nn.Module):
             q, k, v = rope_qkv(qkv, cos, sin, Hq, Hkv, pos)
         else:  # RoPE's outputs feed only the attention: its backward rotates the attention's gradient in place
             q, k, v = split_heads(qkv, (Hq, Hkv, Hkv))
-            q = rope(self.q_norm(q), cos, sin, position_offset=pos, in_place_backward=True)
-            k = rope(self.k_norm(k), cos, sin, position_offset=pos, in_place_backward=True)
+            q = rope(self._norm(self.q_norm, q), cos, sin, position_offset=pos, in_place_backward=True)
+            k = rope(self._norm(self.k_norm, k), cos, sin, position_offset=pos, in_place_backward=True)
         if ve is not None:  # the layer's value embedding [B, T, Hkv * D]
             v = weighted_add(v, ve.view(v.shape), self.value_mix)
         return q, k, v
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """``norm`` of the heads ``x [B, T, H, D]`` over each head, or over each token's ``H D`` values
+        (span ``"all"``: ``x`` viewed ``[B, T, H D]``, the heads of one token being adjacent)."""
+        if self.qk_norm_span == "head":
+            return norm(x)
+        return norm(x.flatten(2)).view(x.shape)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 ve: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,5 +175,6 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         s = (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-             f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}, qk_norm={self.q_norm is not None}")
+             f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}, qk_norm={self.q_norm is not None}, "
+             f"qk_norm_span={self.qk_norm_span}")
         return s + (", value_mix=True" if self.value_mix is not None else "")
