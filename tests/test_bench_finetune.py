@@ -29,6 +29,30 @@ def test_smoke_run_writes_a_row(tmp_path, monkeypatch):
     assert row["speedup"] > 0 and row["patch_speedup"] > 0
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
+def test_activation_checkpointing_on_every_side(tmp_path, monkeypatch):
+    """--activation-checkpointing full: tritonllm's blocks and transformers' layers recompute in the backward;
+    the row names the setting (in its model name too, so that it does not replace the row without)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "CPU smoke")
+    row = finetune.main(["--config", "tiny", "--dtype", "fp32", "--batch", "1", "--seq-len", "16", "--rank", "4",
+                         "--steps", "1", "--warmup", "1", "--sides", "tritonllm,peft", "--activation-checkpointing",
+                         "full", "--out", str(tmp_path)])
+    assert row["model"] == "tiny LoRA r4 AC full" and row["activation_checkpointing"] == "full"
+    assert row["tokens_per_s"] > 0 and row["baselines"]["peft"]["tokens_per_s"] > 0, row
+
+
+@pytest.mark.parametrize("config, billions", [("tinyllama", 1.10), ("llama3_8b", 8.03), ("qwen3_8b", 8.19)])
+def test_published_shapes(config, billions):
+    """The configs are the published models' shapes: tritonllm's import of each gives its parameter count."""
+    import transformers
+
+    from tritonllm.hf import config_from_hf
+
+    family, fields = finetune.CONFIGS[config]
+    hf = getattr(transformers, finetune.FAMILIES[family][0])(**fields)
+    assert round(config_from_hf(hf.to_dict(), max_seq_len=2048).param_count() / 1e9, 2) == billions
+
+
 def test_bad_options_name_the_option():
     with pytest.raises(ConfigError, match=r"--sides: unknown \['nope'\]"):
         finetune._parse(["--sides", "tritonllm,nope"])
@@ -39,5 +63,5 @@ def test_bad_options_name_the_option():
 def test_lora_flops_count_the_frozen_base_once_forward_once_backward():
     import transformers
 
-    cfg = transformers.LlamaConfig(**finetune.CONFIGS["tiny"])
+    cfg = transformers.LlamaConfig(**finetune.CONFIGS["tiny"][1])
     assert finetune.lora_flops_per_token(cfg, 1000, 16) == 4 * 1000 + 12 * 2 * 2 * 32 * 16

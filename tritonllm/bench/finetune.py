@@ -1,7 +1,8 @@
 """``python -m tritonllm.bench finetune [--config tinyllama] [--batch 4 --seq-len 2048 --rank 16] [--sides ...]``
 
-LoRA fine-tuning throughput of one Llama-architecture model, randomly initialised by
-``transformers`` in this process (no download) and saved to a temporary Hugging Face folder,
+LoRA fine-tuning throughput of one model of a published shape (``--config``: TinyLlama-1.1B, Llama-3.1-8B,
+Qwen3-8B; Llama or Qwen3 architecture), randomly initialised by ``transformers`` in this process (no
+download) and saved to a temporary Hugging Face folder,
 trained the same way by each side, one after the other in the same process (GPU memory freed
 between them), on the same random batch:
 
@@ -12,7 +13,7 @@ between them), on the same random batch:
 - ``peft``: ``transformers.AutoModelForCausalLM.from_pretrained(..., attn_implementation="sdpa")``
   in ``--dtype`` with ``peft.get_peft_model`` (PEFT's defaults: fp32 adapters), eager.
 - ``peft+compile``: the same PEFT model under ``torch.compile`` (default mode).
-- ``liger+peft``: Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)`` (RMSNorm, SwiGLU,
+- ``liger+peft``: Liger-Kernel's ``apply_liger_kernel_to_llama`` / ``_qwen3(model=...)`` (RMSNorm, SwiGLU,
   RoPE, fused linear cross-entropy) then PEFT, when ``liger_kernel`` is importable.
 - ``patch+peft``: :func:`tritonllm.patch` on the transformers model, then PEFT.
 
@@ -21,6 +22,9 @@ base frozen. The transformers sides step ``loss = model(input_ids, labels=labels
 ``loss.backward()``, ``clip_grad_norm_(adapters, 1.0, foreach=True)``,
 ``torch.optim.AdamW(adapters, fused=True)``, ``zero_grad(set_to_none=True)``; tritonllm's step does
 the same with its kernels. Labels: random tokens, the first quarter of each row -100 (a prompt).
+``--activation-checkpointing full``: every side recomputes each decoder layer in the backward
+(tritonllm's ``trainer.activation_checkpointing=full``; transformers' ``gradient_checkpointing_enable``,
+non-reentrant), for the longest sequences; the row names the setting.
 
 Figures per side (the GPU timing of ``tritonllm.bench.train``, :func:`tritonllm.bench.common.measure`):
 ``step_ms`` (wall), ``tokens_per_s`` (B T / step), ``gpu_ms`` (profiler kernel sum), ``host_ms``,
@@ -46,14 +50,28 @@ import torch
 from tritonllm.bench.common import free_gpu
 from tritonllm.runtime import ArgumentParser, exit_on_user_error
 
-#: model shapes (transformers LlamaConfig fields); tinyllama: TinyLlama-1.1B's dimensions
-CONFIGS: dict[str, dict[str, Any]] = {
-    "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
-    "tiny": dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False),
+#: model shapes (the family's transformers config fields), as published: TinyLlama-1.1B, Llama-3.1-8B (its
+#: llama3 RoPE scaling), Qwen3-8B (QK-norm, head_dim 128); tiny for the CPU
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tinyllama": ("llama", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)),
+    "llama3_8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=8192))),
+    "qwen3_8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "tiny": ("llama", dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+                           tie_word_embeddings=False)),
 }
+#: family -> (transformers config class, model class, Liger-Kernel's patch function)
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3")}
+AC = ("none", "full")
 SIDES = ("tritonllm", "peft", "peft+compile", "liger+peft", "patch+peft")
 BASELINES = ("peft", "peft+compile", "liger+peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -69,6 +87,8 @@ def _parse(argv: list[str]):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--activation-checkpointing", default="none", choices=AC,
+                   help="every side recomputes each decoder layer in the backward (full)")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of: {', '.join(SIDES)}")
     p.add_argument("--steps", type=int, default=10, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 3 on a GPU: tritonllm's graph capture)")
@@ -88,7 +108,7 @@ def _parse(argv: list[str]):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.host_profile < 0:
         p.error(f"--host-profile must be >= 0 (0: no profile), got {args.host_profile}")
-    if args.seq_len > CONFIGS[args.config]["max_position_embeddings"]:
+    if args.seq_len > CONFIGS[args.config][1]["max_position_embeddings"]:
         p.error(f"--seq-len {args.seq_len} exceeds the {args.config} config's max_position_embeddings")
     return args
 
@@ -149,13 +169,15 @@ def _peft_model(folder: str, side: str, args, device):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype],
                                                               attn_implementation="sdpa").to(device)
     if side == "liger+peft":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers
 
-        apply_liger_kernel_to_llama(model=model)
+        getattr(liger_kernel.transformers, FAMILIES[CONFIGS[args.config][0]][2])(model=model)
     elif side == "patch+peft":
         from tritonllm.patch import patch
 
         patch(model)
+    if args.activation_checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS,
                              task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config).train()
@@ -182,8 +204,11 @@ def time_tritonllm(folder: str, x, labels, args, flops_per_token, cycles_per_ms)
     from tritonllm.optim import AdamW
     from tritonllm.train.step import TrainStep
 
+    from tritonllm.nn.recompute import apply_activation_checkpointing
+
     model = load_hf_model(folder, device=x.device, dtype=DTYPES[args.dtype])
     apply_lora(model, LoRAConfig(rank=args.rank, alpha=2.0 * args.rank, targets=list(LORA_TARGETS)))
+    apply_activation_checkpointing(model, args.activation_checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(params, lr=LR, weight_decay=0.0, master_weights=DTYPES[args.dtype] != torch.float32)
     # tritonllm's loss at position t is against targets[t]: the labels shifted by one, as transformers shifts them
@@ -218,9 +243,11 @@ def main(argv: list[str]) -> dict:
     host_cpu = host_cpu_model()
     cycles_per_ms = spin_cycles_per_ms() if device.type == "cuda" else None
     torch.manual_seed(args.seed)
-    hf_config = transformers.LlamaConfig(**CONFIGS[args.config])
+    family, fields = CONFIGS[args.config]
+    config_class, model_class, _ = FAMILIES[family]
+    hf_config = getattr(transformers, config_class)(**fields)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(hf_config)
+        model = getattr(transformers, model_class)(hf_config)
     n_params = model.num_parameters()
     flops_per_token = lora_flops_per_token(hf_config, n_params, args.seq_len)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -228,13 +255,13 @@ def main(argv: list[str]) -> dict:
     x = torch.randint(0, hf_config.vocab_size, (B, T), device=device, generator=gen)
     labels = x.clone()
     labels[:, : T // 4] = -100
-    name = f"{args.config} LoRA r{args.rank}"
+    name = f"{args.config} LoRA r{args.rank}" + (" AC full" if args.activation_checkpointing == "full" else "")
     print(f"{name}: {n_params / 1e6:.1f}M parameters, B{B} x T{T} {args.dtype} on "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, host CPU: {host_cpu}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
     row = {"op": "finetune", "model": name, "batch": B, "seq_len": T, "dtype": args.dtype, "lora_rank": args.rank,
-           "lora_targets": TARGETS, "nproc": 1, "parallel": "none", "baselines": {}, "speedup": None,
-           "host_cpu": host_cpu}
+           "lora_targets": TARGETS, "activation_checkpointing": args.activation_checkpointing, "nproc": 1,
+           "parallel": "none", "baselines": {}, "speedup": None, "host_cpu": host_cpu}
     print(HEADER)
     named = _device_named()
     with tempfile.TemporaryDirectory() as folder:
