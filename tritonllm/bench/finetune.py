@@ -265,8 +265,7 @@ def main(argv: list[str]) -> dict:
     print(HEADER)
     named = _device_named()
     with tempfile.TemporaryDirectory() as folder:
-        # transformers types PreTrainedModel.to through a decorator that leaves self unbound
-        model.to(DTYPES[args.dtype]).save_pretrained(folder)  # type: ignore[arg-type]
+        model.to(DTYPES[args.dtype]).save_pretrained(folder)
         del model
         for side in args.sides:
             try:
