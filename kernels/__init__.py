@@ -36,7 +36,7 @@ Under ``torch.compile`` and FSDP2. Every functional above (``rms_norm``, ``linea
 ``weighted_add``, ``fork``, ``add_fork``, ``cross_entropy``, ``linear_cross_entropy``, ``moe_router``,
 ``moe_sort``, ``moe_gather``, ``moe_combine``, ``grouped_linear``, ``grouped_linear_swiglu``) is also
 registered as ``torch.library`` custom ops, ``torch.ops.tritonllm.<op>_fwd`` / ``<op>_bwd`` with fake (meta)
-and autograd registrations (each op's module, with the machinery of ``kernels/custom_op.py``); ``moe`` is built of them. While
+and autograd registrations (each op's module, with the machinery of ``kernels/custom_op.py``); ``moe`` and ``moe_experts`` are built of them. While
 ``torch.compiler.is_compiling()``, a call goes to
 those ops, which the graph keeps as single opaque nodes: a model built of these kernels compiles with
 ``torch.compile(model, fullgraph=True)`` (any backend) without graph breaks, and works inside FSDP2's
@@ -95,7 +95,7 @@ from .split_heads import split_heads  # noqa: E402
 from .moe_router import MoERouting, moe_router  # noqa: E402
 from .moe_permute import MoEPlan, moe_combine, moe_gather, moe_sort  # noqa: E402
 from .grouped_linear import grouped_linear, grouped_linear_swiglu  # noqa: E402
-from .moe import moe  # noqa: E402
+from .moe import moe, moe_experts  # noqa: E402
 # modules of ops no functional above imports; imported for their custom-op registrations
 from . import kv_cache, lora  # noqa: E402,F401
 
@@ -108,5 +108,5 @@ __all__ = [
     "flash_attention", "flash_attention_fwd", "flash_attention_bwd", "rope_flash_attention", "split_heads",
     "AttentionSettings", "attention_settings", "configure_attention",
     "MoERouting", "moe_router", "MoEPlan", "moe_sort", "moe_gather", "moe_combine",
-    "grouped_linear", "grouped_linear_swiglu", "moe",
+    "grouped_linear", "grouped_linear_swiglu", "moe", "moe_experts",
 ]

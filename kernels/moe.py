@@ -47,9 +47,20 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: tor
     if (shared_w13 is None) != (shared_w2 is None):
         raise ValueError("shared_w13 and shared_w2 must be given together (the shared expert)")
     routing = moe_router(linear(x, router_weight), top_k, score, normalize)
-    plan = moe_sort(routing.indices, w13.shape[0])
-    h = grouped_linear_swiglu(moe_gather(x, plan), w13, plan.expert_offsets)
-    y = moe_combine(grouped_linear(h, w2, plan.expert_offsets), routing.weights, plan)
+    y = moe_experts(x, routing.indices, routing.weights, w13, w2)
     if shared_w13 is not None:
         y = linear(linear_swiglu(x, shared_w13), shared_w2, residual=y)
     return y, routing
+
+
+def moe_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor) -> torch.Tensor:
+    """The routed experts of :func:`moe` for a given routing: ``y[t] = sum_j weights[t, j]
+    W2[e] (silu(W_gate[e] x[t]) * (W_up[e] x[t]))`` with ``e = indices[t, j]``.
+
+    ``x [T, D]``, ``indices [T, k]`` (int), ``weights [T, k]`` (differentiable), ``w13 [E, 2F, D]``,
+    ``w2 [E, D, F]`` (read in place: no copy of the expert weights). Returns ``y [T, D]``.
+    """
+    plan = moe_sort(indices, w13.shape[0])
+    h = grouped_linear_swiglu(moe_gather(x, plan), w13, plan.expert_offsets)
+    return moe_combine(grouped_linear(h, w2, plan.expert_offsets), weights, plan)

@@ -202,14 +202,6 @@ def test_unsupported_architecture():
         tritonllm.patch(transformers.GPT2LMHeadModel(cfg))
 
 
-def test_moe_model_is_refused():
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                     num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(HFConfigError, match="num_experts=4"):
-        tritonllm.patch(transformers.MixtralForCausalLM(cfg))
-
-
 def test_not_a_model_and_patched_twice():
     with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel"):
         tritonllm.patch(torch.nn.Linear(4, 4))

@@ -1,4 +1,5 @@
-"""Run a loaded ``transformers`` Llama, Mistral, Qwen2 or Qwen3 model on tritonllm's kernels, in place.
+"""Run a loaded ``transformers`` Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or OLMoE model on tritonllm's
+kernels, in place.
 
 For people who stay in ``transformers`` (the Trainer, TRL, PEFT), as Liger-Kernel's
 ``apply_liger_kernel_to_llama`` does for its kernels::
@@ -10,12 +11,21 @@ For people who stay in ``transformers`` (the Trainer, TRL, PEFT), as Liger-Kerne
 
 Each part can be turned off by its keyword; on by default:
 
-- ``rms_norm``: every RMSNorm module (the layers', the final one, Qwen3's q/k head norms) calls
-  :func:`tritonllm.kernels.rms_norm`.
+- ``rms_norm``: every RMSNorm module (the layers', the final one, the q/k norms: Qwen3's over each
+  head, OLMoE's over all heads of a token) calls :func:`tritonllm.kernels.rms_norm`.
 - ``linear``: the q/k/v/o and gate/up/down projections (``nn.Linear``, or the base layer under a
   PEFT adapter, whose low-rank update stays PEFT's) and the LM head call :func:`~tritonllm.kernels.linear`
   (bias included: Qwen2's q/k/v).
-- ``mlp``: the MLP's ``silu(gate) * up`` is :func:`~tritonllm.kernels.swiglu`.
+- ``mlp``: the dense MLP's ``silu(gate) * up`` is :func:`~tritonllm.kernels.swiglu`.
+- ``moe``: the sparse MoE block (Mixtral, Qwen3-MoE, OLMoE) runs on tritonllm's MoE kernels. Its
+  router module computes ``logits = x W_r^T`` with :func:`~tritonllm.kernels.linear` and routes with
+  :func:`~tritonllm.kernels.moe_router` (softmax, the top ``num_experts_per_tok``, renormalised
+  always for Mixtral and when ``norm_topk_prob`` for the others, as the module's own router does);
+  it returns ``(logits, weights, experts)`` as transformers' router does, so ``output_router_logits``
+  records the same logits the routing used. The experts are :func:`~tritonllm.kernels.moe_experts`
+  (sort and gather by expert, the grouped GEMM with the SwiGLU epilogue, the grouped down GEMM,
+  the weighted combine) reading the module's fused ``gate_up_proj [E, 2F, D]`` (gate rows then up
+  rows) and ``down_proj [E, D, F]`` in place: no copy of the expert weights per step.
 - ``rope``: the attention module's forward is replaced by one that rotates q and k with
   :func:`~tritonllm.kernels.rope` (tables of :func:`~tritonllm.kernels.rope_cos_sin` from the
   config's ``rope_theta`` and rope type, as :mod:`tritonllm.hf` reads them) and then calls the
@@ -29,12 +39,16 @@ Each part can be turned off by its keyword; on by default:
   one, ``ignore_index`` -100, or the ``shift_labels`` and ``num_items_in_batch`` the Trainer may
   pass, as transformers' ``ForCausalLMLoss``), never materialising the logits: in training mode
   the output's ``logits`` are then None, as with Liger-Kernel; in eval mode they are computed too.
+  For MoE models, with ``output_router_logits`` (the argument or the config's), the output holds
+  ``router_logits`` and ``aux_loss`` (the model module's ``load_balancing_loss_func``), and the loss
+  adds ``router_aux_loss_coef * aux_loss``, as transformers' forward does.
 
 Refused, with an error naming the field (the checks of :func:`tritonllm.hf.config_from_hf`,
 shared with the Hugging Face import): another architecture, rope types other than default,
 linear, llama3 and yarn, attention or MLP biases other than Qwen2's q/k/v, dropout, per-layer
-sliding windows, head dims flash attention lacks; and MoE models (Mixtral, Qwen3-MoE, OLMoE), which
-:func:`tritonllm.hf.load_hf_model` imports instead.
+sliding windows, head dims flash attention lacks; for MoE models router jitter noise, OLMoE's
+``clip_qkv``, dense layers between the MoE layers (``decoder_sparse_step``, ``mlp_only_layers``),
+and (``moe`` on) expert weights stored otherwise than as fused ``[gate; up]`` rows without biases.
 
 Inputs, with ``attention`` or ``rope`` on: ``attention_mask`` None or all ones (then the attention
 is causal); a mask with zeros (padding) raises a ValueError: padded batches are not handled, pack
@@ -57,13 +71,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.hf import HFConfigError, config_from_hf
-from tritonllm.kernels import flash_attention, linear, linear_cross_entropy, rms_norm, rope, rope_cos_sin, swiglu
+from tritonllm.kernels import (flash_attention, linear, linear_cross_entropy, moe_experts, moe_router, rms_norm, rope,
+                               rope_cos_sin, swiglu)
 
 #: the name of tritonllm's attention in transformers' AttentionInterface / AttentionMaskInterface
 ATTENTION = "tritonllm"
 #: the projections patched by ``linear``: submodule -> its nn.Linear attributes
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
-PARTS = ("rms_norm", "linear", "mlp", "rope", "attention", "cross_entropy")
+#: the sparse MoE block's submodules (in the layer's ``mlp``): the router and the fused experts
+MOE_PARTS = ("gate", "experts")
+#: the experts module's layout flags (transformers' ``use_experts_implementation``) that the grouped kernels read
+EXPERTS_LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True}
+PARTS = ("rms_norm", "linear", "mlp", "moe", "rope", "attention", "cross_entropy")
 
 
 def _autocast(x: torch.Tensor, *tensors):
@@ -94,9 +113,31 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def _router_forward(self, x: torch.Tensor):
+    """transformers' top-k router (Mixtral, Qwen3-MoE, OLMoE) by tritonllm's kernels:
+    ``(logits [N, E], weights [N, k] fp32, experts [N, k])`` of the tokens ``x [..., D]``, N = their
+    count. Mixtral's router has no ``norm_topk_prob``: it always renormalises. The weights stay fp32
+    (Qwen3-MoE's and OLMoE's own routers round them to the logits' dtype, bf16 in a bf16 model)."""
+    x, weight = _autocast(x.reshape(-1, x.shape[-1]), self.weight)
+    logits = linear(x, weight, allow_tf32=_tf32())
+    routing = moe_router(logits, self.top_k, "softmax", getattr(self, "norm_topk_prob", True))
+    return logits, routing.weights, routing.indices
+
+
+def _moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' sparse MoE block: the router module (so its logits are recorded), then the
+    experts on the grouped kernels over the module's own ``gate_up_proj`` and ``down_proj``."""
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    _, weights, indices = self.gate(x)
+    x, w13, w2 = _autocast(x, self.experts.gate_up_proj, self.experts.down_proj)
+    return moe_experts(x, indices, weights, w13, w2).view(hidden_states.shape)
+
+
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                        cache=None, past_key_values=None, **kwargs):
-    """transformers' attention forward (Llama, Mistral, Qwen2, Qwen3) with RoPE by tritonllm's kernel.
+    """transformers' attention forward (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE) with
+    RoPE by tritonllm's kernel. The q/k norms (Qwen3, Qwen3-MoE, OLMoE) normalise groups of their
+    weight's width: one head (Qwen3's) or all heads of a token (OLMoE's).
 
     ``cache`` is the KV cache's name from transformers 5.2x on, ``past_key_values`` before."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -104,11 +145,11 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
     tables = self._tritonllm_rope
     B, T = hidden_states.shape[:2]
     shape = (B, T, -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(shape)
-    k = self.k_proj(hidden_states).view(shape)
-    v = self.v_proj(hidden_states).view(shape)
-    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
-        q, k = self.q_norm(q), self.k_norm(k)
+    q, k = self.q_proj(hidden_states), self.k_proj(hidden_states)
+    if hasattr(self, "q_norm"):
+        q = self.q_norm(q.view(B, T, -1, self.q_norm.weight.shape[-1]))
+        k = self.k_norm(k.view(B, T, -1, self.k_norm.weight.shape[-1]))
+    q, k, v = q.view(shape), k.view(shape), self.v_proj(hidden_states).view(shape)
     cos, sin = tables.get(q.device)
     positions = kwargs.get("position_ids")
     # a 0-d device view: the kernel reads the offset, the host never waits (rows checked by _checked_inputs)
@@ -131,11 +172,15 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                        logits_to_keep=0, **kwargs):
-    """transformers' causal-LM forward with the loss of tritonllm's fused LM head + cross-entropy."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    """transformers' causal-LM forward with the loss of tritonllm's fused LM head + cross-entropy (for
+    MoE models plus the router outputs and load-balancing loss, see :func:`_router_aux`)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     return_dict = kwargs.pop("return_dict", None)
     loss_kwargs = {k: kwargs.pop(k) for k in ("shift_labels", "num_items_in_batch", "ignore_index") if k in kwargs}
+    moe = hasattr(self, "router_aux_loss_coef")
+    if moe and kwargs.get("output_router_logits") is None:
+        kwargs["output_router_logits"] = self.config.output_router_logits
     outputs = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               inputs_embeds=inputs_embeds, **kwargs)
     hidden = outputs.last_hidden_state
@@ -145,11 +190,28 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if loss is None or not self.training:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
-    fields = CausalLMOutputWithPast.__dataclass_fields__
-    cache_field = "cache" if "cache" in fields else "past_key_values"
-    out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                 attentions=outputs.attentions, **{cache_field: getattr(outputs, cache_field, None)})
+    output = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+    cache_field = "cache" if "cache" in output.__dataclass_fields__ else "past_key_values"
+    extra = {}
+    if moe:
+        loss, extra = _router_aux(self, outputs, attention_mask, loss, kwargs["output_router_logits"])
+    out = output(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+                 **{cache_field: getattr(outputs, cache_field, None)}, **extra)
     return out.to_tuple() if return_dict is False else out
+
+
+def _router_aux(model, outputs, attention_mask, loss, output_router_logits: bool):
+    """``(loss, {aux_loss, router_logits})`` of an MoE causal LM as transformers' forward makes them:
+    with ``output_router_logits``, ``aux_loss`` is the model module's ``load_balancing_loss_func`` of
+    the L layers' router logits (``E sum_i fbar_i Pbar_i``, see :mod:`tritonllm.hf`), and a loss
+    given gains ``router_aux_loss_coef * aux_loss``; without, both fields are None."""
+    aux_loss = None
+    if output_router_logits:
+        balance = sys.modules[type(model).__module__].load_balancing_loss_func
+        aux_loss = balance(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+        if loss is not None:
+            loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
+    return loss, {"aux_loss": aux_loss, "router_logits": outputs.router_logits}
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
@@ -294,26 +356,48 @@ def _hf_model(model):
     return model
 
 
-def patch(model, *, rms_norm: bool = True, linear: bool = True, mlp: bool = True, rope: bool = True,
-          attention: bool = True, cross_entropy: bool = True):
+def _layer_projections(cfg) -> dict[str, tuple[str, ...]]:
+    """The submodules every decoder layer must have: :data:`PROJECTIONS`, the MLP's replaced by
+    :data:`MOE_PARTS` for an MoE model."""
+    return {**PROJECTIONS, "mlp": MOE_PARTS} if cfg.n_experts else PROJECTIONS
+
+
+def _check_experts(experts: nn.Module) -> None:
+    """An HFConfigError naming the flag when the experts' weights are not fused ``[gate; up]`` rows
+    ``gate_up_proj [E, 2F, D]`` and ``down_proj [E, D, F]`` without biases (what the grouped kernels read)."""
+    for flag, value in EXPERTS_LAYOUT.items():
+        if getattr(experts, flag, value) != value:
+            raise HFConfigError(f"{type(experts).__name__}.{flag}={getattr(experts, flag)}: tritonllm's grouped "
+                                f"kernels need {flag}={value}")
+    gate_up, down = (tuple(p.shape) if isinstance(p, torch.Tensor) else None
+                     for p in (experts.gate_up_proj, experts.down_proj))
+    if gate_up is None or len(gate_up) != 3 or down != (gate_up[0], gate_up[2], gate_up[1] // 2):
+        raise HFConfigError(f"{type(experts).__name__}: gate_up_proj {gate_up} and down_proj {down} are not "
+                            f"[E, 2F, D] and [E, D, F] tensors")
+
+
+def patch(model, *, rms_norm: bool = True, linear: bool = True, mlp: bool = True, moe: bool = True,
+          rope: bool = True, attention: bool = True, cross_entropy: bool = True):
     """Swap ``model``'s layers for tritonllm's kernels in place (see the module docstring); returns
-    ``model``. ``model``: a transformers Llama, Mistral, Qwen2 or Qwen3 model (``*ForCausalLM`` or
-    the bare ``*Model``), possibly inside a PEFT wrapper. Raises :class:`tritonllm.hf.HFConfigError`
-    naming the config field it cannot reproduce, a ValueError when the model was patched already."""
+    ``model``. ``model``: a transformers Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or OLMoE
+    model (``*ForCausalLM`` or the bare ``*Model``), possibly inside a PEFT wrapper. Raises
+    :class:`tritonllm.hf.HFConfigError` naming the config field it cannot reproduce, a ValueError
+    when the model was patched already."""
     hf = _hf_model(model)
     cfg = config_from_hf(hf.config.to_dict())
-    if cfg.n_experts:
-        raise HFConfigError(f"{type(hf).__name__}: num_experts={cfg.n_experts}: MoE models are not patched; "
-                            f"tritonllm.hf.load_hf_model imports them onto tritonllm's MoE layer")
     if getattr(hf, "tritonllm_patched", None) is not None:
         raise ValueError(f"model: already patched by tritonllm ({hf.tritonllm_patched})")
     base = hf.base_model
     layers = getattr(base, "layers", None)
+    projections = _layer_projections(cfg)
     if layers is None or any(not hasattr(getattr(layer, part, None), name)
-                             for layer in layers for part, names in PROJECTIONS.items() for name in names):
-        raise HFConfigError(f"{type(hf).__name__}: expected decoder layers with self_attn.{{q,k,v,o}}_proj and "
-                            f"mlp.{{gate,up,down}}_proj")
-    options = {"rms_norm": rms_norm, "linear": linear, "mlp": mlp, "rope": rope, "attention": attention,
+                             for layer in layers for part, names in projections.items() for name in names):
+        raise HFConfigError(f"{type(hf).__name__}: expected decoder layers with "
+                            + " and ".join(f"{part}.{{{','.join(names)}}}" for part, names in projections.items()))
+    if moe and cfg.n_experts:
+        for layer in layers:
+            _check_experts(layer.mlp.experts)
+    options = {"rms_norm": rms_norm, "linear": linear, "mlp": mlp, "moe": moe, "rope": rope, "attention": attention,
                "cross_entropy": cross_entropy}
 
     if rms_norm:
@@ -323,13 +407,17 @@ def patch(model, *, rms_norm: bool = True, linear: bool = True, mlp: bool = True
     if linear:
         heads = [hf.lm_head] if hasattr(hf, "lm_head") else []
         for module in heads + [getattr(getattr(layer, part), name) for layer in layers
-                               for part, names in PROJECTIONS.items() for name in names]:
+                               for part, names in projections.items() for name in names]:
             plain = _plain_linear(module)
             if plain is not None:
                 _bind(plain, _linear_forward)
-    if mlp:
+    if mlp and not cfg.n_experts:
         for layer in layers:
             _bind(layer.mlp, _mlp_forward)
+    if moe and cfg.n_experts:
+        for layer in layers:
+            _bind(layer.mlp.gate, _router_forward)
+            _bind(layer.mlp, _moe_forward)
     tables = RopeTables(cfg) if rope else None
     if rope:
         for layer in layers:
