@@ -39,7 +39,7 @@ install: $(STAMP) $(STAMP_TEST) $(STAMP_LINT)
 train: $(STAMP)
 	$(PY) -m tritonllm.train +model=void_tiny experiment=cpu_smoke
 
-# CPU suite (Triton interpreter, small shapes): about 20 minutes on 2 cores (18.5 measured on 2026-12-02; target 15).
+# CPU suite (Triton interpreter, small shapes): about 16 minutes on 2 cores (15.5 measured on 2026-12-02).
 test: $(STAMP_TEST)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
