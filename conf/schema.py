@@ -209,6 +209,8 @@ class GenerateConfig:
     seed: int = 1337
     device: str = "auto"
     dtype: str = _f("auto", choices=("auto", "bf16", "fp32"))
+    context: Optional[int] = _f(None, ge=1)
+    rope_scaling: str = _f("yarn", choices=("yarn", "ntk", "linear"))
 
 
 # ----------------------------------------------------------------------------- export (conf/export.yaml)

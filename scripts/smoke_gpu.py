@@ -113,7 +113,7 @@ finally:
 
 
 #: case -> the case whose output it reads (it runs after it, in the same chain)
-AFTER = {"resume": "train", "generate": "resume", "hf_export": "generate", "studio": "hf_export",
+AFTER = {"resume": "train", "generate": "resume", "generate_context": "generate", "hf_export": "generate", "studio": "hf_export",
          "dist_export": "torchrun", "generate_hf": "hf_folder", "generate_chat": "generate_hf",
          "lora_sft": "generate_chat", "export": "lora_sft", "export_check": "export"}
 
@@ -143,6 +143,8 @@ def cases(work: Path) -> list[tuple[str, list[str], int, int, str]]:
         ("resume", [*train, "trainer.max_steps=30", "trainer.resume=auto"], 180, 0, r"resumed from .* at step 20"),
         ("generate", [PY, "-m", "tritonllm.generate", f"ckpt={run}", "prompt='def '", "max_new_tokens=16"], 120, 0,
          r"\S"),
+        ("generate_context", [PY, "-m", "tritonllm.generate", f"ckpt={run}", "prompt='def '", "max_new_tokens=16",
+                              "context=4096", "rope_scaling=yarn"], 120, 0, r"\S"),
         ("multirun", [PY, "-m", "tritonllm.train", "-m", *TINY, "trainer.max_steps=4", "trainer.ckpt_interval=null",
                       "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={work / 'multirun'}"], 240, 0, r"#1 :"),
         ("torchrun", ["torchrun", "--nproc_per_node=1", "-m", "tritonllm.train", *TINY, "trainer.max_steps=4",

@@ -25,6 +25,8 @@ Config: ``conf/generate.yaml``.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 
 import torch
@@ -36,6 +38,11 @@ from tritonllm.data import Tokenizer
 from tritonllm.data.hf_tokenizer import HFTokenizer
 from tritonllm.errors import CheckpointError, ConfigError, TritonLLMError
 from tritonllm.runtime import hydra_app, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+#: how the RoPE is stretched past the trained context (``rope_scaling=``): kernels.rope.rope_cos_sin's types
+CONTEXT_SCALINGS = ("yarn", "ntk", "linear")
 
 
 def resolve_checkpoints(path: str) -> list[str]:
@@ -184,6 +191,28 @@ def stop_ids(tokenizer) -> set[int]:
     return stops
 
 
+def extend_context(model, context: int, scaling: str = "yarn") -> None:
+    """Let ``model`` (trained over ``L = model.cfg.max_seq_len`` positions) attend over ``context > L``
+    positions: its RoPE stretched by ``factor = context / L`` (``yarn``: YaRN's per-frequency ramp around ``L``
+    and its attention temperature ``0.1 ln(factor) + 1``; ``ntk``: NTK-aware base ``theta f^(D / (D - 2))``;
+    ``linear``: position interpolation), the weights unchanged, the RoPE tables rebuilt at the next call. A
+    context within L changes nothing; a model whose RoPE is already scaled is refused."""
+    cfg = model.cfg
+    if context <= cfg.max_seq_len:
+        return
+    if scaling not in CONTEXT_SCALINGS:
+        raise ConfigError(f"rope_scaling must be one of {CONTEXT_SCALINGS}, got {scaling!r}")
+    if cfg.rope_scaling is not None:
+        raise ConfigError(f"context={context}: the model's RoPE is already scaled ({cfg.rope_scaling}) for "
+                          f"{cfg.max_seq_len} positions; it cannot be stretched again")
+    factor = context / cfg.max_seq_len
+    rope = {"type": scaling, "factor": factor, **({"original_max_position": cfg.max_seq_len} if scaling == "yarn"
+                                                  else {})}
+    model.cfg = dataclasses.replace(cfg, max_seq_len=context, rope_scaling=rope)
+    log.info("context %d positions: the model's %d stretched by %s RoPE scaling, factor %.4g", context,
+             cfg.max_seq_len, scaling, factor)
+
+
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
                   top_k: int | None = 200, top_p: float | None = None, chat: bool = False) -> str:
     """The sampled continuation of ``prompt`` (up to ``max_new_tokens`` tokens, cut at the first stop
@@ -212,6 +241,8 @@ def main(cfg) -> None:
         model, tokenizer = load_hf_for_generation(cfg.hf, device, dtype, cfg.tokenizer)
     else:
         _, model, tokenizer = load_newest_for_generation(cfg.ckpt, device, dtype, cfg.tokenizer)
+    if cfg.context is not None:
+        extend_context(model, cfg.context, cfg.rope_scaling)
     prompt_ids(tokenizer, cfg.prompt, cfg.chat)  # a chat template or prompt error before any sampling
     torch.manual_seed(cfg.seed)
     for i in range(cfg.num_samples):

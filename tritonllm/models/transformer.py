@@ -138,13 +138,15 @@ class Transformer(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 RoPE ``cos, sin [max_seq_len, head_dim / 2]`` on ``device``, built once per device
-        (kept out of the module's buffers so that ``.to(bfloat16)`` leaves them in fp32). Under
+        """fp32 RoPE ``cos, sin [max_seq_len, head_dim / 2]`` on ``device``, built once per device and
+        context length (kept out of the module's buffers so that ``.to(bfloat16)`` leaves them in fp32;
+        a new ``cfg``, as ``tritonllm.generate.extend_context`` sets, builds them again). Under
         torch.compile they are built inside the graph (one small kernel a step) instead: filling the
         cache while tracing would make the graph's guards fail on the next call and compile it again."""
         device = torch.device(device)
         compiling = torch.compiler.is_compiling()
-        if compiling or self._rope is None or self._rope[0].device != device:
+        if (compiling or self._rope is None or self._rope[0].device != device
+                or self._rope[0].shape[0] != self.cfg.max_seq_len):
             cfg = self.cfg
             tables = rope_cos_sin(cfg.max_seq_len, cfg.head_size, theta=cfg.rope_theta, scaling=cfg.rope_scaling,
                                   device=device)
