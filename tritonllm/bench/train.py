@@ -77,8 +77,8 @@ import time
 
 import torch
 
-from tritonllm.bench.common import (baseline_optimizer, compose_bench_config, baseline_update, free_gpu, host_cpu_model, interleaved_ratio,
-                                    measure, spin_cycles_per_ms)
+from tritonllm.bench.common import (baseline_optimizer, baseline_update, compose_bench_config, free_gpu, host_cpu_model,
+                                    interleaved_ratio, measure, spin_cycles_per_ms)
 from tritonllm.runtime import ArgumentParser
 
 #: --baselines name -> torch.compile mode
