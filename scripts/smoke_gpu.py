@@ -161,6 +161,8 @@ def cases(work: Path) -> list[tuple[str, list[str], int, int, str]]:
                             "--seq-len", "64", "--steps", "2", "--warmup", "3", "--host-profile", "2",
                             "--out", str(work / "bench")], 420, 0, r"^tritonllm"),
         ("bench_speedrun_no_model", [PY, "-m", "tritonllm.bench", "speedrun"], 120, 1, r"^tritonllm: error: no model"),
+        ("bench_speedrun_refuses", [PY, "-m", "tritonllm.bench", "speedrun", "+model=void125m"], 240, 1,
+         r"^tritonllm: error: .* passes, so the time to the target would measure memorisation"),
         ("bench_speedrun", [PY, "-m", "tritonllm.bench", "speedrun", "+model=void_tiny", "--max-steps", "6",
                             "--eval-every", "3", "--eval-batches", "1", "--sides", "adamw", "--allow-repeat",
                             "--out", str(work / "bench")], 300, 0, r"adamw"),
