@@ -612,8 +612,8 @@ def _overload(op) -> torch._ops.OpOverload:
     return op.default
 
 
-#: opcheck's checks; its schema check compares inputs with arithmetic that CUDA lacks for fp8 tensors
-#: ("mul_cuda" not implemented for 'Float8_e4m3fn'), so those cases check the same promise byte for byte
+#: opcheck's checks; its schema check compares inputs and outputs with arithmetic that CUDA lacks for fp8
+#: tensors ("mul_cuda" not implemented for 'Float8_e4m3fn'): :func:`_fp8_schema_check` does it for those ops
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -622,17 +622,25 @@ def _tensors(args) -> list[torch.Tensor]:
     return [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
 
 
-def _check_fp8_op_mutates_nothing(op, args) -> None:
-    """The schema check of an op with fp8 arguments on CUDA: no input's bytes change (the op declares no
-    mutation) and no output aliases an input."""
+def _fp8_schema_check(op, args) -> bool:
+    """On CUDA, for an op that declares no mutation and takes or returns fp8 tensors, the schema check done
+    byte for byte: no input changes, no output aliases an input. Whether it applied."""
+    if not ON_GPU or any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+        return False
     inputs = _tensors(args)
-    before = [t.detach().view(torch.uint8).clone() if t.dtype in FP8_DTYPES else t.detach().clone() for t in inputs]
+    before = [_bytes(t).clone() for t in inputs]
     out = _tensors(op(*args))
+    if not any(t.dtype in FP8_DTYPES for t in inputs + out):
+        return False
     for i, (t, b) in enumerate(zip(inputs, before)):
-        now = t.detach().view(torch.uint8) if t.dtype in FP8_DTYPES else t.detach()
-        assert torch.equal(now, b), f"input {i} was mutated"
+        assert torch.equal(_bytes(t), b), f"input {i} was mutated"
     storages = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
     assert not [o for o in out if o.numel() and o.untyped_storage().data_ptr() in storages], "an output aliases an input"
+    return True
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(torch.uint8) if t.dtype in FP8_DTYPES else t.detach()
 
 
 def test_opcheck(op_cases):
@@ -641,10 +649,7 @@ def test_opcheck(op_cases):
     failures = {}
     for name, (op, args) in op_cases.items():
         try:
-            utils = OPCHECK_UTILS
-            if ON_GPU and any(t.dtype in FP8_DTYPES for t in _tensors(args)):
-                _check_fp8_op_mutates_nothing(_overload(op), args)
-                utils = OPCHECK_UTILS[1:]
+            utils = OPCHECK_UTILS[1:] if _fp8_schema_check(_overload(op), args) else OPCHECK_UTILS
             torch.library.opcheck(_overload(op), args, test_utils=utils)
         except Exception as e:  # noqa: BLE001 (collected, reported below with the case name)
             failures[name] = f"{type(e).__name__}: {str(e)[:2000]}"
