@@ -43,6 +43,7 @@ class TrainerConfig:
     grad_clip: Optional[float] = _f(1.0, gt=0)
     dtype: str = _f("auto", choices=("auto", "bf16", "fp32"))
     precision: str = _f("bf16", choices=("bf16", "fp8"))
+    fp8_grad_dtype: str = _f("e4m3", choices=("e4m3", "e5m2"))
     activation_checkpointing: str = _f("none", choices=("none", "full"))
     eval_interval: int = _f(250, ge=1)
     eval_batches: int = _f(20, ge=1)

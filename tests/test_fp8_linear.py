@@ -184,6 +184,12 @@ def test_convert_to_fp8_keeps_parameters_and_skips_the_head():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ConfigError, match="trainer.precision"):
         apply_precision(model, "fp4")
+    with pytest.raises(ConfigError, match="trainer.fp8_grad_dtype"):
+        apply_precision(model, "fp8", "e3m4")
+    e5m2 = build_model(ModelConfig(name="t", vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
+                                   max_seq_len=16), device=torch.device(DEVICE), dtype=DTYPE)
+    apply_precision(e5m2, "fp8", "e5m2")
+    assert {m.grad_dtype for m in e5m2.modules() if isinstance(m, (Fp8Linear, Fp8LinearSwiGLU))} == {torch.float8_e5m2}
     from tritonllm.nn.lora import LoRAConfig, LoRALinear, apply_lora
 
     lora = apply_lora(build_model(ModelConfig(name="t", vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,

@@ -113,7 +113,7 @@ def time_tritonllm(model_cfg, cfg, x, y, args, peak_flops, cycles_per_ms):
 
     torch.manual_seed(cfg.seed)
     model = build_model(model_cfg, device=x.device, dtype=torch.bfloat16 if x.is_cuda else torch.float32)
-    apply_precision(model, cfg.trainer.precision)
+    apply_precision(model, cfg.trainer.precision, cfg.trainer.fp8_grad_dtype)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     optimizer = build_optimizer(model, cfg.optim, master_weights=x.is_cuda)
     flops_per_token = model.flops_per_token(x.shape[1])

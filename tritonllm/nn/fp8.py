@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tritonllm.errors import ConfigError
-from tritonllm.kernels.fp8_linear import E4M3, fp8_linear, fp8_linear_swiglu, fp8_supported
+from tritonllm.kernels.fp8_linear import E4M3, E5M2, fp8_linear, fp8_linear_swiglu, fp8_supported
 from tritonllm.nn.linear import Linear, LinearSwiGLU
 from tritonllm.nn.lora import LoRALinear
 
@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 #: training precisions of the linear layers (``trainer.precision``)
 PRECISIONS = ("bf16", "fp8")
+#: fp8 formats of the gradients (``trainer.fp8_grad_dtype``)
+GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 
 
 class Fp8Linear(Linear):
@@ -72,12 +74,15 @@ def convert_to_fp8(model: nn.Module, grad_dtype: torch.dtype = E4M3, skip: tuple
     return converted
 
 
-def apply_precision(model: nn.Module, precision: str) -> None:
-    """``trainer.precision``: ``bf16`` leaves the model as built, ``fp8`` is :func:`convert_to_fp8`."""
+def apply_precision(model: nn.Module, precision: str, grad_dtype: str = "e4m3") -> None:
+    """``trainer.precision``: ``bf16`` leaves the model as built, ``fp8`` is :func:`convert_to_fp8` with the
+    gradients in ``grad_dtype`` (``trainer.fp8_grad_dtype``: e4m3 or e5m2)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision must be one of {PRECISIONS}, got {precision!r}")
+    if grad_dtype not in GRAD_DTYPES:
+        raise ConfigError(f"trainer.fp8_grad_dtype must be one of {tuple(GRAD_DTYPES)}, got {grad_dtype!r}")
     if precision == "fp8":
         try:
-            convert_to_fp8(model)
+            convert_to_fp8(model, GRAD_DTYPES[grad_dtype])
         except ValueError as e:
             raise ConfigError(f"trainer.precision=fp8: {e}") from None

@@ -208,7 +208,7 @@ RESUME_FREE_KEYS = ("out_dir", "device", "logger.", "data.cache_dir", "trainer.m
                     "trainer.log_interval", "trainer.eval_interval", "trainer.eval_batches", "trainer.progress",
                     "trainer.sample_", "trainer.gpu_telemetry", "trainer.control", "trainer.peak_flops",
                     "trainer.dist_timeout_s", "trainer.cuda_graph", "trainer.parallel", "trainer.precision",
-                    "trainer.activation_checkpointing",
+                    "trainer.fp8_grad_dtype", "trainer.activation_checkpointing",
                     "trainer.gemm_")
 
 
@@ -409,7 +409,7 @@ def build_run(cfg, cleanup: contextlib.ExitStack) -> Run:
     # FSDP2 shards fp32 weights (the master weights) and gathers them in `dtype` for compute
     model = build_model(model_cfg, device=env.device, dtype=torch.float32 if mode == "fsdp" else dtype)
     init_run_model(model, cfg)  # Hugging Face weights (model.path), LoRA (+lora=...)
-    apply_precision(model, tr.precision)  # fp8 linear layers (trainer.precision=fp8)
+    apply_precision(model, tr.precision, tr.fp8_grad_dtype)  # fp8 linear layers (trainer.precision=fp8)
     apply_activation_checkpointing(model, tr.activation_checkpointing)
     parallel = parallelize(model, mode, env, compute_dtype=dtype, gemm_grid=tr.gemm_grid,
                            gemm_sm_margin=tr.gemm_sm_margin)
