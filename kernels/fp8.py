@@ -36,8 +36,11 @@ from .checks import check_tensor
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 #: (mantissa bits, exponent of the smallest normal) of each format: its grid, for :func:`fp8_round`
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
-#: rows and columns of a quantization tile (GPU; 32 x 32 under the interpreter)
-BLOCK_R, BLOCK_C = 64, 64
+#: rows and columns of a quantization tile and the warps of its program (GPU; 32 x 32 under the interpreter)
+BLOCK_R, BLOCK_C, QUANT_WARPS = 64, 64, 4
+#: the amax pass: its tile, the tiles down the rows a program takes (its columns' max merged in registers,
+#: one atomic per column per program), and its warps; ``scripts/tune_memops.py --ops fp8`` times the choices
+AMAX_BLOCK_R, AMAX_BLOCK_C, AMAX_ROW_TILES, AMAX_WARPS = 64, 64, 1, 4
 
 
 @triton.jit
@@ -80,20 +83,25 @@ def _amax_kernel(
     COLS: tl.constexpr,  # the columns' amax
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ROW_TILES: tl.constexpr,  # tiles down the rows, one after the other
 ):
-    """One BLOCK_R x BLOCK_C tile: its rows' and columns' max |x| merged into the totals by atomic max on
-    the fp32 bits (|x| >= 0 orders as its bits do; a NaN's bits are above inf's, so NaN wins: exact and
-    order-free, hence deterministic)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """ROW_TILES tiles of BLOCK_R x BLOCK_C, one under the other: each tile's rows' max |x| and, once for
+    all of them, their columns' merged into the totals by atomic max on the fp32 bits (|x| >= 0 orders as
+    its bits do; a NaN's bits are above inf's, so NaN wins: exact and order-free, hence deterministic)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols.to(tl.int64)[None, :] * stride_xc,
-                mask=mask, other=0.0)
-    bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)
-    if ROWS:
-        tl.atomic_max(amax_ptr + rows, tl.max(bits, axis=1), mask=rows < R)
+    col_bits = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for i in tl.static_range(ROW_TILES):
+        rows = (tl.program_id(0) * ROW_TILES + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < R)[:, None] & (cols < C)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols.to(tl.int64)[None, :] * stride_xc,
+                    mask=mask, other=0.0)
+        bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)
+        if ROWS:
+            tl.atomic_max(amax_ptr + rows, tl.max(bits, axis=1), mask=rows < R)
+        if COLS:
+            col_bits = tl.maximum(col_bits, tl.max(bits, axis=0))
     if COLS:
-        tl.atomic_max(amax_ptr + R + cols, tl.max(bits, axis=0), mask=cols < C)
+        tl.atomic_max(amax_ptr + R + cols, col_bits, mask=cols < C)
 
 
 @triton.jit
@@ -162,16 +170,20 @@ def quantize_into(x: torch.Tensor, fp8_max: float, q: torch.Tensor | None = None
     rows, cols = q is not None, qt is not None
     if R == 0 or C == 0 or not (rows or cols):
         return
-    block_r, block_c = (32, 32) if interpreting() else (BLOCK_R, BLOCK_C)
+    interp = interpreting()
+    block_r, block_c = (32, 32) if interp else (BLOCK_R, BLOCK_C)
+    amax_r, amax_c, row_tiles = (32, 32, 2) if interp else (AMAX_BLOCK_R, AMAX_BLOCK_C, AMAX_ROW_TILES)
     mantissa, min_exp = FP8_GRID[emulate] if emulate is not None else (0, 0)
-    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
     amax = torch.zeros(R + C, dtype=torch.int32, device=x.device)
-    _amax_kernel[grid](x, x.stride(0), x.stride(1), amax, R, C, ROWS=rows, COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c)
+    _amax_kernel[(triton.cdiv(R, amax_r * row_tiles), triton.cdiv(C, amax_c))](
+        x, x.stride(0), x.stride(1), amax, R, C, ROWS=rows, COLS=cols, BLOCK_R=amax_r, BLOCK_C=amax_c,
+        ROW_TILES=row_tiles, num_warps=AMAX_WARPS)
+    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
     q_args = (q, q.stride(0), q.stride(1), scale) if q is not None else (amax, 0, 0, amax)
     t_args = (qt, qt.stride(0), qt.stride(1), scale_t) if qt is not None else (amax, 0, 0, amax)
     _quantize_kernel[grid](x, x.stride(0), x.stride(1), amax, *q_args, *t_args, R, C, float(fp8_max), ROWS=rows,
                            COLS=cols, BLOCK_R=block_r, BLOCK_C=block_c, EMULATE=emulate is not None,
-                           MANTISSA=mantissa, MIN_EXP=min_exp)
+                           MANTISSA=mantissa, MIN_EXP=min_exp, num_warps=QUANT_WARPS)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, rows: bool = True, cols: bool = False):

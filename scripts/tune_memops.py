@@ -4,7 +4,8 @@ Usage (on a CUDA machine, from the repository root; under 2 minutes with a cold 
 
     python scripts/tune_memops.py [--ops host,rms_norm,rope,embedding] [--budget 100]
 
-Sections: ``rms_norm`` (forward tile, backward tile / warps / programs per SM / prefetch, dW
+Sections: ``fp8`` (the quantization's amax pass: tile, row tiles per program, warps; its quantizing pass:
+tile, warps; at void1b's operand shapes, both layouts, outputs bitwise those of the default), ``rms_norm`` (forward tile, backward tile / warps / programs per SM / prefetch, dW
 reduction columns), ``rope`` (tile, warps), ``embedding`` (forward tile, backward id block /
 column block / chunk / warps / sort key width, uniform and Zipf ids), ``host`` (fwd+bwd through
 autograd at the benchmark shape and host microseconds per call at a tiny shape, ours against the
@@ -32,6 +33,7 @@ import triton.testing
 rms = importlib.import_module("tritonllm.kernels.rms_norm")
 rope_mod = importlib.import_module("tritonllm.kernels.rope")
 emb = importlib.import_module("tritonllm.kernels.embedding")
+fp8 = importlib.import_module("tritonllm.kernels.fp8")
 from tritonllm.kernels import embedding, rms_norm, rope, rope_cos_sin, swiglu  # noqa: E402
 
 DT = torch.bfloat16
@@ -283,6 +285,40 @@ def _cases(scale: int):
             ("embedding", lambda i, t: embedding(i, t, validate=False), F.embedding, (ids, table))]
 
 
+# ---- fp8 quantization ------------------------------------------------------------------------------
+
+def _amax_variant(block_r, block_c, row_tiles, warps):
+    return dict(AMAX_BLOCK_R=block_r, AMAX_BLOCK_C=block_c, AMAX_ROW_TILES=row_tiles, AMAX_WARPS=warps)
+
+
+FP8_AMAX = [_amax_variant(64, 64, 1, 4), _amax_variant(64, 128, 4, 4), _amax_variant(64, 128, 8, 8),
+            _amax_variant(32, 256, 8, 4), _amax_variant(128, 64, 4, 8), _amax_variant(64, 256, 4, 8),
+            _amax_variant(128, 128, 2, 8), _amax_variant(32, 128, 16, 4)]
+FP8_QUANT = [dict(BLOCK_R=64, BLOCK_C=64, QUANT_WARPS=4), dict(BLOCK_R=64, BLOCK_C=64, QUANT_WARPS=8),
+             dict(BLOCK_R=128, BLOCK_C=64, QUANT_WARPS=8), dict(BLOCK_R=64, BLOCK_C=128, QUANT_WARPS=8),
+             dict(BLOCK_R=128, BLOCK_C=128, QUANT_WARPS=8), dict(BLOCK_R=32, BLOCK_C=128, QUANT_WARPS=4)]
+#: void1b's fp8 operands (B4 x T2048 tokens, d_model 2048, qkv 3072, d_ff 5632): activations and
+#: gradients [tokens, features], weights [out, in]; each quantized per row and per column
+FP8_SHAPES = [(8192, 2048), (8192, 5632), (8192, 3072), (8192, 11264), (3072, 2048), (2048, 5632)]
+
+
+def tune_fp8():
+    for r, c in FP8_SHAPES:
+        x = torch.randn(r, c, device="cuda", dtype=DT)
+        q, qt = torch.empty(r, c, device="cuda", dtype=torch.float8_e4m3fn), torch.empty(c, r, device="cuda",
+                                                                                         dtype=torch.float8_e4m3fn)
+        s, st = torch.empty(r, device="cuda"), torch.empty(c, device="cuda")
+
+        def run():
+            fp8.quantize_into(x, 448.0, q, s, qt, st)
+            return q.view(torch.uint8), s, qt.view(torch.uint8), st
+
+        for kernel, variants in (("_amax_kernel", FP8_AMAX), ("_quantize_kernel", FP8_QUANT)):
+            # GB/s of both passes: x read twice (bf16), written twice (fp8, each layout)
+            run_group(f"fp8 quantize {r}x{c} rows+cols, {kernel}'s knobs", fp8, variants, run, 6 * r * c, kernel)
+        del x, q, qt
+
+
 def host_table():
     print("\n== fwd+bwd through autograd: us at the benchmark shape (do_bench median) and host us per call"
           " at 8 rows/tokens (GPU idle: the host's time)")
@@ -297,7 +333,7 @@ def host_table():
         print(f"{name:<18}" + "".join(f"{v:>{wd}.1f}" for v, wd in zip(row, (9, 10, 11, 12))), flush=True)
 
 
-SECTIONS = {"host": host_table, "rms_norm": tune_rms_norm, "rope": tune_rope, "embedding": tune_embedding}
+SECTIONS = {"fp8": tune_fp8, "host": host_table, "rms_norm": tune_rms_norm, "rope": tune_rope, "embedding": tune_embedding}
 
 
 def main():
