@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [sm90] [contention] [train] [trainrun] [smoke] [parity] [finetune] [evolve]
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [memops] [sm90] [contention] [train] [trainrun] [smoke] [parity] [finetune] [evolve]
 #        (default: tests bench)
+# memops: scripts/tune_memops.py's sections (MEMOPS, default fp8: the quantization's knobs at void1b's shapes)
 # contention: scripts/sm_contention.py (CONTENTION_ARGS): our GEMM against cuBLAS with some SMs held
 # sm90: the Gluon kernels' GPU tests (-k sm90: attention forward and backward, the WS GEMM; spread over the
 #   workers test by test, not file by file: each case autotunes Gluon configs), then
@@ -50,6 +51,9 @@ for stage in $stages; do
         tunelinear)  # scripts/tune_linear.py's sections (TUNE_LINEAR, default "splits swiglu"; TUNE_BUDGET_S for them)
             timeout ${TUNE_TIMEOUT:-330} python3 scripts/tune_linear.py ${TUNE_LINEAR:-splits swiglu} 2>&1 \
                 | tee "$OUT/tune-linear.log" | tail -${TAIL:-80} ;;
+        memops)
+            timeout ${TUNE_TIMEOUT:-240} python3 scripts/tune_memops.py --ops ${MEMOPS:-fp8} --budget ${TUNE_BUDGET_S:-200} 2>&1 \
+                | tee "$OUT/tune-memops.log" | tail -${TAIL:-120} ;;
         sm90)
             timeout -s INT -k 30 ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -n 8 --dist load -k "${SM90_K:-sm90}" \
                 tests/test_flash_attention.py tests/test_linear.py -p no:cacheprovider > "$OUT/tests-sm90.log" 2>&1
