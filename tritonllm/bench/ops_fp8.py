@@ -2,8 +2,10 @@
 
 ``fp8_gemm``: the GEMM alone on operands quantized per row (e4m3), scales in the epilogue, bf16 out
 (``kernels.gemm.gemm`` with ``a_scale``/``b_scale``) against ``torch._scaled_mm`` with the same rowwise
-scales (cuBLAS's fp8 GEMM, what torchao's rowwise recipe calls) and the bf16 GEMM of the same shape
-(``F.linear``). Shapes: each linear layer's three products (forward MxKxN, dx MxNxK, dW NxMxK) at
+scales (cuBLAS's fp8 GEMM, what torchao's rowwise recipe calls), the same with ``use_fast_accum=True``
+(the tensor cores' own limited-precision sums, never promoted to fp32: what torchao uses for the forward
+product; ours always promotes, so this is the faster but less exact bound) and the bf16 GEMM of the same
+shape (``F.linear``). Shapes: each linear layer's three products (forward MxKxN, dx MxNxK, dW NxMxK) at
 void125m's ("default") and void1b's ("large") layers.
 
 ``fp8_linear``: the whole FP8 layer (``kernels.fp8_linear.fp8_linear``: the quantizations and the
@@ -68,12 +70,15 @@ def _fp8_gemm_case(m: int, k: int, n: int, product: str) -> Case:
     def ours(qa, sa, qb, sb):
         return gemm(qa, qb.t(), torch.empty(m, n, device="cuda", dtype=torch.bfloat16), a_scale=sa, b_scale=sb)
 
-    def scaled_mm(qa, sa, qb, sb):
-        return torch._scaled_mm(qa, qb.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)
+    def scaled_mm(qa, sa, qb, sb, fast_accum=False):
+        return torch._scaled_mm(qa, qb.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16,
+                                use_fast_accum=fast_accum)
 
     bf16 = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     return Case("fp8_gemm", f"{m}x{k}x{n} ({product})", torch.float8_e4m3fn, make_inputs, ours=ours,
-                baselines={"torch._scaled_mm": scaled_mm, "cuBLAS bf16": lambda *_: F.linear(*bf16)},
+                baselines={"torch._scaled_mm": scaled_mm,
+                           "_scaled_mm fast accum": lambda *a: scaled_mm(*a, fast_accum=True),
+                           "cuBLAS bf16": lambda *_: F.linear(*bf16)},
                 flops={"fwd": 2.0 * m * n * k}, passes=("fwd",))
 
 
