@@ -248,3 +248,21 @@ def test_parity_script_compares_the_validation_curves(tmp_path):
     assert got["ratio"] == 1.005 and got["max_gap"] == 0.02 and got["within_1pct"] and not got["diverged"]
     curves["fp8"][-1][1] = float("nan")
     assert parity.summarize(curves)["diverged"]
+
+
+def test_moe_shared_expert_runs_in_fp8():
+    """trainer.precision=fp8 on a MoE layer: its shared expert's linears become FP8 ones and the layer runs them
+    (the layer calls its shared-expert modules, not their weights), the routed experts stay as they are."""
+    from tritonllm.nn import MoE
+    from tritonllm.nn.fp8 import Fp8Linear, Fp8LinearSwiGLU, convert_to_fp8
+
+    layer = MoE(64, 4, 2, 32, n_shared_experts=1).to(DEVICE)
+    x = randn(9, 64)
+    with torch.no_grad():
+        before = layer(x).y
+        assert convert_to_fp8(layer) == 2  # the shared expert's two linears; not the router
+        after = layer(x).y
+    assert isinstance(layer.shared_w13, Fp8LinearSwiGLU) and isinstance(layer.shared_w2, Fp8Linear)
+    assert type(layer.router) is not Fp8Linear
+    assert not torch.equal(before, after)
+    assert (after - before).abs().max() <= 0.1 * before.abs().max()

@@ -177,3 +177,69 @@ def test_unexportable_moe_config_names_field(change, architecture, field):
     cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2, d_ff=80, n_experts=4), **change})
     with pytest.raises(HFConfigError, match=field):
         hf_config_from(cfg, architecture)
+
+
+def _peft_expert_factors(wrapper, E: int, grads: bool = False):
+    """(A [E, r, n_in], B [E, n_out, r]) of tritonllm's expert adapters (or, ``grads``, their gradients) from
+    a PEFT ParamWrapper's A [r E, in] and B [out, r E] (its ``get_delta_weight``: ``einsum("o r e, e r i")``,
+    into ``e o i`` when PEFT swapped the parameter's in/out dims, else ``e i o``); tritonllm's ``delta_e =
+    B_e A_e`` in the parameter's layout."""
+    a, b = (wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight)
+    a, b = (a.grad, b.grad) if grads else (a, b)
+    a = a.reshape(E, -1, a.shape[-1])  # e r i
+    b = b.reshape(b.shape[0], -1, E).permute(2, 0, 1)  # e o r
+    if wrapper._did_swap_in_out_features:
+        return a, b
+    return b.transpose(1, 2), a.transpose(1, 2)
+
+
+def test_expert_lora_matches_peft(hf_folder):
+    """LoRA on the routed experts (and on q) against PEFT's ``target_parameters`` on ``gate_up_proj`` and
+    ``down_proj`` with the same adapters: the delta weights, the loss and the gradients of every adapter."""
+    import peft
+
+    from tritonllm.nn.lora import LoRAConfig, LoRAMoE, apply_lora
+
+    family, _, path = hf_folder
+    r, alpha = 4, 8.0
+    model = apply_lora(load_hf_model(path, device=DEVICE), LoRAConfig(rank=r, alpha=alpha, targets=["q", "experts"]))
+    for block in model.blocks:
+        block.mlp.aux_loss_coef = 0.0
+    torch.manual_seed(3)
+    pm = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path), peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    E = model.cfg.n_experts
+    pairs = []  # (ours, PEFT's, how a gradient of PEFT's maps onto ours)
+    for block, layer in zip(model.blocks, pm.base_model.model.model.layers):
+        moe = block.mlp
+        assert isinstance(moe, LoRAMoE)
+        wrappers = {m.parameter_name: m for m in layer.mlp.modules() if isinstance(m, peft.tuners.lora.ParamWrapper)}
+        for pname, (a, b) in (("gate_up_proj", (moe.lora_A13, moe.lora_B13)), ("down_proj", (moe.lora_A2, moe.lora_B2))):
+            w = wrappers[pname]
+            pa, pb = _peft_expert_factors(w, E)
+            with torch.no_grad():
+                a.copy_(pa.to(DEVICE))
+                b.copy_(pb.to(DEVICE))
+                delta = w.get_delta_weight("default")
+                ours = (b.double() @ a.double()) * alpha / r
+                assert torch.allclose(ours.cpu(), delta.double(), atol=1e-5), f"{family}: {pname} delta"
+            pairs.append((a, b, w))
+        qkv, q = block.attn.qkv, layer.self_attn.q_proj
+        with torch.no_grad():
+            qkv.lora_A[0].copy_(q.lora_A["default"].weight.to(DEVICE))
+            qkv.lora_B[:q.out_features].copy_(q.lora_B["default"].weight.to(DEVICE))
+    idx = _ids()
+    ref = pm(idx, labels=idx).loss
+    ref.backward()
+    loss = model(idx.to(DEVICE), targets=_targets(idx))
+    loss.backward()
+    assert abs(loss.item() - ref.item()) <= HF_ATOL * max(1.0, ref.item()), family
+    for a, b, w in pairs:
+        ga, gb = _peft_expert_factors(w, E, grads=True)
+        for ours, theirs in ((a.grad, ga), (b.grad, gb)):
+            err, scale = (ours.cpu() - theirs).abs().max().item(), theirs.abs().max().item()
+            assert err <= HF_ATOL * scale, f"{family}: {w.parameter_name} adapter gradient off by {err} (max {scale})"

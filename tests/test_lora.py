@@ -145,7 +145,7 @@ import peft  # noqa: E402  (test dependencies: pyproject [test])
 import transformers  # noqa: E402
 
 from tritonllm.hf import load_hf_model, save_hf_model  # noqa: E402
-from tritonllm.nn.lora import LoRAConfig, apply_lora, load_adapter, merged_state_dict, save_adapter  # noqa: E402
+from tritonllm.nn.lora import LoRAConfig, LoRALinear, apply_lora, load_adapter, merged_state_dict, save_adapter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +246,43 @@ def test_lora_config_errors():
             LoRAConfig(**bad)
     with pytest.raises(ConfigError, match="unknown lora"):
         LoRAConfig.from_dict({"rank": 4, "scaling": 2})
+
+
+def test_moe_model_adapters_train_merge_and_refuse_peft_export(tmp_path):
+    """A MoE model (routed + shared experts): q, the shared expert's gate and down, and the routed experts
+    adapted; the model equals the base until B moves, only adapters train, each gets a gradient, and the
+    merged state dict in a plain model gives the adapted model's logits. The PEFT adapter writer refuses
+    what it cannot name; ``experts`` on a dense model is refused."""
+    import copy
+
+    from tritonllm.errors import ConfigError
+    from tritonllm.models import ModelConfig, build_model
+    from tritonllm.nn.lora import LoRAMoE
+
+    cfg = ModelConfig(name="moe_t", vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=48,
+                      max_seq_len=16, n_experts=4, moe_top_k=2, d_expert=24, n_shared_experts=1)
+    base = build_model(cfg, device=torch.device(DEVICE), dtype=torch.float32)
+    model = apply_lora(copy.deepcopy(base), LoRAConfig(rank=4, alpha=8.0, targets=["q", "gate", "down", "experts"]))
+    idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        assert_close("logits at B = 0", model(idx), base(idx).double(), atol=gemm_atol(torch.float32, chain=4) or 1e-5)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable and all(n.rsplit(".", 1)[-1].startswith("lora_") for n in trainable)
+    assert all(isinstance(b.mlp, LoRAMoE) and isinstance(b.mlp.shared_w13, LoRALinear) for b in model.blocks)
+    _perturb(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("lora_B13", "lora_B2")):
+                p.normal_(0, 0.1)
+    model(idx, idx).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
+    plain = build_model(cfg, device=torch.device(DEVICE), dtype=torch.float32)
+    plain.load_state_dict(merged_state_dict(model))
+    with torch.no_grad():
+        assert_close("merged logits", plain(idx), model(idx).double(), atol=gemm_atol(torch.float32, chain=4) or 1e-5)
+    with pytest.raises(ConfigError, match="MoE model"):
+        save_adapter(model, str(tmp_path))
+    dense = build_model(ModelConfig(name="dense_t", vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1,
+                                    d_ff=48, max_seq_len=16), device=torch.device(DEVICE), dtype=torch.float32)
+    with pytest.raises(ConfigError, match="routed experts"):
+        apply_lora(dense, LoRAConfig(targets=["experts"]))

@@ -329,6 +329,44 @@ def test_moe_layer(dtype, shared, score, normalize):
         assert_close(f"{name}.grad", g, r64, rs, atol=atol)
 
 
+@pytest.mark.parametrize("T", [37, 1], ids=["T37", "one-token"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_moe_layer_with_expert_lora(dtype, T):
+    """LoRA on the routed experts against the float64 layer with the merged weights W + s B A: output and the
+    gradients of x, the router and all four adapters (the frozen expert weights get none); experts without
+    rows (one token routes to 2 of 5) included."""
+    from tritonllm.kernels.moe import ExpertLoRA
+
+    D, E, k, F_, r, s = 24, 5, 2, 20, 4, 2.5
+    x = randn(T, D, dtype=dtype, requires_grad=True)
+    router = randn(E, D, dtype=dtype, scale=0.5, requires_grad=True)
+    w13, w2 = randn(E, 2 * F_, D, dtype=dtype, scale=D ** -0.5), randn(E, D, F_, dtype=dtype, scale=F_ ** -0.5)
+    adapters = [randn(E, r, D, dtype=dtype, scale=D ** -0.5, requires_grad=True),
+                randn(E, 2 * F_, r, dtype=dtype, scale=0.1, requires_grad=True),
+                randn(E, r, F_, dtype=dtype, scale=F_ ** -0.5, requires_grad=True),
+                randn(E, D, r, dtype=dtype, scale=0.1, requires_grad=True)]
+    scale = torch.tensor([s], device=DEVICE)
+    y, routing = moe(x, router, w13, w2, k, lora=ExpertLoRA(*adapters, scale))
+    dy = randn(T, D, dtype=dtype)
+    inputs = [x, router, *adapters]
+    grads = torch.autograd.grad((y.float() * dy.float()).sum(), inputs)
+
+    def run(cast):
+        ins = [t.detach().to(cast).requires_grad_() for t in inputs]
+        a13, b13, a2, b2 = ins[2:]
+        m13, m2 = w13.to(cast) + s * (b13 @ a13), w2.to(cast) + s * (b2 @ a2)
+        y_r = ref_moe(ins[0], ins[1], m13, m2, routing.indices, "softmax", True, None)[0]
+        return y_r, torch.autograd.grad((y_r * dy.to(cast)).sum(), ins)
+
+    (y64, g64), (y_s, g_s) = run(torch.float64), run(dtype)
+    atol = gemm_atol(dtype)
+    assert_close("y", y, y64, y_s, atol=atol)
+    for name, g, r64, rs in zip(["x", "router", "a13", "b13", "a2", "b2"], grads, g64, g_s):
+        assert_close(f"{name}.grad", g, r64, rs, atol=atol)
+    with pytest.raises(ValueError, match="lora.b2"):
+        moe(x, router, w13, w2, k, lora=ExpertLoRA(*adapters[:3], adapters[3][:, :, :2], scale))
+
+
 def moe_cfg(**overrides):
     cfg = dict(d_model=32, n_layers=2, init_std=0.02, n_experts=6, moe_top_k=2, d_expert=24, n_shared_experts=1,
                moe_score="softmax", moe_normalize=True, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)

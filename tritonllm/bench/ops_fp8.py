@@ -77,7 +77,7 @@ def _fp8_gemm_case(m: int, k: int, n: int, product: str) -> Case:
     bf16 = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     return Case("fp8_gemm", f"{m}x{k}x{n} ({product})", torch.float8_e4m3fn, make_inputs, ours=ours,
                 baselines={"torch._scaled_mm": scaled_mm,
-                           "_scaled_mm fast accum": lambda *a: scaled_mm(*a, fast_accum=True),
+                           "_scaled_mm fast accum": lambda qa, sa, qb, sb: scaled_mm(qa, sa, qb, sb, True),
                            "cuBLAS bf16": lambda *_: F.linear(*bf16)},
                 flops={"fwd": 2.0 * m * n * k}, passes=("fwd",))
 

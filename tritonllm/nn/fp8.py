@@ -48,8 +48,9 @@ class Fp8LinearSwiGLU(LinearSwiGLU):
         return fp8_linear_swiglu(x, self.weight, grad_dtype=self.grad_dtype)
 
 
-def convert_to_fp8(model: nn.Module, grad_dtype: torch.dtype = E4M3, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Make every Linear and LinearSwiGLU of ``model`` (but those whose name is in ``skip``) compute in FP8,
+def convert_to_fp8(model: nn.Module, grad_dtype: torch.dtype = E4M3, skip: tuple[str, ...] = ("lm_head", "router")) -> int:
+    """Make every Linear and LinearSwiGLU of ``model`` (but those whose name is in ``skip``: the LM head and the
+    MoE routers, whose top-k choice rounding would move, by default) compute in FP8,
     gradients quantized to ``grad_dtype``, and every LoRA layer's frozen product (its gradients in e4m3);
     returns how many were converted. Raises ValueError on a device without fp8 tensor cores."""
     device = next(model.parameters()).device

@@ -12,7 +12,10 @@ weight keeps one adapter per targeted segment of the output columns (``lora_A`` 
 ``lora_B`` the B_j stacked by rows), all applied by :func:`tritonllm.kernels.lora.lora_linear`
 (Triton GEMMs, the base GEMM's output accumulated in place). Targets: ``q``, ``k``, ``v``
 (``attn.qkv``), ``o`` (``attn.proj``), ``gate``, ``up`` (``mlp.w13``, followed by the SwiGLU
-kernel), ``down`` (``mlp.w2``).
+kernel), ``down`` (``mlp.w2``); in a MoE block ``gate``, ``up`` and ``down`` adapt its shared expert
+(when it has one) and ``experts`` (not a default target) the routed experts: per expert adapters on the
+fused ``w13`` and on ``w2`` (:class:`LoRAMoE`, :class:`tritonllm.kernels.moe.ExpertLoRA`), as PEFT's
+``target_parameters`` on ``gate_up_proj`` / ``down_proj`` do.
 
 The weights keep their state-dict names (``blocks.0.attn.qkv.weight``); the adapters add
 ``...qkv.lora_A`` and ``...qkv.lora_B``. :func:`save_adapter` writes them as a PEFT adapter
@@ -34,15 +37,21 @@ from torch import nn
 
 from tritonllm.containers import plain_container
 from tritonllm.errors import CheckpointError, ConfigError
+from tritonllm.kernels.grouped_linear import grouped_linear
 from tritonllm.kernels.linear import linear
 from tritonllm.kernels.lora import lora_linear
+from tritonllm.kernels.moe import ExpertLoRA
+from tritonllm.kernels.residual_mix import weighted_add
 from tritonllm.kernels.swiglu import swiglu
 from tritonllm.nn.linear import Linear, LinearSwiGLU
+from tritonllm.nn.moe import MoE
 
 if TYPE_CHECKING:  # for annotations only: tritonllm.models imports tritonllm.nn
     from tritonllm.models.transformer import Transformer
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+#: the routed experts of MoE blocks: a target to name, not among the defaults
+EXPERTS = "experts"
 #: target -> Hugging Face module name inside a decoder layer
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -54,7 +63,7 @@ class LoRAConfig:
     rank: int = 16  # r, the adapters' inner width
     alpha: float = 32.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapters' input during training
-    targets: list[str] = field(default_factory=lambda: list(TARGETS))  # subset of TARGETS
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))  # subset of TARGETS and "experts"
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -64,9 +73,9 @@ class LoRAConfig:
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
         self.targets = list(self.targets)
-        unknown = [t for t in self.targets if t not in TARGETS]
+        unknown = [t for t in self.targets if t not in (*TARGETS, EXPERTS)]
         if unknown or not self.targets:
-            raise ConfigError(f"lora.targets must be a non-empty subset of {list(TARGETS)}, got {self.targets}")
+            raise ConfigError(f"lora.targets must be a non-empty subset of {[*TARGETS, EXPERTS]}, got {self.targets}")
 
     @property
     def scale(self) -> float:
@@ -137,34 +146,86 @@ class LoRALinear(nn.Module):
                 f"scale={self.scale:g}, dropout={self.dropout:g}, swiglu={self.swiglu}" + (", fp8" if self.fp8 else ""))
 
 
-def _slots(cfg_model) -> list[tuple[str, list[tuple[str, int, int]], bool]]:
-    """``(attribute path, [(target, start, width)], swiglu)`` of each adaptable linear of a block."""
-    q, kv, f = cfg_model.n_heads * cfg_model.head_dim, cfg_model.n_kv_heads * cfg_model.head_dim, cfg_model.d_ff
+class LoRAMoE(MoE):
+    """A :class:`~tritonllm.nn.moe.MoE` whose routed experts carry LoRA adapters (frozen ``w13``, ``w2``):
+    ``lora_A13 [E, r, D]``, ``lora_B13 [E, 2F, r]``, ``lora_A2 [E, r, F]``, ``lora_B2 [E, D, r]``, the
+    update ``(alpha / r) B_e A_e`` of each expert's weight (module docstring of :mod:`tritonllm.kernels.moe`).
+    Made from a MoE in place by :func:`adapt_experts`."""
+
+    lora_A13: nn.Parameter
+    lora_B13: nn.Parameter
+    lora_A2: nn.Parameter
+    lora_B2: nn.Parameter
+    lora_scale: torch.Tensor
+
+    def forward(self, x: torch.Tensor):
+        return self.route(x, ExpertLoRA(self.lora_A13, self.lora_B13, self.lora_A2, self.lora_B2, self.lora_scale))
+
+    @torch.no_grad()
+    def merged_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13, w2)`` with ``scale * B_e A_e`` added to each expert's (grouped Triton GEMMs)."""
+        out = []
+        for w, a, b in ((self.w13, self.lora_A13, self.lora_B13), (self.w2, self.lora_A2, self.lora_B2)):
+            E, n, k = w.shape
+            offsets = torch.arange(0, (E + 1) * n, n, dtype=torch.int32, device=w.device)
+            delta = grouped_linear(b.reshape(E * n, -1), a.transpose(1, 2).contiguous(), offsets)
+            out.append(weighted_add(w.reshape(E * n, k), delta, self.lora_scale).view(E, n, k))
+        return out[0], out[1]
+
+
+def adapt_experts(moe: MoE, cfg: LoRAConfig) -> LoRAMoE:
+    """``moe`` made a :class:`LoRAMoE` in place, adapters of rank ``cfg.rank``: A as PEFT initialises it
+    (uniform in +-1/sqrt(in)), B zeros (so the layer computes what it did)."""
+    E, F2, D = moe.w13.shape
+    device, dtype = moe.w13.device, moe.w13.dtype
+    moe.__class__ = LoRAMoE
+    for name, shape, fan_in in (("lora_A13", (E, cfg.rank, D), D), ("lora_B13", (E, F2, cfg.rank), 0),
+                                ("lora_A2", (E, cfg.rank, F2 // 2), F2 // 2), ("lora_B2", (E, D, cfg.rank), 0)):
+        p = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
+        if fan_in:
+            with torch.no_grad():
+                p.uniform_(-1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
+        moe.register_parameter(name, p)
+    moe.register_buffer("lora_scale", torch.tensor([cfg.scale], dtype=torch.float32, device=device),
+                        persistent=False)
+    return moe  # type: ignore[return-value]
+
+
+def _slots(cfg_model, moe: bool) -> list[tuple[str, list[tuple[str, int, int]], bool]]:
+    """``(attribute path, [(target, start, width)], swiglu)`` of each adaptable linear of a block (a MoE
+    block's MLP linears are its shared expert's, when it has one)."""
+    q, kv = cfg_model.n_heads * cfg_model.head_dim, cfg_model.n_kv_heads * cfg_model.head_dim
+    f = cfg_model.n_shared_experts * cfg_model.d_expert if moe else cfg_model.d_ff
+    w13, w2 = ("mlp.shared_w13", "mlp.shared_w2") if moe else ("mlp.w13", "mlp.w2")
     return [("attn.qkv", [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)], False),
             ("attn.proj", [("o", 0, cfg_model.d_model)], False),
-            ("mlp.w13", [("gate", 0, f), ("up", f, f)], True),
-            ("mlp.w2", [("down", 0, cfg_model.d_model)], False)]
+            (w13, [("gate", 0, f), ("up", f, f)], True),
+            (w2, [("down", 0, cfg_model.d_model)], False)]
 
 
 def apply_lora(model: Transformer, cfg) -> Transformer:
-    """Freeze ``model`` (a dense Transformer) and put LoRA adapters on ``cfg.targets`` (a
-    :class:`LoRAConfig`, dict or DictConfig); returns the model, changed in place."""
+    """Freeze ``model`` and put LoRA adapters on ``cfg.targets`` (a :class:`LoRAConfig`, dict or
+    DictConfig); returns the model, changed in place."""
     if not isinstance(cfg, LoRAConfig):
         cfg = LoRAConfig.from_dict(cfg)
-    if model.cfg.n_experts:
-        raise ConfigError("lora: MoE models are not supported (targets are dense attention and MLP layers)")
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
+    if EXPERTS in cfg.targets and not model.cfg.n_experts:
+        raise ConfigError(f"lora.targets: {EXPERTS!r} adapts the routed experts, and {model.cfg.name} has none")
+    if any(isinstance(m, (LoRALinear, LoRAMoE)) for m in model.modules()):
         raise ConfigError("lora: the model already has LoRA adapters")
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.blocks:
-        for path, segments, is_swiglu in _slots(model.cfg):
+        mlp = block.mlp
+        moe = isinstance(mlp, MoE)
+        for path, segments, is_swiglu in _slots(model.cfg, moe):
             chosen = [s for s in segments if s[0] in cfg.targets]
-            if not chosen:
-                continue
             parent_name, attr = path.split(".")
             parent = getattr(block, parent_name)
+            if not chosen or getattr(parent, attr) is None:  # a MoE block without a shared expert
+                continue
             setattr(parent, attr, LoRALinear(getattr(parent, attr), chosen, cfg, swiglu=is_swiglu))
+        if isinstance(mlp, MoE) and EXPERTS in cfg.targets:
+            adapt_experts(mlp, cfg)
     model.lora_config = cfg
     return model
 
@@ -185,6 +246,10 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(m, LoRALinear):
             state[name + ".weight"] = m.merged_weight()
             del state[name + ".lora_A"], state[name + ".lora_B"]
+        elif isinstance(m, LoRAMoE):
+            state[name + ".w13"], state[name + ".w2"] = m.merged_weights()
+            for p in ("A13", "B13", "A2", "B2"):
+                del state[f"{name}.lora_{p}"]
     return state
 
 
@@ -200,6 +265,10 @@ def save_adapter(model: Transformer, path: str, base_model: str | None = None) -
     cfg = getattr(model, "lora_config", None)
     if cfg is None:
         raise ConfigError("save_adapter: the model has no LoRA adapters (apply_lora first)")
+    mlp_targets = sorted(set(cfg.targets) - {"q", "k", "v", "o"})
+    if model.cfg.n_experts and mlp_targets:
+        raise ConfigError(f"save_adapter: adapters of a MoE model's {', '.join(mlp_targets)} are not written as a "
+                          f"PEFT adapter (only q, k, v, o are); export the model with them merged instead")
     tensors = {}
     for i, m in lora_layers(model):
         for target, a, b in m.adapters():

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tritonllm.kernels.moe import moe
+from tritonllm.kernels.moe import ExpertLoRA, moe
 from tritonllm.nn.linear import Linear, LinearSwiGLU
 
 
@@ -67,10 +67,16 @@ class MoE(nn.Module):
         nn.init.normal_(self.w2, mean=0.0, std=self.out_std)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
-        shared = ((self.shared_w13.weight, self.shared_w2.weight) if self.shared_w13 is not None and self.shared_w2 is not None
-                  else (None, None))
-        y, r = moe(x.reshape(-1, x.shape[-1]), self.router.weight, self.w13, self.w2, self.top_k, self.score,
-                   self.normalize, *shared)
+        return self.route(x)
+
+    def route(self, x: torch.Tensor, lora: ExpertLoRA | None = None) -> MoEOutput:
+        """The layer on ``x``, the routed experts with the LoRA adapters ``lora`` when given. The shared expert
+        runs through its modules (the products :func:`~tritonllm.kernels.moe.moe` would make of their
+        weights), so that what is applied to them from outside (FP8, LoRA) takes effect."""
+        x2 = x.reshape(-1, x.shape[-1])
+        y, r = moe(x2, self.router.weight, self.w13, self.w2, self.top_k, self.score, self.normalize, lora=lora)
+        if self.shared_w13 is not None and self.shared_w2 is not None:
+            y = self.shared_w2(self.shared_w13(x2), residual=y)
         aux_loss = self.aux_loss_coef * r.aux_loss + self.z_loss_coef * r.z_loss
         stats = {"moe_aux": r.aux_loss.detach(), "moe_z": r.z_loss.detach(), "moe_max_load": r.max_load}
         return MoEOutput(y.view(x.shape), aux_loss, stats)
