@@ -41,7 +41,24 @@ def test_activation_checkpointing_on_every_side(tmp_path, monkeypatch):
     assert row["tokens_per_s"] > 0 and row["baselines"]["peft"]["tokens_per_s"] > 0, row
 
 
-@pytest.mark.parametrize("config, billions", [("tinyllama", 1.10), ("llama3_8b", 8.03), ("qwen3_8b", 8.19)])
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
+def test_moe_config_adapts_attention_and_the_experts(tmp_path, monkeypatch):
+    """A MoE shape: tritonllm and PEFT both adapt q, k, v, o and the routed experts (PEFT's target_parameters);
+    patch + PEFT is reported as not run, saying why; --layers cuts the depth and names it in the row."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "CPU smoke")
+    row = finetune.main(["--config", "tiny_moe", "--layers", "1", "--dtype", "fp32", "--batch", "1", "--seq-len", "16",
+                         "--rank", "4", "--steps", "1", "--warmup", "1", "--sides", "tritonllm,peft,patch+peft",
+                         "--out", str(tmp_path)])
+    assert row["model"] == "tiny_moe (1 layers) LoRA r4"
+    assert row["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"]
+    assert row["tokens_per_s"] > 0 and row["baselines"]["peft"]["tokens_per_s"] > 0, row
+    assert "target_parameters" in row["patch"]["error"]
+    with pytest.raises(ConfigError, match="--layers must be in"):
+        finetune._parse(["--config", "tiny_moe", "--layers", "3"])
+
+
+@pytest.mark.parametrize("config, billions", [("tinyllama", 1.10), ("llama3_8b", 8.03), ("qwen3_8b", 8.19),
+                                              ("qwen3_30b_a3b", 30.53), ("olmoe_1b_7b", 6.92)])
 def test_published_shapes(config, billions):
     """The configs are the published models' shapes: tritonllm's import of each gives its parameter count."""
     import transformers

@@ -1,8 +1,9 @@
 """``python -m tritonllm.bench finetune [--config tinyllama] [--batch 4 --seq-len 2048 --rank 16] [--sides ...]``
 
 LoRA fine-tuning throughput of one model of a published shape (``--config``: TinyLlama-1.1B, Llama-3.1-8B,
-Qwen3-8B; Llama or Qwen3 architecture), randomly initialised by ``transformers`` in this process (no
-download) and saved to a temporary Hugging Face folder,
+Qwen3-8B, and the Mixture-of-Experts Qwen3-30B-A3B and OLMoE-1B-7B; ``--layers N`` keeps the first N
+layers, for a shape whose folder or memory would not fit), randomly initialised by ``transformers`` in this
+process (no download) and saved to a temporary Hugging Face folder,
 trained the same way by each side, one after the other in the same process (GPU memory freed
 between them), on the same random batch:
 
@@ -17,8 +18,10 @@ between them), on the same random batch:
   RoPE, fused linear cross-entropy) then PEFT, when ``liger_kernel`` is importable.
 - ``patch+peft``: :func:`tritonllm.patch` on the transformers model, then PEFT.
 
-LoRA everywhere: rank ``--rank``, alpha 2 x rank, no dropout, on q, k, v, o, gate, up, down; the
-base frozen. The transformers sides step ``loss = model(input_ids, labels=labels).loss``,
+LoRA everywhere: rank ``--rank``, alpha 2 x rank, no dropout, on q, k, v, o, gate, up, down (a MoE
+model: q, k, v, o and the routed experts' fused gate/up and down weights, PEFT's ``target_parameters``;
+``patch+peft`` is not run there: the patched MoE block reads the expert weights, which PEFT's parameter
+adapters wrap); the base frozen. The transformers sides step ``loss = model(input_ids, labels=labels).loss``,
 ``loss.backward()``, ``clip_grad_norm_(adapters, 1.0, foreach=True)``,
 ``torch.optim.AdamW(adapters, fused=True)``, ``zero_grad(set_to_none=True)``; tritonllm's step does
 the same with its kernels. Labels: random tokens, the first quarter of each row -100 (a prompt).
@@ -30,7 +33,7 @@ Figures per side (the GPU timing of ``tritonllm.bench.train``, :func:`tritonllm.
 ``step_ms`` (wall), ``tokens_per_s`` (B T / step), ``gpu_ms`` (profiler kernel sum), ``host_ms``,
 ``peak_mem_gb``, ``triton_share`` (GPU time in tritonllm's kernels), ``mfu`` with the FLOPs of a
 frozen-base LoRA step, ``4 N + 12 n_layers n_heads head_dim T`` per token (no weight gradients for
-the base). ``speedup`` = the fastest transformers baseline's ``step_ms`` / tritonllm's;
+the base; N the parameters a token passes through: a MoE model's active ones). ``speedup`` = the fastest transformers baseline's ``step_ms`` / tritonllm's;
 ``patch_speedup`` the same for ``patch+peft``. One row goes to ``docs/perf/train-<gpu>.json``
 (:func:`tritonllm.bench.harness.write_results`), rewritten after every side.
 
@@ -64,17 +67,34 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                                rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "qwen3_30b_a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                        rope_theta=1000000.0, tie_word_embeddings=False)),
+    "olmoe_1b_7b": ("olmoe", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                                  norm_topk_prob=False, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                                  rope_theta=10000.0, tie_word_embeddings=False)),
     "tiny": ("llama", dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
                            tie_word_embeddings=False)),
+    "tiny_moe": ("qwen3_moe", dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                   num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                   max_position_embeddings=64, tie_word_embeddings=False)),
 }
 #: family -> (transformers config class, model class, Liger-Kernel's patch function)
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3")}
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3"),
+            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "apply_liger_kernel_to_qwen3_moe"),
+            "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "apply_liger_kernel_to_olmoe")}
 AC = ("none", "full")
 SIDES = ("tritonllm", "peft", "peft+compile", "liger+peft", "patch+peft")
 BASELINES = ("peft", "peft+compile", "liger+peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: a MoE model's: attention's projections, and the routed experts' fused parameters (PEFT's target_parameters)
+MOE_TARGETS, EXPERT_PARAMETERS = TARGETS[:4], ["experts.gate_up_proj", "experts.down_proj"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LR = 1e-4
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16, as trainer.peak_flops
@@ -83,6 +103,7 @@ PEAK_FLOPS = 989e12  # H100/H200 dense bf16, as trainer.peak_flops
 def _parse(argv: list[str]):
     p = ArgumentParser(prog="python -m tritonllm.bench finetune", description=__doc__.split("\n\n")[1])
     p.add_argument("--config", default="tinyllama", choices=sorted(CONFIGS), help="model shape")
+    p.add_argument("--layers", type=int, default=0, help="keep the config's first N layers (0: all)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
@@ -106,11 +127,19 @@ def _parse(argv: list[str]):
     for name in ("batch", "seq_len", "rank"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.layers <= CONFIGS[args.config][1]["num_hidden_layers"]:
+        p.error(f"--layers must be in [0, {CONFIGS[args.config][1]['num_hidden_layers']}] for {args.config}, "
+                f"got {args.layers}")
     if args.host_profile < 0:
         p.error(f"--host-profile must be >= 0 (0: no profile), got {args.host_profile}")
     if args.seq_len > CONFIGS[args.config][1]["max_position_embeddings"]:
         p.error(f"--seq-len {args.seq_len} exceeds the {args.config} config's max_position_embeddings")
     return args
+
+
+def is_moe(config: str) -> bool:
+    """Whether the ``--config`` shape has routed experts."""
+    return "num_experts" in CONFIGS[config][1]
 
 
 def lora_flops_per_token(hf_config, n_params: int, T: int) -> int:
@@ -178,12 +207,16 @@ def _peft_model(folder: str, side: str, args, device):
         patch(model)
     if args.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS,
-                             task_type="CAUSAL_LM")
+    targets = dict(target_modules=MOE_TARGETS, target_parameters=EXPERT_PARAMETERS) if is_moe(args.config) else dict(
+        target_modules=TARGETS)
+    config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, task_type="CAUSAL_LM", **targets)
     return peft.get_peft_model(model, config).train()
 
 
 def time_hf(side: str, folder: str, x, labels, args, flops_per_token, cycles_per_ms) -> dict:
+    if side == "patch+peft" and is_moe(args.config):
+        return {"error": "not run on a MoE model: the patched MoE block reads the expert weights that PEFT's "
+                         "target_parameters adapters wrap, so their updates would be left out"}
     model = _peft_model(folder, side, args, x.device)
     params = [p for p in model.parameters() if p.requires_grad]
     run = _hf_step(torch.compile(model) if side == "peft+compile" else model, params)
@@ -200,14 +233,15 @@ def time_tritonllm(folder: str, x, labels, args, flops_per_token, cycles_per_ms)
     """tritonllm's graphed step (eager on the CPU) with its eager figures under ``eager``; whether
     the graph was captured."""
     from tritonllm.hf import load_hf_model
-    from tritonllm.nn.lora import TARGETS as LORA_TARGETS, LoRAConfig, apply_lora
+    from tritonllm.nn.lora import EXPERTS, TARGETS as LORA_TARGETS, LoRAConfig, apply_lora
     from tritonllm.optim import AdamW
     from tritonllm.train.step import TrainStep
 
     from tritonllm.nn.recompute import apply_activation_checkpointing
 
     model = load_hf_model(folder, device=x.device, dtype=DTYPES[args.dtype])
-    apply_lora(model, LoRAConfig(rank=args.rank, alpha=2.0 * args.rank, targets=list(LORA_TARGETS)))
+    targets = [*LORA_TARGETS[:4], EXPERTS] if is_moe(args.config) else list(LORA_TARGETS)
+    apply_lora(model, LoRAConfig(rank=args.rank, alpha=2.0 * args.rank, targets=targets))
     apply_activation_checkpointing(model, args.activation_checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(params, lr=LR, weight_decay=0.0, master_weights=DTYPES[args.dtype] != torch.float32)
@@ -245,22 +279,30 @@ def main(argv: list[str]) -> dict:
     torch.manual_seed(args.seed)
     family, fields = CONFIGS[args.config]
     config_class, model_class, _ = FAMILIES[family]
-    hf_config = getattr(transformers, config_class)(**fields)
+    hf_config = getattr(transformers, config_class)(**{**fields, **(
+        {"num_hidden_layers": args.layers} if args.layers else {})})
     with torch.device(device):
         model = getattr(transformers, model_class)(hf_config)
     n_params = model.num_parameters()
-    flops_per_token = lora_flops_per_token(hf_config, n_params, args.seq_len)
+    active = n_params
+    if is_moe(args.config):
+        from tritonllm.hf import config_from_hf
+
+        ours = config_from_hf(hf_config.to_dict(), max_seq_len=args.seq_len)
+        active = n_params - ours.param_count() + ours.param_count(active=True)
+    flops_per_token = lora_flops_per_token(hf_config, active, args.seq_len)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     B, T = args.batch, args.seq_len
     x = torch.randint(0, hf_config.vocab_size, (B, T), device=device, generator=gen)
     labels = x.clone()
     labels[:, : T // 4] = -100
-    name = f"{args.config} LoRA r{args.rank}" + (" AC full" if args.activation_checkpointing == "full" else "")
-    print(f"{name}: {n_params / 1e6:.1f}M parameters, B{B} x T{T} {args.dtype} on "
+    name = (f"{args.config}" + (f" ({args.layers} layers)" if args.layers else "") + f" LoRA r{args.rank}"
+            + (" AC full" if args.activation_checkpointing == "full" else ""))
+    print(f"{name}: {n_params / 1e6:.1f}M parameters ({active / 1e6:.1f}M active), B{B} x T{T} {args.dtype} on "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, host CPU: {host_cpu}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
     row = {"op": "finetune", "model": name, "batch": B, "seq_len": T, "dtype": args.dtype, "lora_rank": args.rank,
-           "lora_targets": TARGETS, "activation_checkpointing": args.activation_checkpointing, "nproc": 1,
+           "lora_targets": MOE_TARGETS + EXPERT_PARAMETERS if is_moe(args.config) else TARGETS, "activation_checkpointing": args.activation_checkpointing, "nproc": 1,
            "parallel": "none", "baselines": {}, "speedup": None, "host_cpu": host_cpu}
     print(HEADER)
     named = _device_named()
