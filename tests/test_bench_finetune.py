@@ -42,6 +42,21 @@ def test_activation_checkpointing_on_every_side(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
+def test_fp8_base_on_tritonllm_side(tmp_path, monkeypatch):
+    """--precision fp8: tritonllm's frozen base layers become FP8 ones (emulated on the CPU); the row says so."""
+    from tritonllm.nn.fp8 import convert_to_fp8
+
+    converted = []
+    monkeypatch.setattr("tritonllm.nn.fp8.convert_to_fp8", lambda model, *a: converted.append(convert_to_fp8(model, *a)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "CPU smoke")
+    row = finetune.main(["--config", "tiny", "--dtype", "fp32", "--batch", "1", "--seq-len", "16", "--rank", "4",
+                         "--steps", "1", "--warmup", "1", "--sides", "tritonllm", "--precision", "fp8",
+                         "--out", str(tmp_path)])
+    assert row["model"] == "tiny LoRA r4 tritonllm fp8" and row["precision"] == "fp8" and row["tokens_per_s"] > 0
+    assert converted == [8]  # 2 layers x (qkv, o, gate|up, down): every LoRA layer's frozen product
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
 def test_moe_config_adapts_attention_and_the_experts(tmp_path, monkeypatch):
     """A MoE shape: tritonllm and PEFT both adapt q, k, v, o and the routed experts (PEFT's target_parameters);
     patch + PEFT is reported as not run, saying why; --layers cuts the depth and names it in the row."""

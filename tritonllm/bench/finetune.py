@@ -27,7 +27,9 @@ adapters wrap); the base frozen. The transformers sides step ``loss = model(inpu
 the same with its kernels. Labels: random tokens, the first quarter of each row -100 (a prompt).
 ``--activation-checkpointing full``: every side recomputes each decoder layer in the backward
 (tritonllm's ``trainer.activation_checkpointing=full``; transformers' ``gradient_checkpointing_enable``,
-non-reentrant), for the longest sequences; the row names the setting.
+non-reentrant), for the longest sequences; the row names the setting. ``--precision fp8``: tritonllm's
+frozen base layers run their GEMMs on fp8 operands (``trainer.precision=fp8``: the adapters stay bf16), the
+transformers sides as they are (bf16); the row names it.
 
 Figures per side (the GPU timing of ``tritonllm.bench.train``, :func:`tritonllm.bench.common.measure`):
 ``step_ms`` (wall), ``tokens_per_s`` (B T / step), ``gpu_ms`` (profiler kernel sum), ``host_ms``,
@@ -110,6 +112,8 @@ def _parse(argv: list[str]):
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--activation-checkpointing", default="none", choices=AC,
                    help="every side recomputes each decoder layer in the backward (full)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
+                   help="tritonllm's base layers: bf16, or fp8 GEMMs (trainer.precision)")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of: {', '.join(SIDES)}")
     p.add_argument("--steps", type=int, default=10, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 3 on a GPU: tritonllm's graph capture)")
@@ -207,9 +211,10 @@ def _peft_model(folder: str, side: str, args, device):
         patch(model)
     if args.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    targets = dict(target_modules=MOE_TARGETS, target_parameters=EXPERT_PARAMETERS) if is_moe(args.config) else dict(
-        target_modules=TARGETS)
-    config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, task_type="CAUSAL_LM", **targets)
+    moe = is_moe(args.config)
+    config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules=MOE_TARGETS if moe else TARGETS,
+                             target_parameters=EXPERT_PARAMETERS if moe else None)
     return peft.get_peft_model(model, config).train()
 
 
@@ -237,11 +242,13 @@ def time_tritonllm(folder: str, x, labels, args, flops_per_token, cycles_per_ms)
     from tritonllm.optim import AdamW
     from tritonllm.train.step import TrainStep
 
+    from tritonllm.nn.fp8 import apply_precision
     from tritonllm.nn.recompute import apply_activation_checkpointing
 
     model = load_hf_model(folder, device=x.device, dtype=DTYPES[args.dtype])
     targets = [*LORA_TARGETS[:4], EXPERTS] if is_moe(args.config) else list(LORA_TARGETS)
     apply_lora(model, LoRAConfig(rank=args.rank, alpha=2.0 * args.rank, targets=targets))
+    apply_precision(model, args.precision)
     apply_activation_checkpointing(model, args.activation_checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(params, lr=LR, weight_decay=0.0, master_weights=DTYPES[args.dtype] != torch.float32)
@@ -297,12 +304,14 @@ def main(argv: list[str]) -> dict:
     labels = x.clone()
     labels[:, : T // 4] = -100
     name = (f"{args.config}" + (f" ({args.layers} layers)" if args.layers else "") + f" LoRA r{args.rank}"
-            + (" AC full" if args.activation_checkpointing == "full" else ""))
+            + (" AC full" if args.activation_checkpointing == "full" else "")
+            + (" tritonllm fp8" if args.precision == "fp8" else ""))
     print(f"{name}: {n_params / 1e6:.1f}M parameters ({active / 1e6:.1f}M active), B{B} x T{T} {args.dtype} on "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, host CPU: {host_cpu}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
     row = {"op": "finetune", "model": name, "batch": B, "seq_len": T, "dtype": args.dtype, "lora_rank": args.rank,
-           "lora_targets": MOE_TARGETS + EXPERT_PARAMETERS if is_moe(args.config) else TARGETS, "activation_checkpointing": args.activation_checkpointing, "nproc": 1,
+           "lora_targets": MOE_TARGETS + EXPERT_PARAMETERS if is_moe(args.config) else TARGETS,
+           "activation_checkpointing": args.activation_checkpointing, "precision": args.precision, "nproc": 1,
            "parallel": "none", "baselines": {}, "speedup": None, "host_cpu": host_cpu}
     print(HEADER)
     named = _device_named()
