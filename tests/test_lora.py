@@ -286,3 +286,6 @@ def test_moe_model_adapters_train_merge_and_refuse_peft_export(tmp_path):
                                     d_ff=48, max_seq_len=16), device=torch.device(DEVICE), dtype=torch.float32)
     with pytest.raises(ConfigError, match="routed experts"):
         apply_lora(dense, LoRAConfig(targets=["experts"]))
+    with pytest.raises(ConfigError, match="lora.dropout=0.1: the routed experts"):
+        apply_lora(build_model(cfg, device=torch.device(DEVICE), dtype=torch.float32),
+                   LoRAConfig(targets=["q", "experts"], dropout=0.1))

@@ -210,6 +210,9 @@ def apply_lora(model: Transformer, cfg) -> Transformer:
         cfg = LoRAConfig.from_dict(cfg)
     if EXPERTS in cfg.targets and not model.cfg.n_experts:
         raise ConfigError(f"lora.targets: {EXPERTS!r} adapts the routed experts, and {model.cfg.name} has none")
+    if EXPERTS in cfg.targets and cfg.dropout:
+        raise ConfigError(f"lora.dropout={cfg.dropout}: the routed experts' adapters take no dropout (as PEFT's "
+                          f"target_parameters); set lora.dropout=0 or leave {EXPERTS!r} out of lora.targets")
     if any(isinstance(m, (LoRALinear, LoRAMoE)) for m in model.modules()):
         raise ConfigError("lora: the model already has LoRA adapters")
     for p in model.parameters():
