@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session: install, GPU tests, kernel benchmarks, training benchmark.
-# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [memops] [sm90] [contention] [train] [trainrun] [smoke] [parity] [finetune] [evolve]
+# Usage: scripts/gpu_run.sh [tests] [bench[=op,op]] [tune] [tunelinear] [memops] [sm90] [contention] [train] [trainab] [trainrun] [smoke] [parity] [finetune] [evolve]
 #        (default: tests bench)
 # memops: scripts/tune_memops.py's sections (MEMOPS, default fp8: the quantization's knobs at void1b's shapes)
 # contention: scripts/sm_contention.py (CONTENTION_ARGS): our GEMM against cuBLAS with some SMs held
@@ -8,6 +8,9 @@
 #   workers test by test, not file by file: each case autotunes Gluon configs), then
 #   scripts/attention_sm90.py (SM90_PARTS, default fwd,bwd; SM90_ARGS e.g. --no-errors) under SM90_TIMEOUT: a hung
 #   barrier stops a part, not the stage; SM90_K narrows the tests (a pytest -k expression, default sm90)
+# trainab: bench train's MODEL row of this tree (against AB_BASELINES, default reduce-overhead) and of the tree of
+#   commit AB_BASE, in the same call: run `git archive $AB_BASE | tar x -C .ab/$AB_BASE` here first and carry .ab
+#   (gitignored); the base's row (tritonllm only) goes to $OUT/ab-base/, its commit named by AB_BASE
 # trainrun: python -m tritonllm.train on random-token shards (MODEL, TRAINRUN_ARGS), metrics.jsonl kept
 # train: TRAIN_ARGS e.g. "--compiled --baselines compile" (the model under torch.compile beside eager)
 # finetune: python -m tritonllm.bench finetune (FINETUNE_ARGS; default TinyLlama shape, B4 T2048, rank 16)
@@ -68,6 +71,16 @@ for stage in $stages; do
             timeout ${CONTENTION_TIMEOUT:-240} python3 scripts/sm_contention.py ${CONTENTION_ARGS:-} 2>&1 | tee "$OUT/contention.log" ;;
         train)
             timeout ${TRAIN_TIMEOUT:-400} python3 -m tritonllm.bench train +model=${MODEL:-void125m} --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
+        trainab)
+            [ -d ".ab/${AB_BASE:?AB_BASE: the commit to compare with}" ] || { echo "trainab: .ab/$AB_BASE missing (not carried?)"; exit 1; }
+            timeout ${TRAIN_TIMEOUT:-300} python3 -m tritonllm.bench train +model=${MODEL:-void125m} --out "$OUT" \
+                --baselines ${AB_BASELINES:-reduce-overhead} ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1; tail -${TAIL:-12} "$OUT/train.log"
+            mkdir -p "$OUT/ab-base"; rm -rf /tmp/ab-site
+            python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ab-site ".ab/$AB_BASE" > "$OUT/train-base.log" 2>&1
+            (cd /tmp && PYTHONPATH=/tmp/ab-site${PYTHONPATH:+:$PYTHONPATH} TRITONLLM_COMMIT=$AB_BASE timeout ${TRAIN_TIMEOUT:-300} \
+                python3 -c "import sys, runpy, tritonllm.kernels as k; print('base tree:', k.__file__); sys.argv[0] = 'tritonllm.bench'; runpy.run_module('tritonllm.bench', run_name='__main__', alter_sys=True)" \
+                train +model=${MODEL:-void125m} --out "$(realpath "$OUT")/ab-base" --no-baseline ${TRAIN_ARGS:-}) >> "$OUT/train-base.log" 2>&1
+            tail -${TAIL:-12} "$OUT/train-base.log" ;;
         trainrun)
             python3 -c "import numpy as np; from tritonllm.data.shards import write_shard; rng = np.random.default_rng(0); write_shard('/tmp/rand_train.bin', rng.integers(0, 32000, 4_000_000), 32000); write_shard('/tmp/rand_val.bin', rng.integers(0, 32000, 200_000), 32000)"
             timeout ${TRAINRUN_TIMEOUT:-300} python3 -m tritonllm.train +model=${MODEL:-void125m} data=bin data.files=/tmp/rand_train.bin \
